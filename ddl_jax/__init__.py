@@ -1,0 +1,23 @@
+"""ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
+
+from ddl_jax import data, flax, models
+from ddl_jax._src.data_parallel import DataParallelState, data_parallel
+from ddl_jax._src.fit import fit
+from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
+from ddl_jax._src.reducers import allreduce_mean
+from ddl_jax._src.strategy import Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataParallelState",
+    "Strategy",
+    "allreduce_mean",
+    "data",
+    "data_parallel",
+    "fit",
+    "flax",
+    "make_mesh",
+    "models",
+    "simulate_cpu_devices",
+]

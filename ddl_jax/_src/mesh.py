@@ -1,0 +1,78 @@
+"""Device meshes: simulated CPU devices and named mesh axes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh
+
+#: Mesh axis names the strategies understand, in the order they are laid out.
+AXIS_NAMES = ("data", "stage", "model")
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Makes JAX's CPU backend expose ``n`` devices (call before any JAX computation).
+
+    The devices share the host's cores: use them to check that a distributed program is
+    correct, not to measure speed-up.
+
+    Args:
+      n: number of CPU devices, >= 1.
+
+    Raises:
+      ValueError: ``n`` is not a positive integer.
+      RuntimeError: JAX's backends are already initialised with a different device count.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_cpu_devices: n must be a positive int, got {n!r}.")
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"simulate_cpu_devices({n}) was called after JAX started with {have} CPU "
+            "device(s); call it right after `import jax`, before any computation."
+        ) from e
+
+
+def make_mesh(data: int | None = None, *, stage: int = 1, model: int = 1, devices=None) -> Mesh:
+    """Builds a mesh with named axes ``data`` (and ``stage`` / ``model`` when > 1).
+
+    Args:
+      data: size of the data-parallel axis; ``None`` takes every device left once
+        ``stage`` and ``model`` are served.
+      stage: size of the pipeline axis (omitted from the mesh when 1).
+      model: size of the tensor-parallel axis (omitted from the mesh when 1).
+      devices: devices to use (default ``jax.devices()``); the first
+        ``data * stage * model`` of them form the mesh.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axes in the order ``data, stage, model``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    for name, size in (("stage", stage), ("model", model)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {size!r}.")
+    if data is None:
+        if len(devices) % (stage * model):
+            raise ValueError(
+                f"make_mesh: {len(devices)} devices do not split into stage={stage} x "
+                f"model={model}; pass data= explicitly."
+            )
+        data = len(devices) // (stage * model)
+    if isinstance(data, bool) or not isinstance(data, int) or data < 1:
+        raise ValueError(f"make_mesh: data must be a positive int or None, got {data!r}.")
+    sizes = {"data": data, "stage": stage, "model": model}
+    needed = math.prod(sizes.values())
+    if needed > len(devices):
+        raise ValueError(
+            f"make_mesh: data={data} x stage={stage} x model={model} needs {needed} devices, "
+            f"only {len(devices)} available (ddl.simulate_cpu_devices(n) makes more on CPU)."
+        )
+    names = tuple(a for a in AXIS_NAMES if a == "data" or sizes[a] > 1)
+    return jax.make_mesh(
+        tuple(sizes[a] for a in names), names, devices=devices[:needed]
+    )

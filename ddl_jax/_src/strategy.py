@@ -1,0 +1,141 @@
+"""The Strategy abstraction and the checks and placements every strategy shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Params = Any
+State = Any
+Batch = Any
+Metrics = dict[str, jax.Array]
+LossFn = Callable[..., Any]
+
+
+class Strategy(NamedTuple):
+    """A distributed training strategy: three pure functions over pytrees.
+
+    Attributes:
+      init: ``params -> state``; places a full training state on the mesh.
+      step: ``(state, global_batch) -> (state, metrics)``; one training step, pure and
+        jittable (jit it with ``donate_argnums=0``). ``metrics`` is a flat dict of scalars
+        holding at least ``loss``.
+      params: ``state -> params``; the model to evaluate.
+    """
+
+    init: Callable[[Params], State]
+    step: Callable[[State, Batch], tuple[State, Metrics]]
+    params: Callable[[State], Params]
+
+
+def check_mesh_axis(mesh: Mesh, axis: str, *, arg: str = "axis") -> int:
+    """Returns the size of ``mesh``'s axis ``axis``; raises a clear error if it has none."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (see ddl.make_mesh), got {type(mesh).__name__}."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{arg}={axis!r} is not an axis of the mesh; valid axis names: "
+            f"{list(mesh.axis_names)}."
+        )
+    return mesh.shape[axis]
+
+
+def check_params(params: Params) -> None:
+    """Raises ``TypeError`` unless ``params`` is a non-empty pytree of floating arrays."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
+        raise TypeError("params must be a non-empty pytree of floating-point arrays, got no leaves.")
+    for path, leaf in leaves:
+        if not isinstance(leaf, jax.Array | np.ndarray) or not jnp.issubdtype(
+            leaf.dtype, jnp.inexact
+        ):
+            kind = getattr(leaf, "dtype", type(leaf).__name__)
+            raise TypeError(
+                f"params must be a pytree of floating-point arrays (jax.Array or np.ndarray); "
+                f"params{jax.tree_util.keystr(path)} is {kind}."
+            )
+
+
+def check_loss_output(out: Any, *, has_aux: bool) -> None:
+    """Checks the abstract output of ``loss_fn`` (from ``jax.eval_shape``)."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise TypeError(
+                "loss_fn was declared has_aux=True, so it must return (loss, aux_dict); "
+                f"it returned {jax.tree.map(lambda s: s.shape, out)}."
+            )
+        loss, aux = out
+        for name, value in aux.items():
+            if not isinstance(value, jax.ShapeDtypeStruct) or value.shape != ():
+                raise ValueError(f"loss_fn's aux[{name!r}] must be a scalar metric, got {value}.")
+    else:
+        loss = out
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        shape = getattr(loss, "shape", type(loss).__name__)
+        hint = " (or pass has_aux=True if it returns (loss, aux))" if isinstance(out, tuple) else ""
+        raise ValueError(
+            f"loss_fn must return a scalar loss{hint}; it returned shape {shape}. "
+            "Reduce over the batch, e.g. with .mean()."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn must return a floating-point loss, got dtype {loss.dtype}.")
+
+
+def check_batch(batch: Batch, divisor: int, *, why: str) -> int:
+    """Returns the global batch size; raises unless every leaf shares it and it divides.
+
+    Args:
+      batch: pytree whose leaves have a leading batch axis.
+      divisor: the batch size must be a multiple of this.
+      why: what ``divisor`` is made of, for the error message.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch must be a non-empty pytree of arrays with a leading batch axis.")
+    sizes = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a "
+                "leading batch axis."
+            )
+        sizes[jax.tree_util.keystr(path)] = shape[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch leaves disagree on the batch size: {sizes}.")
+    size = next(iter(sizes.values()))
+    if size % divisor:
+        raise ValueError(
+            f"global batch size {size} is not divisible by {divisor} ({why}); use a multiple "
+            f"of {divisor}, e.g. {max(divisor, size // divisor * divisor)}."
+        )
+    return size
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places a copy of every leaf on every device of ``mesh`` (``PartitionSpec()``)."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.device_put(x, sharding, may_alias=False), tree)
+
+
+def stack_for_workers(tree: Any, mesh: Mesh, axis: str) -> Any:
+    """Gives every worker on ``axis`` its own copy of ``tree``: a leading axis sharded ``P(axis)``."""
+    n = mesh.shape[axis]
+    sharding = NamedSharding(mesh, P(axis))
+    return jax.tree.map(
+        lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), tree
+    )
+
+
+def shard_batch(batch: Batch, mesh: Mesh, axis: str) -> Batch:
+    """Splits the leading axis of every batch leaf over ``axis`` (inside or outside jit)."""
+    sharding = NamedSharding(mesh, P(axis))
+    return jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
