@@ -12,7 +12,9 @@ _DTYPE_BYTES = {
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
 _OP = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[\w\[\],{}:]+)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
+    r"=\s*(?P<shape>\([^=]*?\)|[\w\[\],{}:]+)\s+(?P<kind>"
+    + "|".join(KINDS)
+    + r")(?P<phase>-start|-done)?\("
 )
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 

@@ -9,7 +9,9 @@ import numpy as np
 Dataset = dict[str, np.ndarray]
 
 
-def digits(*, test_fraction: float = 0.2, seed: int = 0, flatten: bool = True) -> tuple[Dataset, Dataset]:
+def digits(
+    *, test_fraction: float = 0.2, seed: int = 0, flatten: bool = True
+) -> tuple[Dataset, Dataset]:
     """The 1,797 8x8 handwritten digits that ship inside scikit-learn, split train/test.
 
     Pixels are scaled from 0..16 to [0, 1]; the split is stratified by label.

@@ -43,7 +43,7 @@ def check_builder_args(loss_fn, optimizer, *, accumulate: int) -> None:
 
 
 def local_value_and_grad(loss_fn, *, has_aux: bool, accumulate: int):
-    """Returns ``(params, batch) -> ((loss, aux), grads)`` averaged over ``accumulate`` micro-batches.
+    """Returns ``(params, batch) -> ((loss, aux), grads)``, averaged over micro-batches.
 
     The micro-batches are visited by ``lax.scan`` with a running sum, so memory holds one
     micro-batch's activations and one gradient, whatever ``accumulate`` is.

@@ -66,7 +66,9 @@ def fit(
       FloatingPointError: the loss became NaN or infinite (naming the step).
     """
     for name, value in (("steps", steps), ("log_every", log_every), ("eval_every", eval_every)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise ValueError(f"fit: {name} must be a positive int, got {value!r}.")
     if not isinstance(strategy, Strategy):
         raise TypeError(f"fit: strategy must be a ddl.Strategy, got {type(strategy).__name__}.")
@@ -94,14 +96,18 @@ def fit(
         bar.update(len(pending))
         pending.clear()
         now = time.perf_counter()
-        bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", ex_per_s=f"{examples / (now - tick):.0f}")
+        bar.set_postfix(
+            loss=f"{history[-1]['loss']:.4f}", ex_per_s=f"{examples / (now - tick):.0f}"
+        )
         examples, tick = 0, now
 
     def evaluate() -> None:
         flush()
         record = _eval_record(eval_fn, strategy.params(state))
         history[-1].update(record)
-        bar.write(f"step {history[-1]['step']}: " + ", ".join(f"{k}={v:.4f}" for k, v in record.items()))
+        bar.write(
+            f"step {history[-1]['step']}: " + ", ".join(f"{k}={v:.4f}" for k, v in record.items())
+        )
 
     for i, batch in enumerate(itertools.islice(batches, steps), start=1):
         state, metrics = step_fn(state, batch)

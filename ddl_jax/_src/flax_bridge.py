@@ -102,8 +102,7 @@ def update_module(module: nnx.Module, params: Params) -> nnx.Module:
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(
-            "update_module takes a flax.nnx.Module; for Linen use "
-            "{**variables, 'params': params}."
+            "update_module takes a flax.nnx.Module; for Linen use {**variables, 'params': params}."
         )
     state = nnx.state(module, nnx.Param)
     nnx.replace_by_pure_dict(state, params)

@@ -73,6 +73,4 @@ def make_mesh(data: int | None = None, *, stage: int = 1, model: int = 1, device
             f"only {len(devices)} available (ddl.simulate_cpu_devices(n) makes more on CPU)."
         )
     names = tuple(a for a in AXIS_NAMES if a == "data" or sizes[a] > 1)
-    return jax.make_mesh(
-        tuple(sizes[a] for a in names), names, devices=devices[:needed]
-    )
+    return jax.make_mesh(tuple(sizes[a] for a in names), names, devices=devices[:needed])

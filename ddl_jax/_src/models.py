@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -16,7 +17,7 @@ class MLP(nnx.Module):
     ):
         sizes = [in_features, *hidden, out_features]
         self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
+            [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

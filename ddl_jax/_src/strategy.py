@@ -42,8 +42,7 @@ def check_mesh_axis(mesh: Mesh, axis: str, *, arg: str = "axis") -> int:
         )
     if axis not in mesh.axis_names:
         raise ValueError(
-            f"{arg}={axis!r} is not an axis of the mesh; valid axis names: "
-            f"{list(mesh.axis_names)}."
+            f"{arg}={axis!r} is not an axis of the mesh; valid axis names: {list(mesh.axis_names)}."
         )
     return mesh.shape[axis]
 
@@ -52,7 +51,9 @@ def check_params(params: Params) -> None:
     """Raises ``TypeError`` unless ``params`` is a non-empty pytree of floating arrays."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     if not leaves:
-        raise TypeError("params must be a non-empty pytree of floating-point arrays, got no leaves.")
+        raise TypeError(
+            "params must be a non-empty pytree of floating-point arrays, got no leaves."
+        )
     for path, leaf in leaves:
         if not isinstance(leaf, jax.Array | np.ndarray) or not jnp.issubdtype(
             leaf.dtype, jnp.inexact
@@ -127,7 +128,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def stack_for_workers(tree: Any, mesh: Mesh, axis: str) -> Any:
-    """Gives every worker on ``axis`` its own copy of ``tree``: a leading axis sharded ``P(axis)``."""
+    """Gives each worker on ``axis`` its own copy of ``tree`` (a leading axis, ``P(axis)``)."""
     n = mesh.shape[axis]
     sharding = NamedSharding(mesh, P(axis))
     return jax.tree.map(
