@@ -122,7 +122,10 @@ def data_parallel(
         )
 
     def worker_step(state: DataParallelState, batch):
-        (loss, aux), grads = value_and_grad(state.params, batch)
+        # Differentiate a worker-varying view of the replicated params: under check_vma the
+        # gradient of an invariant input is already psum'd, and the reducer must see g_i.
+        local_params = jax.lax.pcast(state.params, axis, to="varying")
+        (loss, aux), grads = value_and_grad(local_params, batch)
         reducer_state = jax.tree.map(lambda x: x[0], state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)

@@ -23,7 +23,7 @@ def _bind_nnx(module: nnx.Module) -> tuple[Callable[[Params], nnx.Module], Param
             f"{frozen[:4]}; only nnx.Param is trained. Remove BatchNorm/Dropout "
             "(or build the model with deterministic layers) before distributing it."
         )
-    return (lambda p: nnx.merge(graphdef, p, rest)), params.to_pure_dict()
+    return (lambda p: nnx.merge(graphdef, p, rest)), nnx.to_pure_dict(params)
 
 
 def _bind_linen(module: linen.Module, variables: Any) -> tuple[Callable[[Params], Any], Params]:

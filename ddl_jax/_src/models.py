@@ -16,9 +16,7 @@ class MLP(nnx.Module):
         self, in_features: int, hidden: Sequence[int], out_features: int, *, rngs: nnx.Rngs
     ):
         sizes = [in_features, *hidden, out_features]
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)

@@ -121,19 +121,23 @@ def check_batch(batch: Batch, divisor: int, *, why: str) -> int:
     return size
 
 
+def _place(tree: Any, sharding: NamedSharding, expand=lambda x: x) -> Any:
+    # A jitted copy, not device_put: device_put may hand back the caller's own buffer for
+    # the shard on its device, and the strategy's step donates the state it is given.
+    return jax.jit(
+        lambda t: jax.tree.map(lambda x: expand(jnp.copy(x)), t), out_shardings=sharding
+    )(tree)
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Places a copy of every leaf on every device of ``mesh`` (``PartitionSpec()``)."""
-    sharding = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.device_put(x, sharding, may_alias=False), tree)
+    return _place(tree, NamedSharding(mesh, P()))
 
 
 def stack_for_workers(tree: Any, mesh: Mesh, axis: str) -> Any:
     """Gives each worker on ``axis`` its own copy of ``tree`` (a leading axis, ``P(axis)``)."""
     n = mesh.shape[axis]
-    sharding = NamedSharding(mesh, P(axis))
-    return jax.tree.map(
-        lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), tree
-    )
+    return _place(tree, NamedSharding(mesh, P(axis)), lambda x: jnp.broadcast_to(x, (n, *x.shape)))
 
 
 def shard_batch(batch: Batch, mesh: Mesh, axis: str) -> Batch:

@@ -1,0 +1,47 @@
+"""Eight simulated CPU devices before any JAX computation, and shared test fixtures."""
+
+import ddl_jax as ddl
+
+ddl.simulate_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+
+def mlp_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.fixture
+def mlp():
+    """``(loss_fn, params)`` of a small MLP, 12 -> 16 -> 5."""
+    model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    return ddl.flax.loss_from_module(model, mlp_loss)
+
+
+def make_batches(count: int, size: int, seed: int = 0) -> list[dict]:
+    """``count`` random classification batches for the MLP fixture."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 12)).astype(np.float32),
+            "y": rng.integers(0, 5, size=size).astype(np.int32),
+        }
+        for _ in range(count)
+    ]
+
+
+def reference_sgd(loss_fn, optimizer, params, batches):
+    """Plain single-device training on each global batch: the obviously right answer."""
+    params = jax.tree.map(jnp.array, params)
+    opt_state = optimizer.init(params)
+    for batch in batches:
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params

@@ -1,0 +1,214 @@
+"""data_parallel against single-device training on the global batch."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, reference_sgd
+
+import ddl_jax as ddl
+from ddl_jax._src.comm import collectives
+
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
+
+
+def run(strategy, params, batches):
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state = strategy.init(params)
+    for batch in batches:
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_equals_single_device_training_on_the_global_batch(mlp, n, opt):
+    loss_fn, params = mlp
+    batches = make_batches(5, 32)
+    strategy = ddl.data_parallel(loss_fn, OPTIMIZERS[opt](), ddl.make_mesh(data=n))
+    state, _ = run(strategy, params, batches)
+    expected = reference_sgd(loss_fn, OPTIMIZERS[opt](), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_accumulate_equals_one_step_on_the_whole_batch(mlp, n, opt):
+    loss_fn, params = mlp
+    batches = make_batches(5, 64)
+    strategy = ddl.data_parallel(loss_fn, OPTIMIZERS[opt](), ddl.make_mesh(data=n), accumulate=4)
+    state, _ = run(strategy, params, batches)
+    expected = reference_sgd(loss_fn, OPTIMIZERS[opt](), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+def test_metrics_are_means_over_the_global_batch(mlp):
+    loss_fn, params = mlp
+
+    def with_aux(params, batch):
+        loss = loss_fn(params, batch)
+        return loss, {"x_mean": batch["x"].mean(), "twice_loss": 2 * loss}
+
+    [batch] = make_batches(1, 32)
+    strategy = ddl.data_parallel(
+        with_aux, optax.sgd(0.1), ddl.make_mesh(data=8), has_aux=True, accumulate=2
+    )
+    _, metrics = run(strategy, params, [batch])
+    loss = loss_fn(params, batch)
+    chex.assert_trees_all_close(
+        metrics, {"loss": loss, "x_mean": batch["x"].mean(), "twice_loss": 2 * loss}, atol=1e-6
+    )
+
+
+def test_state_placement_params_replicated_reducer_state_per_worker(mlp):
+    """A stateful reducer keeps one state per worker: here, the sum of its own gradients."""
+    loss_fn, params = mlp
+
+    def sum_own_grads_then_mean():
+        def init(params):
+            return jax.tree.map(jnp.zeros_like, params)
+
+        def update(grads, state, params=None):
+            return jax.lax.pmean(grads, "data"), jax.tree.map(jnp.add, state, grads)
+
+        return optax.GradientTransformation(init, update)
+
+    n, batches = 4, make_batches(2, 16)
+    mesh = ddl.make_mesh(data=n)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.0), mesh, reducer=sum_own_grads_then_mean())
+    state, _ = run(strategy, params, batches)
+
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
+    for x in jax.tree.leaves(state.reducer_state):
+        assert x.shape[0] == n and x.sharding.spec[0] == "data"
+    for w in range(n):  # worker w saw rows [4w, 4w+4) of every batch
+        own = [{k: v[4 * w : 4 * w + 4] for k, v in b.items()} for b in batches]
+        expected = jax.tree.map(lambda *g: sum(g), *[jax.grad(loss_fn)(params, b) for b in own])
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda x, w=w: np.asarray(x)[w], state.reducer_state), expected, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_no_recompilation_on_later_steps(mlp, accumulate):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(
+        loss_fn, optax.adam(1e-3), ddl.make_mesh(data=8), accumulate=accumulate
+    )
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return strategy.step(state, batch)
+
+    run(ddl.Strategy(strategy.init, counted, strategy.params), params, make_batches(3, 32))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_compiled_step_holds_one_all_reduce_of_the_gradient_size(mlp, accumulate):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), accumulate=accumulate
+    )
+    state = strategy.init(params)
+    [batch] = make_batches(1, 64)
+    hlo = jax.jit(strategy.step).lower(state, batch).compile().as_text()
+    ops = collectives(hlo)
+    grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    loss_bytes = 4  # the float32 loss metric rides in the same all-reduce
+    assert [op.kind for op in ops] == ["all-reduce"]
+    assert ops[0].nbytes == grad_bytes + loss_bytes
+
+
+def test_batch_not_divisible_by_workers_is_rejected_at_the_call(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), accumulate=2)
+    state = strategy.init(params)
+    [batch] = make_batches(1, 24)
+    with pytest.raises(ValueError, match=r"24 is not divisible by 16 .*8 workers.*accumulate=2"):
+        jax.jit(strategy.step)(state, batch)
+
+
+def test_batch_leaves_must_agree_on_the_batch_size(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    state = strategy.init(params)
+    [batch] = make_batches(1, 8)
+    batch["y"] = batch["y"][:4]
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        strategy.step(state, batch)
+
+
+def test_mesh_without_the_axis_is_rejected(mlp):
+    loss_fn, _ = mlp
+    mesh = jax.make_mesh((8,), ("workers",))
+    with pytest.raises(ValueError, match=r"axis='data' is not an axis .*\['workers'\]"):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), "data")
+
+
+def test_reducer_on_an_axis_the_mesh_lacks_is_rejected(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), reducer=ddl.allreduce_mean("dp")
+    )
+    with pytest.raises(ValueError, match=r"axis='dp' is not an axis .*\['data'\]"):
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])
+
+
+def test_non_scalar_loss_is_rejected_at_the_call(mlp):
+    _, params = mlp
+    strategy = ddl.data_parallel(
+        lambda p, b: jnp.sum(b["x"], axis=1), optax.sgd(0.1), ddl.make_mesh(data=8)
+    )
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar loss.*\(1,\)"):
+        jax.jit(strategy.step)(strategy.init(params), make_batches(1, 8)[0])
+
+
+def test_tuple_loss_without_has_aux_points_at_has_aux(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(
+        lambda p, b: (loss_fn(p, b), {}), optax.sgd(0.1), ddl.make_mesh(data=8)
+    )
+    with pytest.raises(ValueError, match="has_aux=True"):
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])
+
+
+@pytest.mark.parametrize(
+    ("params", "where"),
+    [
+        ({"w": [1, 2]}, r"params\['w'\]\[0\] is int"),
+        ({"w": np.arange(3)}, r"params\['w'\] is int64"),
+        ({"w": "weights"}, r"params\['w'\] is str"),
+        ({}, "no leaves"),
+    ],
+)
+def test_params_that_are_not_float_arrays_are_rejected(mlp, params, where):
+    loss_fn, _ = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(TypeError, match=where):
+        strategy.init(params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"accumulate": 0}, ValueError, "accumulate must be a positive int"),
+        ({"optimizer": "adam"}, TypeError, "optimizer must be an optax.GradientTransformation"),
+        ({"loss_fn": 3}, TypeError, "loss_fn must be callable"),
+    ],
+)
+def test_bad_builder_arguments(mlp, kwargs, error, match):
+    loss_fn, _ = mlp
+    args = {"loss_fn": loss_fn, "optimizer": optax.sgd(0.1), "mesh": ddl.make_mesh(data=2)}
+    with pytest.raises(error, match=match):
+        ddl.data_parallel(**{**args, **kwargs})
+
+
+def test_allreduce_mean_rejects_unknown_algorithm():
+    with pytest.raises(ValueError, match=r"algorithm='ring2' is not known; valid: \['psum'\]"):
+        ddl.allreduce_mean(algorithm="ring2")
