@@ -1,0 +1,18 @@
+"""The examples run as a user runs them, in a fresh process."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_reaches_95_percent_test_accuracy_on_8_devices():
+    out = subprocess.run(
+        [sys.executable, "examples/quickstart.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+    ).stdout  # fmt: skip
+    devices, accuracy = re.search(r"(\d+) devices, test accuracy ([\d.]+)", out).groups()
+    assert int(devices) == 8
+    assert float(accuracy) >= 0.95

@@ -1,0 +1,91 @@
+"""The training loop."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, reference_sgd
+
+import ddl_jax as ddl
+
+
+def test_fit_trains_like_the_reference_and_records_every_step(mlp):
+    loss_fn, params = mlp
+    batches = make_batches(7, 32)
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
+    state, history = ddl.fit(strategy, params, batches, steps=7, log_every=3, progress=False)
+    expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+    assert [r["step"] for r in history] == list(range(1, 8))
+    np.testing.assert_allclose(history[0]["loss"], loss_fn(params, batches[0]), rtol=1e-6)
+
+
+def test_fit_leaves_the_callers_params_usable(mlp):
+    loss_fn, params = mlp
+    before = jax.tree.map(np.asarray, params)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
+    ddl.fit(strategy, params, make_batches(2, 8), steps=2, progress=False)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), before)  # not donated
+
+
+def test_eval_runs_every_eval_every_steps_and_at_the_end(mlp):
+    loss_fn, params = mlp
+    seen = []
+
+    def eval_fn(p):
+        seen.append(1)
+        return {"loss0": loss_fn(p, make_batches(1, 8)[0])}
+
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    state, history = ddl.fit(
+        strategy, params, make_batches(5, 8), steps=5, eval_fn=eval_fn, eval_every=2,
+        progress=False,
+    )  # fmt: skip
+    assert [r["step"] for r in history if "eval_loss0" in r] == [2, 4, 5]
+    assert len(seen) == 3
+    np.testing.assert_allclose(
+        history[-1]["eval_loss0"], loss_fn(strategy.params(state), make_batches(1, 8)[0]),
+        rtol=1e-6,
+    )  # fmt: skip
+
+
+def test_nan_loss_stops_training_naming_the_step(mlp):
+    loss_fn, params = mlp
+    batches = make_batches(4, 8)
+    batches[2]["x"][0, 0] = np.nan
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(FloatingPointError, match="loss is nan at step 3"):
+        ddl.fit(strategy, params, batches, steps=4, log_every=10, progress=False)
+
+
+def test_running_out_of_batches_warns_and_still_evaluates(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.warns(UserWarning, match="ran out after 2 of 5 steps"):
+        _, history = ddl.fit(
+            strategy, params, make_batches(2, 8), steps=5, eval_fn=lambda p: 1.0, progress=False
+        )
+    assert len(history) == 2 and history[-1]["eval"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"steps": 0}, ValueError, "steps must be a positive int"),
+        ({"log_every": 2.5}, ValueError, "log_every must be a positive int"),
+        ({"strategy": (1, 2, 3)}, TypeError, "strategy must be a ddl.Strategy"),
+        ({"batches": []}, ValueError, "batches yielded no batch"),
+    ],
+)
+def test_bad_arguments(mlp, kwargs, error, match):
+    loss_fn, params = mlp
+    args = {
+        "strategy": ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2)),
+        "params": params,
+        "batches": make_batches(2, 8),
+        "steps": 2,
+        "progress": False,
+    }
+    with pytest.raises(error, match=match):
+        ddl.fit(**{**args, **kwargs})

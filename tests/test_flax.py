@@ -1,0 +1,87 @@
+"""The Flax bridge: NNX and Linen modules in, loss_fn(params, batch) and params out."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, mlp_loss, reference_sgd
+from flax import linen, nnx
+
+import ddl_jax as ddl
+
+
+def test_nnx_loss_fn_and_apply_match_the_module():
+    model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(model, mlp_loss)
+    apply, same_params = ddl.flax.split(model)
+    [batch] = make_batches(1, 8)
+    chex.assert_trees_all_equal(params, same_params)
+    assert isinstance(params, dict)  # a plain pytree, checkpointable as is
+    np.testing.assert_allclose(loss_fn(params, batch), mlp_loss(model, batch), rtol=1e-6)
+    np.testing.assert_allclose(apply(params, batch["x"]), model(batch["x"]), rtol=1e-6)
+
+
+def test_update_module_writes_trained_params_back():
+    model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(model, mlp_loss)
+    batches = make_batches(3, 16)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.5), ddl.make_mesh(data=4))
+    state, _ = ddl.fit(strategy, params, batches, steps=3, progress=False)
+    trained = strategy.params(state)
+    ddl.flax.update_module(model, trained)
+    x = batches[0]["x"]
+    apply, _ = ddl.flax.split(model)
+    np.testing.assert_allclose(model(x), apply(trained, x), rtol=1e-6)
+    assert not np.allclose(model(x), apply(params, x))
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(5)(linen.relu(linen.Dense(16)(x)))
+
+
+def test_linen_module_trains_like_single_device_sgd():
+    module = LinenMLP()
+    variables = module.init(jax.random.key(0), jnp.zeros((1, 12)))
+    loss_fn, params = ddl.flax.loss_from_module(module, mlp_loss, variables=variables)
+    batches = make_batches(5, 32)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    state, _ = ddl.fit(strategy, params, batches, steps=5, progress=False)
+
+    def direct(params, batch):  # the loss written against Linen directly
+        logits = module.apply({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    expected = reference_sgd(direct, optax.sgd(0.1), variables["params"], batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+
+
+class WithBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(12, 5, rngs=rngs)
+        self.norm = nnx.BatchNorm(5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.dense(x))
+
+
+def test_state_a_pure_loss_would_freeze_is_rejected():
+    with pytest.raises(ValueError, match="BatchStat"):
+        ddl.flax.loss_from_module(WithBatchNorm(nnx.Rngs(0)), mlp_loss)
+
+
+def test_bad_arguments():
+    model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="flax.nnx.Module or a flax.linen.Module"):
+        ddl.flax.split(lambda x: x)
+    with pytest.raises(TypeError, match="needs variables="):
+        ddl.flax.split(LinenMLP())
+    with pytest.raises(TypeError, match="only for Linen"):
+        ddl.flax.split(model, variables={"params": {}})
+    with pytest.raises(TypeError, match="loss must be callable"):
+        ddl.flax.loss_from_module(model, "cross_entropy")
+    with pytest.raises(TypeError, match="for Linen use"):
+        ddl.flax.update_module(LinenMLP(), {})
