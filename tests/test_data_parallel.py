@@ -92,22 +92,6 @@ def test_state_placement_params_replicated_reducer_state_per_worker(mlp):
 
 
 @pytest.mark.parametrize("accumulate", [1, 4])
-def test_no_recompilation_on_later_steps(mlp, accumulate):
-    loss_fn, params = mlp
-    strategy = ddl.data_parallel(
-        loss_fn, optax.adam(1e-3), ddl.make_mesh(data=8), accumulate=accumulate
-    )
-    traces = []
-
-    def counted(state, batch):
-        traces.append(1)
-        return strategy.step(state, batch)
-
-    run(ddl.Strategy(strategy.init, counted, strategy.params), params, make_batches(3, 32))
-    assert len(traces) == 1
-
-
-@pytest.mark.parametrize("accumulate", [1, 4])
 def test_compiled_step_holds_one_all_reduce_of_the_gradient_size(mlp, accumulate):
     loss_fn, params = mlp
     strategy = ddl.data_parallel(

@@ -37,6 +37,22 @@ def test_update_module_writes_trained_params_back():
     assert not np.allclose(model(x), apply(params, x))
 
 
+def test_cnn_on_digit_images_trains_like_single_device_sgd():
+    train, _ = ddl.data.digits(flatten=False)
+    model = ddl.models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0))
+
+    def loss(model, batch):
+        logits = model(batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss_fn, params = ddl.flax.loss_from_module(model, loss)
+    batches = list(ddl.data.batches(train, 64, epochs=1))[:3]
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    state, _ = ddl.fit(strategy, params, batches, steps=3, progress=False)
+    expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+
+
 class LinenMLP(linen.Module):
     @linen.compact
     def __call__(self, x):
