@@ -37,8 +37,8 @@ def test_batches_repeat_forever_by_default():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="batch_size must be an int in"):
-        next(ddl.data.batches({"x": np.arange(4)}, 5))
+        ddl.data.batches({"x": np.arange(4)}, 5)
     with pytest.raises(ValueError, match="disagree on the number of examples"):
-        next(ddl.data.batches({"x": np.arange(4), "y": np.arange(3)}, 2))
+        ddl.data.batches({"x": np.arange(4), "y": np.arange(3)}, 2)
     with pytest.raises(ValueError, match="test_fraction must be in"):
         ddl.data.digits(test_fraction=1.5)

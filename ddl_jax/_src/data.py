@@ -54,13 +54,20 @@ def batches(
       seed: seed of the shuffling.
       epochs: passes over the data; ``None`` repeats forever.
     """
+    if not isinstance(data, dict) or not data:
+        raise ValueError(
+            "batches: data must be a non-empty dict of arrays, like ddl.data.digits()."
+        )
     sizes = {k: len(v) for k, v in data.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batches: data arrays disagree on the number of examples: {sizes}.")
     n = next(iter(sizes.values()))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
         raise ValueError(f"batches: batch_size must be an int in [1, {n}], got {batch_size!r}.")
-    rng = np.random.default_rng(seed)
+    return _shuffled_batches(data, n, batch_size, np.random.default_rng(seed), epochs)
+
+
+def _shuffled_batches(data, n, batch_size, rng, epochs) -> Iterator[Dataset]:
     epoch = 0
     while epochs is None or epoch < epochs:
         order = rng.permutation(n)

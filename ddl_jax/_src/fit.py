@@ -102,12 +102,14 @@ def fit(
         examples, tick = 0, now
 
     def evaluate() -> None:
+        nonlocal tick
         flush()
         record = _eval_record(eval_fn, strategy.params(state))
         history[-1].update(record)
         bar.write(
             f"step {history[-1]['step']}: " + ", ".join(f"{k}={v:.4f}" for k, v in record.items())
         )
+        tick = time.perf_counter()  # evaluation time is not training throughput
 
     for i, batch in enumerate(itertools.islice(batches, steps), start=1):
         state, metrics = step_fn(state, batch)
