@@ -1,6 +1,7 @@
 """ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
 
-from ddl_jax import data, flax, models
+from ddl_jax import collectives, data, flax, models, sim
+from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.fit import fit
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
@@ -10,14 +11,18 @@ from ddl_jax._src.strategy import Strategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommStats",
     "DataParallelState",
     "Strategy",
     "allreduce_mean",
+    "collectives",
+    "comm_stats",
     "data",
     "data_parallel",
     "fit",
     "flax",
     "make_mesh",
     "models",
+    "sim",
     "simulate_cpu_devices",
 ]

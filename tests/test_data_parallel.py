@@ -33,6 +33,18 @@ def test_equals_single_device_training_on_the_global_batch(mlp, n, opt):
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "ps"])
+def test_every_allreduce_algorithm_equals_single_device_training(mlp, n, algorithm):
+    loss_fn, params = mlp
+    batches = make_batches(3, 48)
+    reducer = ddl.allreduce_mean(algorithm=algorithm)
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=n), reducer=reducer)
+    state, _ = run(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_accumulate_equals_one_step_on_the_whole_batch(mlp, n, opt):
@@ -194,5 +206,7 @@ def test_bad_builder_arguments(mlp, kwargs, error, match):
 
 
 def test_allreduce_mean_rejects_unknown_algorithm():
-    with pytest.raises(ValueError, match=r"algorithm='ring2' is not known; valid: \['psum'\]"):
+    with pytest.raises(
+        ValueError, match=r"algorithm='ring2' is not known; valid: \['psum', 'ring', 'tree', 'ps'\]"
+    ):
         ddl.allreduce_mean(algorithm="ring2")

@@ -20,6 +20,12 @@ STRATEGIES = {
     "data_parallel_accumulate": lambda loss_fn, opt, mesh: ddl.data_parallel(
         loss_fn, opt, mesh, accumulate=2
     ),
+    **{
+        f"data_parallel_{algorithm}": lambda loss_fn, opt, mesh, a=algorithm: ddl.data_parallel(
+            loss_fn, opt, mesh, reducer=ddl.allreduce_mean(algorithm=a)
+        )
+        for algorithm in ("ring", "tree", "ps")
+    },
 }
 
 

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
-from ddl_jax._src.reducers import allreduce_mean
+from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
 
 class DataParallelState(NamedTuple):
@@ -149,7 +149,7 @@ def data_parallel(
             mesh=mesh,
             in_specs=(specs, P(axis)),
             out_specs=(specs, P()),
-            check_vma=True,
+            check_vma=checks_vma(reducer),
         )(state, batch)
 
     return st.Strategy(init=init, step=step, params=lambda state: state.params)

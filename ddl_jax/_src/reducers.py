@@ -11,30 +11,45 @@ from __future__ import annotations
 
 import jax
 import optax
+from jax import lax
 
-ALGORITHMS = ("psum",)
+from ddl_jax._src.collectives import (
+    check_axis_in_scope,
+    ps_allreduce,
+    ring_allreduce,
+    tree_allreduce,
+)
+
+ALGORITHMS = {
+    "psum": lax.psum,
+    "ring": ring_allreduce,
+    "tree": tree_allreduce,
+    "ps": ps_allreduce,
+}
 
 
-def check_axis_in_scope(axis: str, *, arg: str = "axis") -> None:
-    """Raises ``ValueError`` if ``axis`` is not a mesh axis of the enclosing ``shard_map``."""
-    names = jax.sharding.get_abstract_mesh().axis_names
-    if axis not in names:
-        raise ValueError(
-            f"{arg}={axis!r} is not an axis of the mesh this reducer runs on; "
-            f"valid axis names: {list(names)}."
-        )
+class PermuteReducer(optax.GradientTransformation):
+    """A reducer built from ``ppermute`` rounds.
+
+    Its output agrees across workers, but JAX types it as varying over the axis, so a
+    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``).
+    """
+
+
+def checks_vma(reducer: optax.GradientTransformation) -> bool:
+    """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
+    return not isinstance(reducer, PermuteReducer)
 
 
 def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.GradientTransformation:
-    """Averages updates over the workers of mesh axis ``axis``.
-
-    ``g <- (1/N) sum_i g_i`` over the N workers of ``axis``. With ``algorithm="psum"``
-    XLA picks the all-reduce implementation (a ring or tree on GPU/TPU interconnects);
-    each device sends about ``2 (N-1)/N`` times the gradient bytes.
+    """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
 
     Args:
       axis: mesh axis the workers live on.
-      algorithm: how the sum is computed; one of ``ALGORITHMS``.
+      algorithm: how the sum travels. ``"psum"``: XLA's all-reduce (the backend picks the
+        implementation, NCCL/ICI/gloo). ``"ring"``, ``"tree"``, ``"ps"``: the explicit
+        algorithms of ``ddl.collectives`` (ring, binomial tree, central parameter server),
+        whose rounds and bytes show up in ``ddl.comm_stats``.
 
     Returns:
       A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.
@@ -43,10 +58,12 @@ def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.Gradien
         raise ValueError(
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
         )
+    total = ALGORITHMS[algorithm]
 
     def update(updates, state, params=None):
         del params
-        check_axis_in_scope(axis)
-        return jax.lax.pmean(updates, axis), state
+        n = check_axis_in_scope(axis)
+        return jax.tree.map(lambda s: s / n, total(updates, axis)), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    kind = optax.GradientTransformation if algorithm == "psum" else PermuteReducer
+    return kind(lambda params: optax.EmptyState(), update)
