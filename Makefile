@@ -22,6 +22,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/allreduce.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

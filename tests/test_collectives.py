@@ -37,13 +37,22 @@ shapes = hs.lists(hs.integers(1, 6), min_size=0, max_size=3).map(tuple)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 @settings(max_examples=4, deadline=None)
-@given(leaf_shapes=hs.lists(shapes, min_size=1, max_size=3), seed=hs.integers(0, 2**16))
-def test_equals_psum(name, n, leaf_shapes, seed):
+@given(
+    leaf_shapes=hs.lists(shapes, min_size=1, max_size=3),
+    int_dtype=hs.sampled_from([np.int32, np.int8, np.uint32]),
+    seed=hs.integers(0, 2**16),
+)
+def test_equals_psum(name, n, leaf_shapes, int_dtype, seed):
+    """Floats agree to rounding; integers exactly, overflow wrapping included."""
     mesh = ddl.make_mesh(data=n)
     rng = np.random.default_rng(seed)
+    info = np.iinfo(int_dtype)
     tree = {
         "float": [rng.normal(size=(n, *s)).astype(np.float32) for s in leaf_shapes],
-        "int": [rng.integers(-1000, 1000, size=(n, *s)).astype(np.int32) for s in leaf_shapes],
+        "int": [
+            rng.integers(info.min, info.max, size=(n, *s), endpoint=True).astype(int_dtype)
+            for s in leaf_shapes
+        ],
     }
     tree = jax.device_put(tree, NamedSharding(mesh, P("data")))
     got = per_device(mesh, lambda t: ALGORITHMS[name](t, "data"))(tree)
