@@ -33,7 +33,7 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _OP = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[\w\[\],{}:]+)\s+"
+    r"^(?:ROOT )?%?[\w.\-]+ = (?P<shape>.+?) "
     r"(?P<kind>" + "|".join(KINDS) + r"|while|conditional)(?P<phase>-start|-done)?\("
 )
 
