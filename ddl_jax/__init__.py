@@ -4,6 +4,8 @@ from ddl_jax import collectives, data, flax, models, sim
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.fit import fit
+from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
+from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.reducers import allreduce_mean
 from ddl_jax._src.strategy import Strategy
@@ -13,6 +15,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CommStats",
     "DataParallelState",
+    "GossipState",
+    "LocalSGDState",
     "Strategy",
     "allreduce_mean",
     "collectives",
@@ -21,7 +25,10 @@ __all__ = [
     "data_parallel",
     "fit",
     "flax",
+    "gossip",
+    "local_sgd",
     "make_mesh",
+    "mixing_matrix",
     "models",
     "sim",
     "simulate_cpu_devices",

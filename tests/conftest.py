@@ -45,3 +45,9 @@ def reference_sgd(loss_fn, optimizer, params, batches):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params
+
+
+def worker_shards(batch, n: int) -> list[dict]:
+    """The rows of a global batch that each of ``n`` workers sees, in worker order."""
+    rows = len(jax.tree.leaves(batch)[0]) // n
+    return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(n)]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, reference_sgd
+from conftest import make_batches, reference_sgd, worker_shards
 
 import ddl_jax as ddl
 from ddl_jax._src.comm import collectives
@@ -96,7 +96,7 @@ def test_state_placement_params_replicated_reducer_state_per_worker(mlp):
     for x in jax.tree.leaves(state.reducer_state):
         assert x.shape[0] == n and x.sharding.spec[0] == "data"
     for w in range(n):  # worker w saw rows [4w, 4w+4) of every batch
-        own = [{k: v[4 * w : 4 * w + 4] for k, v in b.items()} for b in batches]
+        own = [worker_shards(b, n)[w] for b in batches]
         expected = jax.tree.map(lambda *g: sum(g), *[jax.grad(loss_fn)(params, b) for b in own])
         chex.assert_trees_all_close(
             jax.tree.map(lambda x, w=w: np.asarray(x)[w], state.reducer_state), expected, atol=1e-6

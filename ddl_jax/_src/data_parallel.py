@@ -107,7 +107,7 @@ def data_parallel(
       ``loss`` (mean over the global batch) and the aux values.
     """
     check_builder_args(loss_fn, optimizer, accumulate=accumulate)
-    n = st.check_mesh_axis(mesh, axis)
+    st.check_mesh_axis(mesh, axis)
     reducer = allreduce_mean(axis) if reducer is None else reducer
     value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
     specs = DataParallelState(params=P(), opt_state=P(), reducer_state=P(axis))
@@ -126,24 +126,18 @@ def data_parallel(
         # gradient of an invariant input is already psum'd, and the reducer must see g_i.
         local_params = jax.lax.pcast(state.params, axis, to="varying")
         (loss, aux), grads = value_and_grad(local_params, batch)
-        reducer_state = jax.tree.map(lambda x: x[0], state.reducer_state)
+        reducer_state = st.unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = jax.lax.pmean({"loss": loss, **aux}, axis)
-        reducer_state = jax.tree.map(lambda x: x[None], reducer_state)
-        return DataParallelState(params, opt_state, reducer_state), metrics
+        return DataParallelState(params, opt_state, st.restack(reducer_state)), metrics
 
     def step(state: DataParallelState, batch):
-        size = st.check_batch(
-            batch, n * accumulate, why=f"{n} workers on axis {axis!r} x accumulate={accumulate}"
-        )
-        batch = st.shard_batch(batch, mesh, axis)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size // (n * accumulate), *x.shape[1:]), x.dtype),
-            batch,
-        )
-        st.check_loss_output(jax.eval_shape(loss_fn, state.params, micro), has_aux=has_aux)
+        batch = st.prepare_batch(
+            batch, mesh, axis, accumulate=accumulate, loss_fn=loss_fn, params=state.params,
+            has_aux=has_aux,
+        )  # fmt: skip
         return jax.shard_map(
             worker_step,
             mesh=mesh,

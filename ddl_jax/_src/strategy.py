@@ -144,3 +144,63 @@ def shard_batch(batch: Batch, mesh: Mesh, axis: str) -> Batch:
     """Splits the leading axis of every batch leaf over ``axis`` (inside or outside jit)."""
     sharding = NamedSharding(mesh, P(axis))
     return jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
+
+
+def prepare_batch(
+    batch: Batch,
+    mesh: Mesh,
+    axis: str,
+    *,
+    accumulate: int,
+    loss_fn: LossFn,
+    params: Params,
+    has_aux: bool,
+) -> Batch:
+    """Checks a global batch and ``loss_fn`` on it, then shards the batch over ``axis``.
+
+    Args:
+      batch: the global batch a strategy's ``step`` received.
+      mesh: the strategy's mesh; ``axis``: its worker axis.
+      accumulate: micro-batches per worker per step.
+      loss_fn, has_aux: the user's loss, checked on one micro-batch's shapes.
+      params: one worker's params (arrays or ``ShapeDtypeStruct``s).
+    """
+    n = mesh.shape[axis]
+    size = check_batch(
+        batch, n * accumulate, why=f"{n} workers on axis {axis!r} x accumulate={accumulate}"
+    )
+    batch = shard_batch(batch, mesh, axis)
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size // (n * accumulate), *x.shape[1:]), x.dtype), batch
+    )
+    check_loss_output(jax.eval_shape(loss_fn, params, micro), has_aux=has_aux)
+    return batch
+
+
+def unstack(tree: Any) -> Any:
+    """Inside ``shard_map``: this worker's entry of leaves stacked over the worker axis."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def restack(tree: Any) -> Any:
+    """Inside ``shard_map``: the inverse of ``unstack``, for a ``P(axis)`` out_spec."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def one_worker(stacked: Any) -> Any:
+    """Abstract shapes of one worker's entry of a worker-stacked pytree."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+
+
+def replica_mean(stacked: Any, mesh: Mesh) -> Any:
+    """The average of worker-stacked replicas, replicated on ``mesh`` (for evaluation)."""
+    return jax.jit(
+        lambda t: jax.tree.map(lambda x: x.mean(axis=0, dtype=x.dtype), t),
+        out_shardings=NamedSharding(mesh, P()),
+    )(stacked)
+
+
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
+    """Raises ``ValueError`` unless ``value`` is an int >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")

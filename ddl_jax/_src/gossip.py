@@ -1,0 +1,223 @@
+"""Gossip (decentralised) SGD: neighbours average through ppermute, no global all-reduce."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src import strategy as st
+from ddl_jax._src.data_parallel import check_builder_args, local_value_and_grad
+
+TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+
+
+def _torus_shape(n: int) -> tuple[int, int]:
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
+
+
+def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
+    """The sends of one gossip round: each entry maps device i to the device it sends to.
+
+    ``ring``: i -> i+1 and i -> i-1. ``torus``: the same along both axes of the most square
+    ``rows x cols`` grid of n devices. ``exponential``: i -> i + 2^k for 2^k < n (the
+    directed exponential graph of Assran et al. 2019). ``complete``: i -> i + s for every
+    s in 1..n-1. Duplicate and self-sends (small n) are dropped.
+    """
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
+    if topology == "torus":
+        rows, cols = _torus_shape(n)
+        perms = []
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            perms.append(
+                tuple(((i // cols + dr) % rows) * cols + (i % cols + dc) % cols for i in range(n))
+            )
+    else:
+        shifts = {
+            "ring": (1, -1),
+            "exponential": tuple(2**k for k in range(max(n - 1, 1).bit_length()) if 2**k < n),
+            "complete": tuple(range(1, n)),
+        }[topology]
+        perms = [tuple((i + s) % n for i in range(n)) for s in shifts]
+    unique = []
+    for perm in perms:
+        if perm != tuple(range(n)) and perm not in unique:
+            unique.append(perm)
+    return unique
+
+
+def mixing_matrix(topology: str, n: int) -> np.ndarray:
+    """The default gossip mixing matrix W: ``1/(d+1)`` on self and each of the d in-neighbours.
+
+    ``W[i, j]`` is the weight device i gives device j's model; W is doubly stochastic for
+    every topology here (each is regular and built from permutations).
+    """
+    perms = neighbour_permutations(topology, n)
+    w = np.eye(n) / (len(perms) + 1)
+    for perm in perms:
+        for src, dst in enumerate(perm):
+            w[dst, src] += 1 / (len(perms) + 1)
+    return w
+
+
+def _check_mixing(weights: Any, topology: str, n: int) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (n, n):
+        raise ValueError(f"mixing_weights must be an {n}x{n} matrix, got shape {w.shape}.")
+    if (w < 0).any() or not (
+        np.allclose(w.sum(0), 1, atol=1e-6) and np.allclose(w.sum(1), 1, atol=1e-6)
+    ):
+        raise ValueError(
+            "mixing_weights must be doubly stochastic (non-negative, rows and columns summing "
+            f"to 1); row sums {np.round(w.sum(1), 4)}, column sums {np.round(w.sum(0), 4)}."
+        )
+    allowed = np.eye(n, dtype=bool)
+    for perm in neighbour_permutations(topology, n):
+        for src, dst in enumerate(perm):
+            allowed[dst, src] = True
+    if (bad := np.argwhere((w != 0) & ~allowed)).size:
+        i, j = bad[0]
+        raise ValueError(
+            f"mixing_weights[{i}, {j}] = {w[i, j]:g}, but device {j} is not a neighbour of "
+            f"device {i} in the {topology!r} topology."
+        )
+    return w
+
+
+class GossipState(NamedTuple):
+    """State of :func:`gossip`.
+
+    Attributes:
+      params: each worker's replica, ``[N, ...]`` sharded ``P(axis)``.
+      opt_state: each worker's optimizer state, ``[N, ...]`` sharded ``P(axis)``.
+      consensus_distance: mean distance of the replicas to their average at the last
+        measurement, ``P()``.
+      step: steps taken so far, int32, ``P()``.
+    """
+
+    params: Any
+    opt_state: Any
+    consensus_distance: jax.Array
+    step: jax.Array
+
+
+def gossip(
+    loss_fn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    topology: str = "ring",
+    mixing_weights: Any = None,
+    consensus_every: int = 10,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    axis: str = "data",
+) -> st.Strategy:
+    """Decentralised gossip SGD (D-PSGD): a local step, then averaging with neighbours.
+
+    Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
+    ``theta_i <- sum_j W_ij (theta_j + u_j)`` where ``u_j`` is worker j's update (the
+    adapt-then-combine order, so that the complete graph is exactly synchronous SGD).
+    Models travel by ``ppermute``, one round per neighbour: each device sends
+    ``degree x parameter bytes`` per step and there is no global all-reduce.
+
+    References:
+      Lian et al., "Can decentralized algorithms outperform centralized algorithms?",
+      NeurIPS 2017, arXiv:1705.09056. Assran et al., "Stochastic gradient push",
+      ICML 2019, arXiv:1811.10792 (exponential graph).
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      optimizer: optax optimizer, one state per worker.
+      mesh: a mesh with axis ``axis``.
+      topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
+      mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
+        default ``mixing_matrix(topology, N)``.
+      consensus_every: measure ``consensus_distance`` every this many steps (it costs an
+        all-reduce of the parameters, so not every step); 0 never.
+      accumulate: micro-batches per worker per step.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      axis: the mesh axis the workers live on.
+
+    Returns:
+      A ``Strategy`` with ``GossipState``; metrics ``loss``, aux values and (unless
+      ``consensus_every=0``) ``consensus_distance`` as last measured. ``params(state)`` is
+      the mean of the replicas.
+    """
+    check_builder_args(loss_fn, optimizer, accumulate=accumulate)
+    st.check_positive_int("consensus_every", consensus_every, minimum=0)
+    n = st.check_mesh_axis(mesh, axis)
+    perms = neighbour_permutations(topology, n)
+    w = (
+        mixing_matrix(topology, n)
+        if mixing_weights is None
+        else _check_mixing(mixing_weights, topology, n)
+    )
+    # sources[k][i]: whom device i hears from in round k.
+    sources = [np.argsort(perm) for perm in perms]
+    value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
+    specs = GossipState(P(axis), P(axis), P(), P())
+
+    def init(params) -> GossipState:
+        st.check_params(params)
+        return GossipState(
+            params=st.stack_for_workers(params, mesh, axis),
+            opt_state=st.stack_for_workers(optimizer.init(params), mesh, axis),
+            consensus_distance=st.replicate(jnp.zeros((), jnp.float32), mesh),
+            step=st.replicate(jnp.zeros((), jnp.int32), mesh),
+        )
+
+    def mix(y):
+        me = lax.axis_index(axis)
+        weights = jnp.asarray(w, jnp.float32)
+        mixed = jax.tree.map(lambda a: weights[me, me].astype(a.dtype) * a, y)
+        for perm, src in zip(perms, sources, strict=True):
+            arrived = lax.ppermute(y, axis, list(enumerate(perm)))
+            wk = weights[me, jnp.asarray(src)[me]]
+            mixed = jax.tree.map(lambda m, r, wk=wk: m + wk.astype(r.dtype) * r, mixed, arrived)
+        return mixed
+
+    def consensus_distance(params):
+        mean = lax.pmean(params, axis)
+        sq = sum(jnp.sum((p - m) ** 2) for p, m in zip(
+            jax.tree.leaves(params), jax.tree.leaves(mean), strict=True
+        ))  # fmt: skip
+        return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)
+
+    def worker_step(state: GossipState, batch):
+        params, opt_state = st.unstack(state.params), st.unstack(state.opt_state)
+        (loss, aux), grads = value_and_grad(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = mix(optax.apply_updates(params, updates))
+        metrics = lax.pmean({"loss": loss, **aux}, axis)
+        distance = state.consensus_distance
+        if consensus_every:
+            distance = lax.cond(
+                state.step % consensus_every == 0,
+                consensus_distance,
+                lambda _: state.consensus_distance,
+                params,
+            )
+            metrics["consensus_distance"] = distance
+        new = GossipState(st.restack(params), st.restack(opt_state), distance, state.step + 1)
+        return new, metrics
+
+    def step(state: GossipState, batch):
+        batch = st.prepare_batch(
+            batch, mesh, axis, accumulate=accumulate, loss_fn=loss_fn,
+            params=st.one_worker(state.params), has_aux=has_aux,
+        )  # fmt: skip
+        return jax.shard_map(
+            worker_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P())
+        )(state, batch)
+
+    return st.Strategy(init, step, lambda state: st.replica_mean(state.params, mesh))
