@@ -26,6 +26,13 @@ STRATEGIES = {
         )
         for algorithm in ("ring", "tree", "ps")
     },
+    "local_sgd": lambda loss_fn, opt, mesh: ddl.local_sgd(loss_fn, opt, mesh, period=2),
+    # outer SGD at lr 1 is DiLoCo's trivial case; its Nesterov outer step is checked against
+    # its definition in test_local_sgd.py.
+    "local_sgd_diloco": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        loss_fn, opt, mesh, period=2, outer_optimizer=optax.sgd(1.0)
+    ),
+    "gossip_ring": lambda loss_fn, opt, mesh: ddl.gossip(loss_fn, opt, mesh, topology="ring"),
 }
 
 

@@ -72,7 +72,7 @@ def mixing_matrix(topology: str, n: int) -> np.ndarray:
 def _check_mixing(weights: Any, topology: str, n: int) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.shape != (n, n):
-        raise ValueError(f"mixing_weights must be an {n}x{n} matrix, got shape {w.shape}.")
+        raise ValueError(f"mixing_weights must have shape ({n}, {n}), got {w.shape}.")
     if (w < 0).any() or not (
         np.allclose(w.sum(0), 1, atol=1e-6) and np.allclose(w.sum(1), 1, atol=1e-6)
     ):

@@ -1,0 +1,124 @@
+"""gossip against a dense mixing matrix applied on one device."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ddl_jax as ddl
+
+
+def dense_matrix(topology, n):
+    """Uniform weights 1/(degree+1) over each device and the devices it hears from."""
+    hears = [set() for _ in range(n)]
+    for i in range(n):
+        if topology == "ring":
+            hears[i] |= {(i - 1) % n, (i + 1) % n}
+        elif topology == "complete":
+            hears[i] |= set(range(n))
+        elif topology == "exponential":
+            hears[i] |= {(i - 2**k) % n for k in range(n.bit_length()) if 2**k < n}
+        elif topology == "torus":
+            rows = {4: 2, 8: 2}[n]
+            cols = n // rows
+            r, c = divmod(i, cols)
+            hears[i] |= {((r + d) % rows) * cols + c for d in (1, -1)}
+            hears[i] |= {r * cols + (c + d) % cols for d in (1, -1)}
+        hears[i] -= {i}
+    w = np.zeros((n, n))
+    for i in range(n):
+        for j in hears[i] | {i}:
+            w[i, j] = 1 / (len(hears[i]) + 1)
+    return w
+
+
+def mixed_once(topology, n, mlp, **kwargs):
+    """Replicas set to random values, one step with a zero learning rate: only mixing acts."""
+    loss_fn, params = mlp
+    mesh = ddl.make_mesh(data=n)
+    strategy = ddl.gossip(loss_fn, optax.sgd(0.0), mesh, topology=topology, **kwargs)
+    state = strategy.init(params)
+    rng = np.random.default_rng(0)
+    replicas = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), state.params)
+    state = state._replace(params=jax.device_put(replicas, NamedSharding(mesh, P("data"))))
+    state, metrics = jax.jit(strategy.step)(state, make_batches(1, 4 * n)[0])
+    return replicas, state, metrics
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("topology", ["ring", "torus", "exponential", "complete"])
+def test_mixing_equals_the_dense_matrix(mlp, topology, n):
+    w = dense_matrix(topology, n)
+    np.testing.assert_allclose(w.sum(0), 1)
+    np.testing.assert_allclose(w.sum(1), 1)
+    np.testing.assert_allclose(ddl.mixing_matrix(topology, n), w, atol=1e-12)
+    before, state, _ = mixed_once(topology, n, mlp)
+    expected = jax.tree.map(lambda x: np.tensordot(w, x, axes=1), before)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, state.params), expected, atol=1e-5)
+
+
+def test_custom_mixing_weights(mlp):
+    n = 4
+    w = 0.5 * np.eye(n) + 0.25 * (np.roll(np.eye(n), 1, 0) + np.roll(np.eye(n), -1, 0))
+    before, state, _ = mixed_once("ring", n, mlp, mixing_weights=w)
+    expected = jax.tree.map(lambda x: np.tensordot(w, x, axes=1), before)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, state.params), expected, atol=1e-5)
+
+
+def test_consensus_distance_is_the_mean_distance_to_the_average(mlp):
+    _, state, metrics = mixed_once("ring", 8, mlp, consensus_every=1)
+    flat = np.concatenate(
+        [np.asarray(x).reshape(8, -1) for x in jax.tree.leaves(state.params)], axis=1
+    )
+    expected = np.linalg.norm(flat - flat.mean(0), axis=1).mean()
+    np.testing.assert_allclose(metrics["consensus_distance"], expected, rtol=1e-4)
+
+
+def test_complete_graph_is_data_parallel(mlp):
+    loss_fn, params = mlp
+    batches, mesh = make_batches(5, 32), ddl.make_mesh(data=8)
+    results = []
+    for strategy in (
+        ddl.gossip(loss_fn, optax.sgd(0.1), mesh, topology="complete"),
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh),
+    ):
+        state, step = strategy.init(params), jax.jit(strategy.step)
+        for batch in batches:
+            state, _ = step(state, batch)
+        results.append(strategy.params(state))
+    chex.assert_trees_all_close(*results, atol=1e-5)
+
+
+@pytest.mark.parametrize(("topology", "degree"), [("ring", 2), ("exponential", 3), ("torus", 3)])
+def test_sends_degree_times_the_parameters_and_no_all_reduce(mlp, topology, degree):
+    """Torus on 8 = 2x4: the two vertical neighbours coincide, so degree 3."""
+    loss_fn, params = mlp
+    n = 8
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), topology=topology)
+    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
+    assert stats.bytes_sent == (degree * param_bytes + 2 * (n - 1) / n * 4,) * n
+    assert stats.bytes_by_kind == {
+        "collective-permute": degree * param_bytes,
+        "all-reduce": 2 * (n - 1) / n * 4,  # the scalar loss metric, nothing else
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"topology": "star"}, r"topology='star' is not known; valid: \['ring', 'torus'"),
+        ({"mixing_weights": np.ones((4, 4))}, "must be doubly stochastic"),
+        ({"mixing_weights": np.eye(3)}, r"mixing_weights must have shape \(4, 4\)"),
+        ({"mixing_weights": np.full((4, 4), 0.25)}, r"mixing_weights\[0, 2\].*not a neighbour"),
+        ({"consensus_every": -1}, "consensus_every must be an int >= 0"),
+    ],
+)
+def test_bad_arguments(mlp, kwargs, match):
+    loss_fn, _ = mlp
+    with pytest.raises(ValueError, match=match):
+        ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), **kwargs)
