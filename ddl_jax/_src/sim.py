@@ -28,26 +28,32 @@ INFINIBAND_100G = Network(bandwidth=100e9 / 8, latency=2e-6)
 TPU_V4_ICI = Network(bandwidth=45e9, latency=1e-6)
 
 
-def estimate_step_time(stats: CommStats, network: Network, compute_s: float = 0.0) -> float:
+def estimate_step_time(
+    stats: CommStats, network: Network, compute_s: float = 0.0, *, branch: str | None = None
+) -> float:
     """Seconds per step: compute, then every collective in turn, without overlap.
 
     Each collective costs ``count * (rounds * latency + bytes / bandwidth)`` where
-    ``bytes`` is what its busiest device sends. Collectives inside conditional branches are
-    not counted (only one branch runs; see ``stats.branches``).
+    ``bytes`` is what its busiest device sends. Collectives inside conditional branches
+    count only for the ``branch`` named (only one branch runs; see ``stats.branches``).
 
     Args:
       stats: what ``ddl.comm_stats`` read from the compiled step.
       network: the network to price it on.
       compute_s: seconds of computation per step.
+      branch: a key of ``stats.branches``: price a step that takes this branch (a local
+        SGD synchronisation, say); ``None`` prices a step that takes none.
 
     Returns:
       The estimated step time in seconds.
     """
+    if branch is not None and branch not in stats.branches:
+        raise ValueError(f"branch={branch!r} is not one of stats.branches: {list(stats.branches)}.")
     if network.bandwidth <= 0 or network.latency < 0:
         raise ValueError(f"network needs bandwidth > 0 and latency >= 0, got {network}.")
     comm = sum(
         op.count * (op.rounds * network.latency + max(op.sent) / network.bandwidth)
         for op in stats.ops
-        if not op.branch
+        if op.branch in ("", branch)
     )
     return compute_s + comm
