@@ -23,6 +23,7 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/allreduce.py
+	$(BIN)/python benchmarks/averaging.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

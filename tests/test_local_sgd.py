@@ -157,3 +157,17 @@ def test_bad_arguments(mlp, kwargs, error, match):
     loss_fn, _ = mlp
     with pytest.raises(error, match=match):
         ddl.local_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2), **kwargs)
+
+
+def test_a_synchronising_step_is_priced_with_its_branch(mlp):
+    loss_fn, params = mlp
+    n = 8
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), period=4)
+    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
+    net = ddl.sim.Network(bandwidth=1e9, latency=1e-5)
+    local = ddl.sim.estimate_step_time(stats, net)
+    synced = ddl.sim.estimate_step_time(stats, net, branch=next(iter(stats.branches)))
+    assert synced - local == pytest.approx(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * param_bytes / 1e9)
+    with pytest.raises(ValueError, match="is not one of stats.branches"):
+        ddl.sim.estimate_step_time(stats, net, branch="nope")
