@@ -133,17 +133,9 @@ def data_parallel(
         metrics = jax.lax.pmean({"loss": loss, **aux}, axis)
         return DataParallelState(params, opt_state, st.restack(reducer_state)), metrics
 
-    def step(state: DataParallelState, batch):
-        batch = st.prepare_batch(
-            batch, mesh, axis, accumulate=accumulate, loss_fn=loss_fn, params=state.params,
-            has_aux=has_aux,
-        )  # fmt: skip
-        return jax.shard_map(
-            worker_step,
-            mesh=mesh,
-            in_specs=(specs, P(axis)),
-            out_specs=(specs, P()),
-            check_vma=checks_vma(reducer),
-        )(state, batch)
+    step = st.worker_step_over_batch(
+        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
+        worker_params=lambda state: state.params, check_vma=checks_vma(reducer),
+    )  # fmt: skip
 
     return st.Strategy(init=init, step=step, params=lambda state: state.params)

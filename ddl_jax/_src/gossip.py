@@ -211,13 +211,9 @@ def gossip(
         new = GossipState(st.restack(params), st.restack(opt_state), distance, state.step + 1)
         return new, metrics
 
-    def step(state: GossipState, batch):
-        batch = st.prepare_batch(
-            batch, mesh, axis, accumulate=accumulate, loss_fn=loss_fn,
-            params=st.one_worker(state.params), has_aux=has_aux,
-        )  # fmt: skip
-        return jax.shard_map(
-            worker_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P())
-        )(state, batch)
+    step = st.worker_step_over_batch(
+        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
+        worker_params=lambda state: st.one_worker(state.params),
+    )  # fmt: skip
 
     return st.Strategy(init, step, lambda state: st.replica_mean(state.params, mesh))

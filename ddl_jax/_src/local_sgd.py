@@ -175,17 +175,9 @@ def local_sgd(
         )  # fmt: skip
         return new, metrics
 
-    def step(state: LocalSGDState, batch):
-        batch = st.prepare_batch(
-            batch, mesh, axis, accumulate=accumulate, loss_fn=loss_fn,
-            params=st.one_worker(state.params), has_aux=has_aux,
-        )  # fmt: skip
-        return jax.shard_map(
-            worker_step,
-            mesh=mesh,
-            in_specs=(specs, P(axis)),
-            out_specs=(specs, P()),
-            check_vma=checks_vma(reducer),
-        )(state, batch)
+    step = st.worker_step_over_batch(
+        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
+        worker_params=lambda state: st.one_worker(state.params), check_vma=checks_vma(reducer),
+    )  # fmt: skip
 
     return st.Strategy(init, step, lambda state: st.replica_mean(state.params, mesh))

@@ -146,35 +146,52 @@ def shard_batch(batch: Batch, mesh: Mesh, axis: str) -> Batch:
     return jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
 
 
-def prepare_batch(
-    batch: Batch,
+def worker_step_over_batch(
+    worker_step: Callable[[State, Batch], tuple[State, Metrics]],
     mesh: Mesh,
     axis: str,
+    specs: Any,
     *,
-    accumulate: int,
     loss_fn: LossFn,
-    params: Params,
     has_aux: bool,
-) -> Batch:
-    """Checks a global batch and ``loss_fn`` on it, then shards the batch over ``axis``.
+    accumulate: int,
+    worker_params: Callable[[State], Params],
+    check_vma: bool = True,
+) -> Callable[[State, Batch], tuple[State, Metrics]]:
+    """The ``Strategy.step`` of the data-parallel family, around a per-worker step.
+
+    The step checks the global batch (it must divide by workers x ``accumulate``) and
+    ``loss_fn`` on one micro-batch's shapes, shards the batch over ``axis``, and runs
+    ``worker_step(state, local_batch)`` under ``shard_map``.
 
     Args:
-      batch: the global batch a strategy's ``step`` received.
+      worker_step: ``(state, local_batch) -> (state, metrics)``, run on each worker.
       mesh: the strategy's mesh; ``axis``: its worker axis.
+      specs: the ``PartitionSpec`` prefix of the state; metrics are replicated.
+      loss_fn, has_aux: the user's loss.
       accumulate: micro-batches per worker per step.
-      loss_fn, has_aux: the user's loss, checked on one micro-batch's shapes.
-      params: one worker's params (arrays or ``ShapeDtypeStruct``s).
+      worker_params: ``state -> one worker's params`` (arrays or ``ShapeDtypeStruct``s).
+      check_vma: whether ``shard_map`` checks replication types (see ``checks_vma``).
     """
     n = mesh.shape[axis]
-    size = check_batch(
-        batch, n * accumulate, why=f"{n} workers on axis {axis!r} x accumulate={accumulate}"
-    )
-    batch = shard_batch(batch, mesh, axis)
-    micro = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size // (n * accumulate), *x.shape[1:]), x.dtype), batch
-    )
-    check_loss_output(jax.eval_shape(loss_fn, params, micro), has_aux=has_aux)
-    return batch
+    program = jax.shard_map(
+        worker_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
+        check_vma=check_vma,
+    )  # fmt: skip
+
+    def step(state: State, batch: Batch) -> tuple[State, Metrics]:
+        size = check_batch(
+            batch, n * accumulate, why=f"{n} workers on axis {axis!r} x accumulate={accumulate}"
+        )
+        batch = shard_batch(batch, mesh, axis)
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((size // (n * accumulate), *x.shape[1:]), x.dtype),
+            batch,
+        )
+        check_loss_output(jax.eval_shape(loss_fn, worker_params(state), micro), has_aux=has_aux)
+        return program(state, batch)
+
+    return step
 
 
 def unstack(tree: Any) -> Any:
