@@ -1,0 +1,621 @@
+"""Pipeline model parallelism: GPipe, 1F1B and decoupled delayed gradients (DDG).
+
+K stages live on the ``stage`` mesh axis, one per device; activations travel to the next
+stage and error gradients to the previous one by ``ppermute``, inside a ``lax.scan`` over
+the ticks of a schedule computed in numpy (``pipeline_schedules``). Stages may differ in
+parameters and in activation shapes: each stage's parameters are one flat vector (padded
+to the largest stage, so they stack over the ``stage`` axis) and activations travel as flat
+buffers padded to the largest boundary, unpacked by the receiving stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src import strategy as st
+from ddl_jax._src.data_parallel import check_builder_args
+from ddl_jax._src.flax_bridge import split
+from ddl_jax._src.pipeline_schedules import (
+    SCHEDULES,
+    gradient_wait,
+    make_schedule,
+    peak_stash,
+)
+from ddl_jax._src.reducers import allreduce_mean, checks_vma
+
+DATA, STAGE = "data", "stage"
+StageFn = Callable[[Any, Any], Any]
+
+
+class PipelineState(NamedTuple):
+    """State of :func:`pipeline` with ``schedule="gpipe"`` or ``"1f1b"``.
+
+    Attributes:
+      params: ``[K, P]``, stage k's parameters flattened (zero-padded to the largest
+        stage's size P), ``P("stage")``.
+      opt_state: each stage's optimizer state, leading axis K, ``P("stage")``.
+      reducer_state: each (data worker, stage)'s reducer state, leading axes ``[N, K]``,
+        ``P("data", "stage")``.
+    """
+
+    params: jax.Array
+    opt_state: Any
+    reducer_state: Any
+
+
+class DDGState(NamedTuple):
+    """State of :func:`pipeline` with ``schedule="ddg"``: the pipeline stays full between steps.
+
+    Attributes:
+      params, opt_state, reducer_state: as in ``PipelineState``.
+      inputs: ``[N, K, 2K-1, A]``, the stage inputs each stage keeps for its delayed
+        backward (slot ``micro-batch mod 2K-1``), ``P("data", "stage")``; ``()`` for K=1.
+      inbox: ``[N, K, A]``, the error gradient each stage received on the last tick,
+        ``P("data", "stage")``; ``()`` for K=1.
+      history: the last ``ceil(2(K-1)/M)`` steps' micro-batches, leaves
+        ``[N, H*M, b, ...]``, ``P("data")``: the first stage's inputs for its delayed
+        backward and the labels of the micro-batches still in flight; ``()`` for K=1.
+      tick: ``int32`` scalar, ticks run so far (``P()``).
+    """
+
+    params: jax.Array
+    opt_state: Any
+    reducer_state: Any
+    inputs: Any
+    inbox: Any
+    history: Any
+    tick: jax.Array
+
+
+class _Flat(NamedTuple):
+    """A stage's parameter pytree <-> a flat vector of ``size`` entries."""
+
+    treedef: Any
+    shapes: list[tuple[int, ...]]
+    dtypes: list[Any]
+    size: int
+
+    @classmethod
+    def of(cls, template: Any) -> _Flat:
+        leaves, treedef = jax.tree.flatten(template)
+        shapes = [tuple(np.shape(x)) for x in leaves]
+        return cls(treedef, shapes, [x.dtype for x in leaves], sum(map(math.prod, shapes)))
+
+    def ravel(self, tree: Any, length: int, dtype: Any) -> jax.Array:
+        flat = [jnp.ravel(x).astype(dtype) for x in jax.tree.leaves(tree)]
+        return jnp.pad(jnp.concatenate(flat), (0, length - self.size))
+
+    def unravel(self, vector: jax.Array) -> Any:
+        offsets = np.cumsum([0, *map(math.prod, self.shapes)])
+        leaves = [
+            vector[a:b].reshape(s).astype(d)
+            for a, b, s, d in zip(offsets[:-1], offsets[1:], self.shapes, self.dtypes, strict=True)
+        ]
+        return self.treedef.unflatten(leaves)
+
+
+def pipeline_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with size-1 ``data`` / ``stage`` axes added where it has none."""
+    st.check_mesh_axis(mesh, mesh.axis_names[0], arg="mesh")
+    devices, names, types = mesh.devices, tuple(mesh.axis_names), tuple(mesh.axis_types)
+    for axis in (DATA, STAGE):
+        if axis not in names:
+            devices, names, types = devices[..., None], (*names, axis), (*types, AxisType.Explicit)
+    return Mesh(devices, names, axis_types=types)
+
+
+def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[Any]]:
+    """Flax NNX modules -> ``(stages, params)`` for :func:`pipeline` and its ``init``."""
+    pairs = [split(m) for m in modules]
+    return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
+
+
+def _vary(x: Any, axes: tuple[str, ...]) -> Any:
+    """Casts ``x`` to varying over ``axes`` (those it is not varying over yet)."""
+
+    def one(leaf):
+        varying = jax.typeof(leaf).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(one, x)
+
+
+def _check_stages(stages: Any, k: int) -> tuple[list[StageFn], list[_Flat]]:
+    if not isinstance(stages, Sequence) or not stages:
+        raise TypeError(
+            "stages must be a non-empty list of (apply, params) pairs, got "
+            f"{type(stages).__name__}."
+        )
+    if len(stages) != k:
+        raise ValueError(
+            f"len(stages)={len(stages)} but the mesh's 'stage' axis has size {k}; build the "
+            f"mesh with ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
+        )
+    applies, flats = [], []
+    for i, stage in enumerate(stages):
+        if not (isinstance(stage, tuple) and len(stage) == 2 and callable(stage[0])):
+            raise TypeError(
+                f"stages[{i}] must be a pair (apply(params, x) -> y, params), e.g. from "
+                f"ddl.pipeline_stages(modules); got {type(stage).__name__}."
+            )
+        applies.append(stage[0])
+        flats.append(_Flat.of(stage[1]))
+    return applies, flats
+
+
+class _Stages(NamedTuple):
+    """Stage k's forward and backward on flat buffers, for a fixed micro-batch shape."""
+
+    forward: list[Callable]  # (p, x_buf, micro) -> y_buf
+    backward: list[Callable]  # (p, x_buf, ct_buf, micro) -> (param grad, input grad, loss)
+    width: int  # A, entries of the largest activation buffer
+    dtype: Any
+
+
+def _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro) -> _Stages:
+    """Traces the stage chain on abstract shapes and wraps each stage on flat buffers."""
+    k_ = len(applies)
+    inputs, x = [micro], micro
+    for i, (apply, flat) in enumerate(zip(applies, flats, strict=True)):
+        p = jax.ShapeDtypeStruct((param_len,), param_dtype)
+        try:
+            x = jax.eval_shape(lambda p, x, a=apply, f=flat: a(f.unravel(p), x), p, x)
+        except (TypeError, ValueError) as e:
+            got = jax.tree.map(lambda s: s.shape, x)
+            raise ValueError(
+                f"stage {i} does not accept the output of stage {i - 1} (shape {got}): "
+                f"{type(e).__name__}: {e}"
+                if i
+                else f"stage 0 does not accept a micro-batch of shape {got}: {e}"
+            ) from e
+        if i < k_ - 1:
+            if not (isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)):
+                raise ValueError(
+                    f"stage {i} must return one floating-point array to pass to stage {i + 1}, "
+                    f"got {jax.tree.map(lambda s: (s.shape, s.dtype), x)}."
+                )
+            inputs.append(x)
+    st.check_loss_output(jax.eval_shape(loss_fn, x, micro), has_aux=False)
+    boundaries = inputs[1:]
+    width = max([math.prod(s.shape) for s in boundaries], default=0)
+    dtype = jnp.result_type(*[s.dtype for s in boundaries]) if boundaries else param_dtype
+
+    def pack(y):
+        return jnp.pad(jnp.ravel(y).astype(dtype), (0, width - y.size))
+
+    def unpack(buf, like):
+        return buf[: math.prod(like.shape)].reshape(like.shape).astype(like.dtype)
+
+    def stage_fn(i):
+        apply, flat, last = applies[i], flats[i], i == k_ - 1
+
+        def run(p, x_buf, micro):
+            x = micro if i == 0 else unpack(x_buf, inputs[i])
+            y = apply(flat.unravel(p), x)
+            return loss_fn(y, micro) if last else y
+
+        def forward(p, x_buf, micro):
+            return pack(run(p, x_buf, micro))
+
+        def backward(p, x_buf, ct_buf, micro):
+            y, vjp = jax.vjp(lambda p, x_buf: run(p, x_buf, micro), p, x_buf)
+            ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
+            grad_p, grad_x = vjp(ct)
+            return grad_p, grad_x, y if last else jnp.zeros((), jnp.float32)
+
+        return forward, backward
+
+    fns = [stage_fn(i) for i in range(k_)]
+    return _Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
+
+
+def _micro_shapes(batch: Any, count: int) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // count, *x.shape[1:]), x.dtype), batch
+    )
+
+
+def _shift(x: jax.Array, k_: int, direction: int) -> jax.Array:
+    """Sends ``x`` to the next (+1) or previous (-1) stage; the ends receive zeros."""
+    perm = [(i, i + direction) for i in range(k_) if 0 <= i + direction < k_]
+    return lax.ppermute(x, STAGE, perm)
+
+
+def pipeline(
+    stages: Sequence[tuple[StageFn, Any]],
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    microbatches: int,
+    schedule: str = "gpipe",
+    example_batch: Any = None,
+    reducer: optax.GradientTransformation | None = None,
+) -> st.Strategy:
+    """Pipeline model parallelism over the ``stage`` mesh axis (and data parallelism over ``data``).
+
+    The model is ``loss_fn(f_{K-1}(... f_1(f_0(batch; w_0); w_1) ...; w_{K-1}), batch)``,
+    stage ``f_k`` on the devices at position k of the ``stage`` axis. Each data worker's
+    share of the global batch is cut into M micro-batches that flow through the stages.
+
+    * ``"gpipe"`` and ``"1f1b"``: one step runs the schedule's ``2(M+K-1)`` ticks and then
+      ``w_k <- w_k + optimizer(reducer(g_k))`` with ``g_k`` the exact gradient of the mean
+      loss over the global batch, as in single-device training. GPipe (Huang et al. 2019,
+      arXiv:1811.06965) runs all forwards then all backwards, idle fraction
+      ``(K-1)/(M+K-1)``, and each stage keeps M micro-batches' inputs; 1F1B
+      (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503) has the same bubble but
+      keeps at most K.
+    * ``"ddg"``, decoupled parallel backpropagation with delayed gradients (Huo et al. 2018,
+      arXiv:1804.10574): every tick, every stage runs one forward and one backward and
+      updates its weights, with no bubble. At global tick t stage k forwards micro-batch
+      ``t-k`` and backpropagates micro-batch ``j = t-2(K-1)+k`` with the error gradient
+      ``delta_j`` that stage k+1 sent on tick t-1 (the last stage uses its own loss at once):
+      ``w_k <- w_k + optimizer(reducer(d f_k(h_j; w_k)/d w_k . delta_j))``, recomputing the
+      stage from its stashed input ``h_j`` with its current weights. Huo et al. keep the
+      forward pass locked, so their stage k sees a gradient delayed by K-1-k iterations;
+      here the forward is pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs
+      M ticks, so M updates of micro-batch size; the pipeline stays full across steps.
+
+    Stage inputs are rematerialised: a stage keeps the input of each micro-batch in flight
+    and re-runs its forward for the backward (as GPipe does).
+
+    Args:
+      stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
+        micro-batch pytree, stage k>0 the previous stage's output, which must be one
+        floating-point array (any shape, stages may differ). ``params`` is a template (arrays
+        or ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes; NNX modules
+        convert with ``pipeline_stages``.
+      loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch.
+      optimizer: optax transform applied per stage to its flat parameter vector (so an
+        element-wise optimizer such as SGD or Adam behaves as on the unflattened tree).
+      mesh: a mesh with a ``stage`` axis of size K (and optionally ``data``), e.g.
+        ``ddl.make_mesh(data=2, stage=4)``; a mesh without ``stage`` means K=1.
+      microbatches: M, micro-batches per data worker per step; the global batch must
+        divide by ``data`` x M.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"ddg"``.
+      example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``); required by
+        ``"ddg"`` with K > 1, whose state stashes activations of the batch's shape. Every
+        later batch must have these shapes.
+      reducer: reduces each stage's gradients over ``data`` (default
+        ``ddl.allreduce_mean("data")``).
+
+    Returns:
+      A ``Strategy``: ``init(params)`` takes the K stages' parameter pytrees (a sequence),
+      ``params(state)`` returns them as a list. Metrics: ``loss``, the mean loss of the
+      micro-batches whose loss was computed in this step.
+    """
+    check_builder_args(lambda: None, optimizer, accumulate=1)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
+    st.check_positive_int("microbatches", microbatches)
+    mesh = pipeline_mesh(mesh)
+    n, k_ = mesh.shape[DATA], mesh.shape[STAGE]
+    applies, flats = _check_stages(stages, k_)
+    param_len = max(f.size for f in flats)
+    param_dtype = jnp.result_type(*[d for f in flats for d in f.dtypes])
+    reducer = allreduce_mean(DATA) if reducer is None else reducer
+    stage_spec, cell_spec = P(STAGE), P(DATA, STAGE)
+    divisor, why = n * microbatches, f"{n} data workers x microbatches={microbatches}"
+    if schedule == "ddg" and k_ > 1 and example_batch is None:
+        raise ValueError(
+            "schedule='ddg' with K > 1 stages needs example_batch= (a global batch or its "
+            "jax.ShapeDtypeStructs): its state stashes activations of that shape."
+        )
+    if example_batch is not None:
+        st.check_batch(example_batch, divisor, why=why)
+        example_batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example_batch
+        )
+        _build_stages(
+            applies, flats, loss_fn, param_len, param_dtype, _micro_shapes(example_batch, divisor)
+        )
+
+    @jax.jit
+    def stage_params(state) -> list[Any]:
+        stacked = jax.sharding.reshard(state.params, NamedSharding(mesh, P()))
+        return [f.unravel(stacked[i]) for i, f in enumerate(flats)]
+
+    def place_common(params):
+        if not isinstance(params, Sequence) or len(params) != k_:
+            raise ValueError(
+                f"params must be a sequence of {k_} stage parameter pytrees (one per stage), "
+                f"got {type(params).__name__}"
+                + (f" of length {len(params)}." if isinstance(params, Sequence) else ".")
+            )
+        for i, (p, f) in enumerate(zip(params, flats, strict=True)):
+            st.check_params(p)
+            got = _Flat.of(p)
+            if got.treedef != f.treedef or got.shapes != f.shapes:
+                raise ValueError(
+                    f"params[{i}] has shapes {got.shapes} but stage {i} was built with {f.shapes}."
+                )
+        stacked = jnp.stack(
+            [f.ravel(p, param_len, param_dtype) for p, f in zip(params, flats, strict=True)]
+        )
+        stacked = st._place(stacked, NamedSharding(mesh, stage_spec))
+        opt_state = jax.jit(
+            jax.vmap(optimizer.init), out_shardings=NamedSharding(mesh, stage_spec)
+        )(stacked)
+        one = jax.ShapeDtypeStruct((param_len,), param_dtype)
+        reducer_state = jax.tree.map(
+            lambda x: jnp.zeros((n, k_, *x.shape), x.dtype), jax.eval_shape(reducer.init, one)
+        )
+        reducer_state = st._place(reducer_state, NamedSharding(mesh, cell_spec))
+        return stacked, opt_state, reducer_state
+
+    def check(batch) -> Any:
+        size = st.check_batch(batch, divisor, why=why)
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((size // divisor, *np.shape(x)[1:]), x.dtype), batch
+        )
+        if example_batch is not None:
+            given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+            if given != example_batch:
+                raise ValueError(
+                    f"batch shapes {given} differ from example_batch {example_batch}, which "
+                    "fixed the shapes of the pipeline's stashed activations."
+                )
+        return micro
+
+    def update(params, opt_state, reducer_state, grads):
+        grads, reducer_state = reducer.update(grads, reducer_state, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, reducer_state
+
+    def local(tree):
+        return jax.tree.map(lambda x: x[0], tree)
+
+    def unlocal(tree, depth):
+        return jax.tree.map(lambda x: x.reshape((1,) * depth + x.shape), tree)
+
+    vma = checks_vma(reducer)
+
+    if schedule in ("gpipe", "1f1b"):
+        plan = make_schedule(k_, microbatches, schedule)
+        slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
+        tables = _tick_tables(plan)
+        specs = PipelineState(stage_spec, stage_spec, cell_spec)
+
+        def init(params) -> PipelineState:
+            return PipelineState(*place_common(params))
+
+        def step(state: PipelineState, batch):
+            micro = check(batch)
+            fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
+            program = jax.shard_map(
+                lambda s, b: _synchronous_step(
+                    s, b, fns, tables, slots, inbox_slots, k_, microbatches, update, local, unlocal
+                ),
+                mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
+            )  # fmt: skip
+            return program(state, st.shard_batch(batch, mesh, DATA))
+
+        return st.Strategy(init=init, step=step, params=stage_params)
+
+    depth = math.ceil(2 * (k_ - 1) / microbatches)
+    slots = 2 * k_ - 1
+
+    def init(params) -> DDGState:
+        stacked, opt_state, reducer_state = place_common(params)
+        inputs = inbox = history = ()
+        if k_ > 1:
+            micro = _micro_shapes(example_batch, divisor)
+            fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
+            cells = NamedSharding(mesh, cell_spec)
+            inputs = jax.jit(
+                lambda: jnp.zeros((n, k_, slots, fns.width), fns.dtype), out_shardings=cells
+            )()
+            inbox = jax.jit(lambda: jnp.zeros((n, k_, fns.width), fns.dtype), out_shardings=cells)()
+            history = jax.jit(
+                lambda: jax.tree.map(
+                    lambda s: jnp.zeros((n, depth * microbatches, *s.shape), s.dtype), micro
+                ),
+                out_shardings=NamedSharding(mesh, P(DATA)),
+            )()
+        tick = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P()))()
+        return DDGState(stacked, opt_state, reducer_state, inputs, inbox, history, tick)
+
+    specs = DDGState(stage_spec, stage_spec, cell_spec, cell_spec, cell_spec, P(DATA), P())
+
+    def step(state: DDGState, batch):
+        micro = check(batch)
+        fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
+        program = jax.shard_map(
+            lambda s, b: _ddg_step(
+                s, b, fns, k_, microbatches, depth, slots, update, local, unlocal
+            ),
+            mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
+        )  # fmt: skip
+        return program(state, st.shard_batch(batch, mesh, DATA))
+
+    return st.Strategy(init=init, step=step, params=stage_params)
+
+
+def _tick_tables(plan) -> dict[str, np.ndarray]:
+    """Per tick and stage: the branch to run, its micro-batch, and what arrives."""
+    k_ = plan.stages
+    forward, backward = plan.forward, plan.backward
+    stage = np.arange(k_)[None, :]
+    # The last stage's forward only feeds its loss, which its backward recomputes anyway.
+    runs_forward = (forward >= 0) & (stage < k_ - 1)
+    branch = np.where(runs_forward, 1 + stage, np.where(backward >= 0, 1 + k_ + stage, 0))
+    micro = np.maximum(np.where(forward >= 0, forward, backward), 0)
+    none = np.full((len(forward), 1), -1, np.int32)
+    recv_act = np.concatenate([none, forward[:, :-1]], axis=1)
+    recv_grad = np.concatenate([backward[:, 1:], none], axis=1)
+    return {"branch": branch, "micro": micro, "recv_act": recv_act, "recv_grad": recv_grad}
+
+
+def _index(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
+    old = lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
+
+
+def _synchronous_step(
+    state, batch, fns, tables, slots, inbox_slots, k_, m_, update, local, unlocal
+):
+    """One GPipe / 1F1B step on one device: the scheduled ticks, then one update."""
+    k = lax.axis_index(STAGE)
+    both = (DATA, STAGE)
+    p = state.params[0]
+    # Differentiate a data-varying view: each data worker's gradient goes to the reducer.
+    p_var = _vary(p, (DATA,))
+    micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
+    rows = {name: jnp.asarray(t)[:, k] for name, t in tables.items()}
+    zeros_a = jnp.zeros((fns.width,), fns.dtype)
+
+    def idle(p, x_buf, ct, mb):
+        return _vary((zeros_a, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+
+    def forward(i):
+        def run(p, x_buf, ct, mb):
+            y = fns.forward[i](p, x_buf, mb)
+            return _vary((y, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+
+        return run
+
+    def backward(i):
+        def run(p, x_buf, ct, mb):
+            grad_p, grad_x, loss = fns.backward[i](p, x_buf, ct, mb)
+            return _vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32)), both)
+
+        return run
+
+    branches = [idle, *map(forward, range(k_)), *map(backward, range(k_))]
+
+    def tick(carry, row):
+        acts, inbox, grad_sum, loss_sum = carry
+        m = row["micro"]
+        out_act, out_grad, grad_p, loss = lax.switch(
+            row["branch"],
+            branches,
+            p_var,
+            acts[m % slots],
+            inbox[m % inbox_slots],
+            _index(micro, m),
+        )
+        if k_ > 1:
+            received = row["recv_act"]
+            acts = _store(acts, received % slots, _shift(out_act, k_, 1), received >= 0)
+            received = row["recv_grad"]
+            inbox = _store(inbox, received % inbox_slots, _shift(out_grad, k_, -1), received >= 0)
+        return (acts, inbox, grad_sum + grad_p / m_, loss_sum + loss / m_), None
+
+    carry = _vary(
+        (
+            jnp.zeros((slots, fns.width), fns.dtype),
+            jnp.zeros((inbox_slots, fns.width), fns.dtype),
+            jnp.zeros_like(p),
+            jnp.zeros((), jnp.float32),
+        ),
+        both,
+    )
+    (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
+    reducer_state = jax.tree.map(lambda x: x[0, 0], state.reducer_state)
+    p, opt_state, reducer_state = update(p, local(state.opt_state), reducer_state, grads)
+    new = PipelineState(p[None], unlocal(opt_state, 1), unlocal(reducer_state, 2))
+    return new, {"loss": lax.pmean(lax.psum(loss, STAGE), DATA)}
+
+
+def _ddg_step(state, batch, fns, k_, m_, depth, slots, update, local, unlocal):
+    """M DDG ticks on one device; each ends with this stage's (delayed-gradient) update."""
+    k = lax.axis_index(STAGE)
+    both = (DATA, STAGE)
+    last = k_ - 1
+    current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
+    if k_ > 1:
+        inputs, inbox = state.inputs[0, 0], state.inbox[0, 0]
+        sequence = jax.tree.map(lambda h, c: jnp.concatenate([h[0], c]), state.history, current)
+    else:
+        inputs, inbox = jnp.zeros((slots, 0), fns.dtype), jnp.zeros((0,), fns.dtype)
+        sequence = current
+    past = depth * m_  # micro-batches of earlier steps at the front of ``sequence``
+    zeros_a = jnp.zeros((fns.width,), fns.dtype)
+
+    def stage_tick(i):
+        def run(p, x_f, x_b, ct, mb_f, mb_b):
+            out_act = fns.forward[i](p, x_f, mb_f) if i < last else zeros_a
+            grad_p, grad_x, loss = fns.backward[i](p, x_b, ct, mb_b)
+            return _vary((out_act, grad_x, grad_p, loss.astype(jnp.float32)), both)
+
+        return run
+
+    branches = [stage_tick(i) for i in range(k_)]
+
+    def tick(carry, i):
+        p, opt_state, reducer_state, inputs, inbox, loss_sum, count = carry
+        g = state.tick + i
+        j_f, j_b = g - k, g - 2 * last + k
+        mb_f = _index(sequence, past + i)
+        mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
+        out_act, grad_x, grad_p, loss = lax.switch(
+            k,
+            branches,
+            _vary(p, (DATA,)),
+            inputs[j_f % slots],
+            inputs[j_b % slots],
+            inbox,
+            mb_f,
+            mb_b,
+        )
+        valid = j_b >= 0
+        new = update(p, opt_state, reducer_state, grad_p)
+        p, opt_state, reducer_state = jax.tree.map(
+            lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
+        )
+        if k_ > 1:
+            inputs = _store(inputs, (g - k + 1) % slots, _shift(out_act, k_, 1), True)
+            inbox = _shift(grad_x, k_, -1)
+        counted = valid & (k == last)
+        return (
+            p,
+            opt_state,
+            reducer_state,
+            inputs,
+            inbox,
+            loss_sum + jnp.where(counted, loss, 0.0),
+            count + counted,
+        ), None
+
+    carry = (
+        state.params[0],
+        local(state.opt_state),
+        jax.tree.map(lambda x: x[0, 0], state.reducer_state),
+        *_vary((inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
+    )
+    (p, opt_state, reducer_state, inputs, inbox, loss_sum, count), _ = lax.scan(
+        tick, carry, jnp.arange(m_)
+    )
+    loss = lax.psum(loss_sum, STAGE) / jnp.maximum(lax.psum(count, STAGE), 1)
+    history = inbox_out = inputs_out = ()
+    if k_ > 1:
+        inputs_out, inbox_out = inputs[None, None], inbox[None, None]
+        history = jax.tree.map(lambda s: s[s.shape[0] - past :][None], sequence)
+    new = DDGState(
+        p[None],
+        unlocal(opt_state, 1),
+        unlocal(reducer_state, 2),
+        inputs_out,
+        inbox_out,
+        history,
+        state.tick + m_,
+    )
+    return new, {"loss": lax.pmean(loss, DATA)}
