@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
+from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
 
@@ -104,7 +105,8 @@ def data_parallel(
 
     Returns:
       A ``Strategy`` whose state is a ``DataParallelState`` and whose metrics hold
-      ``loss`` (mean over the global batch) and the aux values.
+      ``loss`` (mean over the global batch), the aux values, and the reducer's metrics
+      (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
     """
     check_builder_args(loss_fn, optimizer, accumulate=accumulate)
     st.check_mesh_axis(mesh, axis)
@@ -130,7 +132,8 @@ def data_parallel(
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = jax.lax.pmean({"loss": loss, **aux}, axis)
+        # One all-reduce carries the loss, the aux values and the reducer's own metrics.
+        metrics = jax.lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
         return DataParallelState(params, opt_state, st.restack(reducer_state)), metrics
 
     step = st.worker_step_over_batch(

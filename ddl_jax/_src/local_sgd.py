@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
+from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.data_parallel import check_builder_args, local_value_and_grad
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
@@ -88,9 +89,10 @@ def local_sgd(
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, and
-      ``synchronised`` (1.0 on steps that ended with a synchronisation). ``params(state)``
-      is the mean of the replicas.
+      A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values,
+      ``synchronised`` (1.0 on steps that ended with a synchronisation) and the reducer's
+      metrics (``compression_ratio`` of the last exchange for a compressing reducer).
+      ``params(state)`` is the mean of the replicas.
     """
     check_builder_args(loss_fn, optimizer, accumulate=accumulate)
     st.check_positive_int("period", period)
@@ -167,7 +169,7 @@ def local_sgd(
             (*carry, st.unstack(state.reducer_state)),
         )
         params, opt_state, anchor, outer_state, reducer_state = carry
-        metrics = lax.pmean({"loss": loss, **aux}, axis)
+        metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
         metrics["synchronised"] = (branch == 2).astype(jnp.float32)
         new = LocalSGDState(
             st.restack(params), st.restack(opt_state), anchor, outer_state,

@@ -1,0 +1,342 @@
+"""Compressing reducers against their definitions: identity settings, error feedback, bytes."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, mlp_loss, reference_sgd
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import ddl_jax as ddl
+from ddl_jax._src import compression_wire as wire
+from ddl_jax._src import strategy as st
+from ddl_jax._src.compression import cast, qsgd, sign
+from ddl_jax._src.compression_lowrank import power_sgd
+from ddl_jax._src.compression_sparse import threshold, top_k
+
+SHAPES = {"w": (6, 20), "b": (13,)}  # a matrix and a vector; neither divides by 8 x workers
+
+
+def random_grads(steps: int, n: int, seed: int = 0) -> dict:
+    """Per-step, per-worker gradients ``[T, N, ...]``, different on every worker."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def run_reducer(reducer, grads: dict, n: int):
+    """Feeds worker i its gradients ``grads[:, i]`` for T steps.
+
+    Returns each worker's sum of the reducer's outputs ``[N, ...]``, its outputs
+    ``[T, N, ...]`` and its final state ``[N, ...]``.
+    """
+    mesh = ddl.make_mesh(data=n)
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    state = st.stack_for_workers(reducer.init(params), mesh, "data")
+
+    def worker(state, grads):
+        def one(state, g):
+            out, state = reducer.update(g, state)
+            return state, out
+
+        mine = jax.tree.map(lambda g: g[:, 0], grads)
+        state, outs = jax.lax.scan(one, st.unstack(state), mine)
+        return st.restack(state), jax.tree.map(lambda x: x[:, None], outs)
+
+    program = jax.shard_map(
+        worker, mesh=mesh, in_specs=(P("data"), P(None, "data")),
+        out_specs=(P("data"), P(None, "data")), check_vma=False,
+    )  # fmt: skip
+    grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P(None, "data")))
+    state, outs = jax.tree.map(np.asarray, jax.jit(program)(state, grads))
+    return jax.tree.map(lambda o: o.sum(0), outs), outs, state
+
+
+def train(strategy, params, batches):
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state = strategy.init(params)
+    for batch in batches:
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+# -- identity settings ----------------------------------------------------------------------
+
+IDENTITY = {
+    "cast_float32": lambda: cast(jnp.float32),
+    "top_k_ratio_1": lambda: top_k(1.0),
+    "power_sgd_full_rank": lambda: power_sgd(16),  # the MLP's matrices are 12x16 and 16x5
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDENTITY))
+def test_identity_settings_equal_single_device_training(mlp, name):
+    loss_fn, params = mlp
+    batches = make_batches(4, 32)
+    strategy = ddl.data_parallel(
+        loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), reducer=IDENTITY[name]()
+    )
+    state, _ = train(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+# -- error feedback conserves mass ----------------------------------------------------------
+
+
+def unsent(name: str, state) -> dict:
+    """What the workers hold back, as a share of the mean: mean_i e_i (+ the owners' e')."""
+    if name == "sign":
+        # Each worker's owner_residual is zero outside the chunk it owns: summing assembles e'.
+        return jax.tree.map(
+            lambda e, e2: e.mean(0) + e2.sum(0), state.residual, state.owner_residual
+        )
+    if name == "power_sgd":
+        return {"w": state.residual[0].mean(0), "b": np.zeros(SHAPES["b"], np.float32)}
+    flat = state.residual.mean(0)
+    return {"b": flat[:13], "w": flat[13:].reshape(SHAPES["w"])}  # ravel_pytree's key order
+
+
+EF = {
+    "sign": lambda: sign(),
+    "threshold": lambda: threshold(0.5, capacity=0.05),
+    "top_k": lambda: top_k(0.05),
+    "power_sgd": lambda: power_sgd(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EF))
+def test_error_feedback_conserves_mass(name):
+    n, steps = 4, 6
+    grads = random_grads(steps, n)
+    total, outs, state = run_reducer(EF[name](), grads, n)
+    raw = jax.tree.map(lambda g: g.sum(0).mean(0), grads)  # mean_i sum_t g_{i,t}
+    sent = jax.tree.map(lambda t: t[0], total)
+    chex.assert_trees_all_close(
+        jax.tree.map(jnp.add, sent, unsent(name, state)), raw, atol=2e-5, rtol=0
+    )
+    # Every worker got the same update, and it is compressed: not the plain mean.
+    chex.assert_trees_all_equal(
+        total, jax.tree.map(lambda t: jnp.broadcast_to(t[0], t.shape), total)
+    )
+    assert not np.allclose(outs["w"][0, 0], grads["w"][0].mean(0), atol=1e-3)
+
+
+# -- sign: the documented scale ---------------------------------------------------------------
+
+
+def sign_reference(xs: list[np.ndarray], n: int) -> np.ndarray:
+    """One step of the docstring's rule from zero residuals, for one tensor, in numpy."""
+
+    def compress(x):
+        return np.abs(x).mean() * np.where(x >= 0, 1.0, -1.0)
+
+    y = np.mean([compress(x.ravel()) for x in xs], axis=0)
+    chunk = -(-y.size // (8 * n)) * 8
+    chunks = [y[j * chunk : (j + 1) * chunk] for j in range(n)]
+    return np.concatenate([compress(c) for c in chunks if c.size])  # trailing owners: padding
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_sign_is_the_scaled_sign_averaged_by_owners(n):
+    grads = random_grads(1, n, seed=3)
+    _, outs, _ = run_reducer(sign(), grads, n)
+    for k in SHAPES:
+        expected = sign_reference([grads[k][0, i] for i in range(n)], n)
+        np.testing.assert_allclose(outs[k][0, 0].ravel(), expected, rtol=1e-6)
+    if n == 1:  # one worker: exactly (||x||_1 / d) sign(x)
+        x = grads["w"][0, 0]
+        np.testing.assert_allclose(outs["w"][0, 0], np.abs(x).mean() * np.sign(x), rtol=1e-6)
+
+
+def test_bit_packing_round_trips():
+    bits = np.random.default_rng(0).integers(0, 2, size=(3, 64)).astype(bool)
+    packed = wire.pack_bits(jnp.asarray(bits))
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 8)
+    assert int(packed[0, 0]) == sum(int(b) << j for j, b in enumerate(bits[0, :8]))
+    np.testing.assert_array_equal(wire.unpack_bits(packed), bits)
+
+
+# -- QSGD: unbiased, keyed --------------------------------------------------------------------
+
+
+def test_qsgd_is_unbiased_and_keyed():
+    n, steps, levels = 4, 1000, 2
+    one = random_grads(1, n, seed=1)
+    grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
+    total, outs, _ = run_reducer(qsgd(levels, bucket_size=16), grads, n)
+    mean = jax.tree.map(lambda g: g[0].mean(0), one)
+    # One draw's error per entry is below norm / s per stage (two stages); the mean over T
+    # draws is within 5 standard errors.
+    norm = max(float(np.linalg.norm(g[0])) for g in one.values())
+    tolerance = 5 * 2 * norm / levels / np.sqrt(steps)
+    for k in SHAPES:
+        np.testing.assert_allclose(total[k][0] / steps, mean[k], atol=tolerance, rtol=0)
+        assert not np.allclose(outs[k][0, 0], outs[k][1, 0])  # fresh noise each step
+    _, again, _ = run_reducer(qsgd(levels, bucket_size=16), grads, n)
+    chex.assert_trees_all_equal(again, outs)  # the same keys, the same numbers
+
+
+# -- top_k: DGC's rule ------------------------------------------------------------------------
+
+
+def dgc_reference(grads: dict, n: int, ratio: float, m: float, clip: float) -> list[np.ndarray]:
+    """top_k's docstring rule in numpy, on the flattened gradient (ravel_pytree's order)."""
+    flat = np.concatenate([grads["b"], grads["w"].reshape(*grads["w"].shape[:2], -1)], axis=2)
+    steps, _, d = flat.shape
+    k = int(np.ceil(ratio * d))
+    u, v, outs = np.zeros((n, d)), np.zeros((n, d)), []
+    for t in range(steps):
+        out = np.zeros(d)
+        for i in range(n):
+            g = flat[t, i] * min(1.0, clip / np.linalg.norm(flat[t, i]))
+            u[i] = m * u[i] + g
+            v[i] = v[i] + u[i]
+            top = np.argsort(-np.abs(v[i]))[:k]
+            out[top] += v[i, top] / n
+            v[i, top], u[i, top] = 0.0, 0.0
+        outs.append(out)
+    return outs
+
+
+def test_top_k_follows_dgc():
+    n, steps = 2, 5
+    grads = random_grads(steps, n, seed=2)
+    _, outs, _ = run_reducer(top_k(0.1, momentum=0.9, clip_norm=3.0), grads, n)
+    expected = dgc_reference(grads, n, 0.1, 0.9, 3.0)
+    for t in range(steps):
+        got = np.concatenate([outs["b"][t, 0], outs["w"][t, 0].ravel()])
+        np.testing.assert_allclose(got, expected[t], atol=1e-5)
+
+
+def test_top_k_warmup_phases_send_fewer_bytes_each(mlp):
+    loss_fn, params = mlp
+    n, d = 8, sum(x.size for x in jax.tree.leaves(params))
+    strategy = ddl.data_parallel(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), reducer=top_k(0.01, warmup_steps=8)
+    )
+    batch = make_batches(1, 32)[0]
+    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    ks = [int(np.ceil(r * d)) for r in (0.25, 0.25**2, 0.25**3, 0.01, 0.01)]
+    assert sorted(stats.branches.values()) == sorted((n - 1) * 8 * k for k in ks)
+    state = strategy.init(params)
+    step = jax.jit(strategy.step)
+    ratios = []
+    for b in make_batches(10, 32):
+        state, metrics = step(state, b)
+        ratios.append(float(metrics["compression_ratio"]))
+    assert ratios[0] < ratios[2] < ratios[4] < ratios[6] <= ratios[8] == ratios[9]
+
+
+# -- bytes on the wire ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_mlp_step():
+    """``reducer -> CommStats`` of a data_parallel step of the MLP 784-1024-1024-10, N=8."""
+    model = ddl.models.MLP(784, [1024, 1024], 10, rngs=nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(model, mlp_loss)
+    batch = {"x": np.zeros((64, 784), np.float32), "y": np.zeros(64, np.int32)}
+    mesh = ddl.make_mesh(data=8)
+
+    def stats(reducer):
+        strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+        return ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+
+    return stats
+
+
+@pytest.mark.parametrize(
+    "name, reducer, low, high",
+    [
+        ("cast_bf16", lambda: cast(jnp.bfloat16), 1.99, 2.0),
+        ("sign", lambda: sign(), 25, np.inf),
+        ("top_k_0.001", lambda: top_k(0.001), 100, np.inf),
+        ("power_sgd_rank_4", lambda: power_sgd(4), 50, np.inf),
+    ],
+)
+def test_wire_bytes_against_a_dense_fp32_ring(large_mlp_step, name, reducer, low, high):
+    dense = large_mlp_step(ddl.allreduce_mean(algorithm="ring")).bytes_per_device
+    compressed = large_mlp_step(reducer())
+    assert low <= dense / compressed.bytes_per_device <= high, name
+
+
+@pytest.mark.parametrize(
+    "reducer",
+    [
+        cast,
+        sign,
+        lambda: threshold(0.01),
+        lambda: top_k(0.05),
+        lambda: qsgd(4),
+        lambda: power_sgd(2),
+    ],
+)
+def test_compression_ratio_metric_matches_the_compiled_program(mlp, reducer):
+    loss_fn, params = mlp
+    n = 8
+    mesh = ddl.make_mesh(data=n)
+    [batch] = make_batches(1, 32)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer())
+    _, metrics = train(strategy, params, [batch])
+    measured = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    metrics_bytes = 2 * (n - 1) / n * 4 * 2  # the all-reduce of loss and compression_ratio
+    dense = 2 * (n - 1) / n * 4 * sum(x.size for x in jax.tree.leaves(params))
+    np.testing.assert_allclose(
+        metrics["compression_ratio"], dense / (measured.bytes_per_device - metrics_bytes), rtol=1e-5
+    )
+
+
+# -- local SGD's outer exchange ---------------------------------------------------------------
+
+
+def test_a_compressor_reduces_local_sgds_pseudo_gradient(mlp):
+    loss_fn, params = mlp
+    mesh = ddl.make_mesh(data=8)
+    batches = make_batches(4, 32)
+    plain = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
+    plain_state, _ = train(plain, params, batches)
+    exact = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=top_k(1.0))
+    state, metrics = train(exact, params, batches)
+    chex.assert_trees_all_close(exact.params(state), plain.params(plain_state), atol=1e-6)
+    assert float(metrics["compression_ratio"]) == pytest.approx(1 / 8)  # (N-1) 8 D vs 1.75 4 D
+    signed = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=sign())
+    state, metrics = train(signed, params, batches)
+    assert float(metrics["compression_ratio"]) > 1
+    assert jax.tree.leaves(state.reducer_state.residual)[0].shape[0] == 8  # one per worker
+    chex.assert_trees_all_equal(
+        state.params, jax.tree.map(lambda a: a[None].repeat(8, 0), state.anchor)
+    )
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: top_k(0.0), "ratio must be a number in \\(0, 1\\], got 0.0"),
+        (lambda: top_k(1.5), "ratio must be a number in \\(0, 1\\], got 1.5"),
+        (lambda: top_k(0.1, momentum=1.0), "momentum must be a number in \\[0, 1\\)"),
+        (lambda: top_k(0.1, warmup_steps=-1), "warmup_steps must be an int >= 0"),
+        (lambda: top_k(0.1, clip_norm=0), "clip_norm must be None or a positive number"),
+        (lambda: threshold(-0.1), "tau must be a positive number, got -0.1"),
+        (lambda: threshold(0.1, capacity=2), "capacity must be a number in \\(0, 1\\]"),
+        (lambda: power_sgd(0), "rank must be an int >= 1, got 0"),
+        (lambda: qsgd(0), "levels must be an int in \\[1, 127\\]"),
+        (lambda: qsgd(200), "levels must be an int in \\[1, 127\\]"),
+        (lambda: qsgd(4, bucket_size=0), "bucket_size must be a positive int"),
+        (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),
+        (lambda: cast(jnp.float64), "dtype must be a floating dtype of at most 4 bytes"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_axis_must_be_a_name():
+    with pytest.raises(TypeError, match="axis must be a mesh axis name"):
+        sign(axis=0)
