@@ -41,18 +41,30 @@ def digits(
 
 
 def batches(
-    data: Dataset, batch_size: int, *, seed: int = 0, epochs: int | None = None
+    data: Dataset,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epochs: int | None = None,
+    start: int = 0,
+    rows: slice | None = None,
 ) -> Iterator[Dataset]:
     """Yields shuffled global batches of ``batch_size`` examples, reshuffled every epoch.
 
     The last partial batch of an epoch is dropped, so every batch has the same shape and
-    a jitted step compiles once.
+    a jitted step compiles once. Batch ``s`` depends only on ``seed`` and ``s``: the
+    stream started at ``start=s`` is the tail of the stream started at 0 (a resumed run
+    sees exactly the batches an uninterrupted run would), and ``rows`` cuts the same
+    batches for one process (see ``ddl.launch.process_rows``).
 
     Args:
       data: dict of arrays sharing a leading example axis.
       batch_size: examples per global batch; at most the number of examples.
       seed: seed of the shuffling.
       epochs: passes over the data; ``None`` repeats forever.
+      start: index of the first batch to yield, >= 0.
+      rows: only these rows of each global batch (a slice of ``range(batch_size)``);
+        ``None`` yields whole batches.
     """
     if not isinstance(data, dict) or not data:
         raise ValueError(
@@ -64,14 +76,33 @@ def batches(
     n = next(iter(sizes.values()))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
         raise ValueError(f"batches: batch_size must be an int in [1, {n}], got {batch_size!r}.")
-    return _shuffled_batches(data, n, batch_size, np.random.default_rng(seed), epochs)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"batches: start must be an int >= 0, got {start!r}.")
+    if rows is None:
+        rows = slice(0, batch_size)
+    if (
+        not isinstance(rows, slice)
+        or rows.step not in (None, 1)
+        or not (
+            0 <= (rows.start or 0) < (batch_size if rows.stop is None else rows.stop) <= batch_size
+        )
+    ):
+        raise ValueError(
+            f"batches: rows must be a non-empty slice of range({batch_size}) with step 1, "
+            f"got {rows!r}."
+        )
+    return _shuffled_batches(data, n, batch_size, seed, epochs, start, rows)
 
 
-def _shuffled_batches(data, n, batch_size, rng, epochs) -> Iterator[Dataset]:
-    epoch = 0
+def _shuffled_batches(data, n, batch_size, seed, epochs, start, rows) -> Iterator[Dataset]:
+    rng = np.random.default_rng(seed)
+    per_epoch = n // batch_size
+    epoch, first = divmod(start, per_epoch)
+    for _ in range(epoch):  # one permutation per epoch: skipping replays only the draws
+        rng.permutation(n)
     while epochs is None or epoch < epochs:
         order = rng.permutation(n)
-        for start in range(0, n - batch_size + 1, batch_size):
-            idx = order[start : start + batch_size]
+        for b in range(first, per_epoch):
+            idx = order[b * batch_size : (b + 1) * batch_size][rows]
             yield {k: v[idx] for k, v in data.items()}
-        epoch += 1
+        epoch, first = epoch + 1, 0

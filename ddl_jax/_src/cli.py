@@ -1,0 +1,201 @@
+"""``ddl-jax launch``: start N local processes of a script and supervise them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from ddl_jax._src import launch
+
+_POLL_S = 0.05
+
+
+def _free_port() -> int:
+    # Bind to port 0 and hand the port the kernel chose to the coordinator; the short window
+    # before process 0 binds it again is the usual price of not passing sockets around.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code} (killed by signal {-code})"
+    return f"exit code {code}"
+
+
+def _pump(stream, prefix: str, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(f"{prefix}{line}\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock):
+    port = _free_port()
+    procs, pumps = [], []
+    for rank in range(args.num_processes):
+        env = {
+            **os.environ,
+            launch.ENV_COORDINATOR: f"127.0.0.1:{port}",
+            launch.ENV_NUM_PROCESSES: str(args.num_processes),
+            launch.ENV_PROCESS_ID: str(rank),
+            launch.ENV_HEARTBEAT: str(args.heartbeat_timeout),
+            launch.ENV_ATTEMPT: str(attempt),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if args.devices_per_process is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process)
+        # A session of its own, so stopping a rank also stops whatever it started.
+        proc = subprocess.Popen(
+            args.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", lock))
+        pump.start()
+        procs.append(proc)
+        pumps.append(pump)
+    return procs, pumps
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(_POLL_S)
+    for proc in procs:
+        proc.wait()
+
+
+def _supervise(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """Waits until every rank succeeded (``None``) or one failed (``(rank, code)``)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                return rank, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(_POLL_S)
+
+
+def _log(message: str, lock: threading.Lock) -> None:
+    with lock:
+        sys.stdout.flush()
+        print(f"ddl-jax launch: {message}", file=sys.stderr, flush=True)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Runs ``args.command`` as ``args.num_processes`` ranks; returns the exit status.
+
+    Returns:
+      0 when every rank exits 0; otherwise the failing rank's exit code (128 + signal
+      number for a rank killed by a signal), once restarts are used up.
+    """
+    lock = threading.Lock()
+    for attempt in range(args.restarts + 1):
+        procs, pumps = _start(args, attempt, lock)
+        try:
+            failure = _supervise(procs)
+        finally:
+            _stop(procs, args.grace)
+            for pump in pumps:
+                pump.join()
+        if failure is None:
+            return 0
+        rank, code = failure
+        _log(
+            f"rank {rank} failed with {_describe(code)}; stopped the other "
+            f"{args.num_processes - 1} process(es).",
+            lock,
+        )
+        if attempt < args.restarts:
+            _log(
+                f"restarting all {args.num_processes} processes (restart {attempt + 1} of "
+                f"{args.restarts}); they resume from their latest checkpoint.",
+                lock,
+            )
+    _log(f"giving up: rank {rank} failed with {_describe(code)}.", lock)
+    return code if code > 0 else 128 - code
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``ddl-jax`` command line."""
+    root = argparse.ArgumentParser(prog="ddl-jax", description=__doc__)
+    sub = root.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser(
+        "launch",
+        help="run a script as N local processes joined by jax.distributed",
+        description=(
+            "Starts N copies of COMMAND on this machine, each a rank of one JAX cluster "
+            "(coordinator on a free 127.0.0.1 port; the script calls "
+            "ddl_jax.launch.initialize()). Output lines are prefixed with the rank. If a "
+            "rank fails, the others are stopped (SIGTERM, then SIGKILL after --grace "
+            "seconds) and all are restarted, up to --restarts times."
+        ),
+    )
+    p.add_argument("-n", "--num-processes", type=_positive, required=True, help="ranks to start")
+    p.add_argument(
+        "--devices-per-process", type=_positive, default=None,
+        help="CPU devices each rank exposes (JAX_NUM_CPU_DEVICES); default: JAX's",
+    )  # fmt: skip
+    p.add_argument(
+        "--restarts", type=_non_negative, default=0,
+        help="times to relaunch all ranks after a failure (default 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--heartbeat-timeout", type=_positive, default=10,
+        help="seconds before JAX's runtime declares a silent rank dead (default 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grace", type=float, default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
+    )  # fmt: skip
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ddl-jax``."""
+    root = parser()
+    args = root.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        root.error("launch: give the command to run after --, e.g. -- python train.py")
+    return run_launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

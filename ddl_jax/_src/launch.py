@@ -1,0 +1,234 @@
+"""Joining JAX's distributed runtime, and feeding each process only its rows of a batch."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src import data as data_lib
+from ddl_jax._src.strategy import Batch, check_mesh_axis, check_positive_int
+
+#: Environment variables ``ddl-jax launch`` sets in every process it starts.
+ENV_COORDINATOR = "DDL_JAX_COORDINATOR"
+ENV_NUM_PROCESSES = "DDL_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "DDL_JAX_PROCESS_ID"
+ENV_HEARTBEAT = "DDL_JAX_HEARTBEAT_TIMEOUT"
+ENV_ATTEMPT = "DDL_JAX_ATTEMPT"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer.") from None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_count: int | None = None,
+    heartbeat_timeout_seconds: int | None = None,
+    initialization_timeout: int = 120,
+) -> bool:
+    """Joins this process to JAX's distributed runtime; call it first in a training script.
+
+    Where the cluster comes from, first match wins:
+
+    1. the arguments, when ``coordinator_address`` is given;
+    2. the variables ``ddl-jax launch`` sets (``DDL_JAX_COORDINATOR``, ...);
+    3. JAX's own detection (``jax.distributed.initialize()``): Cloud TPU pods, SLURM,
+       Open MPI, Kubernetes;
+    4. none of these: a single process, and nothing is done.
+
+    With more than one process, CPU collectives go over gloo (JAX's default CPU client
+    has none across processes). ``heartbeat_timeout_seconds`` bounds how long a survivor
+    waits for a dead peer before the runtime aborts it.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: number of processes, >= 1 (with ``coordinator_address``).
+      process_id: this process's rank in ``[0, num_processes)``.
+      local_device_count: CPU devices this process exposes (``jax_num_cpu_devices``);
+        ``None`` keeps the default (one, or ``--devices-per-process`` of the launcher).
+      heartbeat_timeout_seconds: seconds without a heartbeat before a peer counts as
+        dead; default 10 under ``ddl-jax launch``, else JAX's default (100).
+      initialization_timeout: seconds to wait for every process to join (and for the
+        coordinator to answer) before giving up.
+
+    Returns:
+      Whether the distributed runtime was initialised (false: single process).
+
+    Raises:
+      ValueError: a process count, id or address that cannot be right.
+      RuntimeError: the coordinator could not be reached within ``initialization_timeout``.
+    """
+    explicit = coordinator_address is not None
+    if not explicit and (num_processes is not None or process_id is not None):
+        raise ValueError(
+            "initialize: num_processes and process_id need coordinator_address too "
+            f"(got num_processes={num_processes!r}, process_id={process_id!r}, "
+            "coordinator_address=None); pass all three, or none to auto-detect."
+        )
+    launched = not explicit and ENV_COORDINATOR in os.environ
+    if launched:
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+        process_id = _env_int(ENV_PROCESS_ID)
+        if heartbeat_timeout_seconds is None:
+            heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT) or 10
+    if explicit or launched:
+        _check_cluster(coordinator_address, num_processes, process_id)
+    if local_device_count is not None:
+        check_positive_int("local_device_count", local_device_count)
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+    check_positive_int("initialization_timeout", initialization_timeout)
+    kwargs: dict[str, Any] = {"initialization_timeout": initialization_timeout}
+    if heartbeat_timeout_seconds is not None:
+        check_positive_int("heartbeat_timeout_seconds", heartbeat_timeout_seconds)
+        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_seconds
+    if (explicit or launched) and num_processes == 1:
+        return False
+    if (explicit or launched) and process_id != 0:
+        # JAX aborts the whole process (no Python exception) when the coordinator never
+        # answers; probing it first turns that into an error the caller can read.
+        _wait_for_coordinator(
+            coordinator_address, initialization_timeout, process_id, num_processes
+        )
+    # Harmless off CPU: it only configures the CPU client's cross-process collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    except ValueError as e:
+        # JAX found no cluster in the environment: a plain single-process run.
+        if not (explicit or launched) and "coordinator_address" in str(e):
+            return False
+        raise
+    return True
+
+
+def _wait_for_coordinator(address: str, timeout: int, process_id: int, count: int) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"initialize: process {process_id} of {count} could not reach the "
+                    f"coordinator at {address} within {timeout} s ({e}); check that process 0 "
+                    "is running and that the address and port are reachable from this host."
+                ) from e
+            time.sleep(0.2)
+
+
+def _check_cluster(address: Any, num_processes: Any, process_id: Any) -> None:
+    host, sep, port = str(address).rpartition(":")
+    if not isinstance(address, str) or not sep or not host or not port.isdigit():
+        raise ValueError(f"initialize: coordinator_address must be 'host:port', got {address!r}.")
+    check_positive_int("num_processes", num_processes)
+    if isinstance(process_id, bool) or not isinstance(process_id, int):
+        raise ValueError(f"process_id must be an int, got {process_id!r}.")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id must be in [0, {num_processes}) for num_processes={num_processes}, "
+            f"got {process_id}."
+        )
+
+
+def process_rows(mesh: Mesh, batch_size: int, axis: str = "data") -> slice:
+    """The rows of a global batch whose shards live on this process's devices.
+
+    Args:
+      mesh: the strategy's mesh; the batch is sharded ``P(axis)`` over it.
+      batch_size: global batch size; must divide by the size of ``axis``.
+      axis: the data axis.
+
+    Returns:
+      A contiguous ``slice`` of ``range(batch_size)``.
+
+    Raises:
+      ValueError: ``batch_size`` does not divide, or this process's rows are not
+        contiguous (a mesh whose data axis interleaves processes).
+    """
+    n = check_mesh_axis(mesh, axis)
+    check_positive_int("batch_size", batch_size)
+    if batch_size % n:
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by the {n} workers on axis {axis!r}."
+        )
+    indices = NamedSharding(mesh, P(axis)).addressable_devices_indices_map((batch_size,))
+    starts = sorted({(idx[0].start or 0, idx[0].stop or batch_size) for idx in indices.values()})
+    for (_, stop), (start, _) in itertools.pairwise(starts):
+        if stop != start:
+            raise ValueError(
+                f"this process's rows of the batch are not contiguous on mesh {mesh}: "
+                f"{starts}; order the mesh's devices by process (ddl.make_mesh does)."
+            )
+    return slice(starts[0][0], starts[-1][1])
+
+
+def global_batch(local: Batch, mesh: Mesh, batch_size: int, axis: str = "data") -> Batch:
+    """Assembles each process's rows (``process_rows``) into one global batch ``P(axis)``.
+
+    Args:
+      local: pytree of this process's rows, leaves ``[rows, ...]``.
+      mesh: the strategy's mesh.
+      batch_size: the global batch size.
+      axis: the data axis.
+
+    Returns:
+      The global batch as ``jax.Array`` leaves ``[batch_size, ...]`` sharded ``P(axis)``,
+      ready for ``Strategy.step``; no process holds the other processes' rows.
+    """
+    sharding = NamedSharding(mesh, P(axis))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            sharding, np.asarray(x), (batch_size, *np.shape(x)[1:])
+        ),
+        local,
+    )
+
+
+def process_batches(
+    data: data_lib.Dataset,
+    batch_size: int,
+    mesh: Mesh,
+    *,
+    seed: int = 0,
+    start: int = 0,
+    axis: str = "data",
+) -> Iterator[Batch]:
+    """``ddl.data.batches`` as global batches, each process reading only its own rows.
+
+    Every process draws the same shuffled order (from ``seed``) and gathers only
+    ``process_rows`` of each batch, so the global batch of step ``s`` is the same on any
+    number of processes, and ``start=s`` resumes exactly where an uninterrupted run
+    would be.
+
+    Args:
+      data: dict of arrays sharing a leading example axis (e.g. ``ddl.data.digits()[0]``).
+      batch_size: global batch size.
+      mesh: the strategy's mesh.
+      seed: seed of the shuffling.
+      start: index of the first batch (the number of steps already trained).
+      axis: the data axis.
+    """
+    rows = process_rows(mesh, batch_size, axis)
+    local = data_lib.batches(data, batch_size, seed=seed, start=start, rows=rows)
+    return (global_batch(b, mesh, batch_size, axis) for b in local)

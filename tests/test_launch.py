@@ -1,0 +1,279 @@
+"""Multi-process training: the launcher, process-local data, resume after kill -9.
+
+The multi-process runs are fresh ``python`` processes with an explicit environment (2
+processes x 4 CPU devices over gloo on 127.0.0.1), so they do not inherit this test
+process's 8 simulated devices.
+"""
+
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import ddl_jax as ddl
+from ddl_jax._src import cli, launch
+from ddl_jax._src.fit import fit
+
+STEPS, BATCH, EVERY = 8, 32, 2
+
+# The digits MLP under data_parallel on every device of every process, trained twice:
+# from the checkpoints in CHECKPOINT_DIR (rank 1 kills itself with SIGKILL when asked for
+# batch KILL_AT in the launcher's first attempt), then uninterrupted from scratch. Process 0
+# saves both final params.
+WORKER = textwrap.dedent(
+    f"""
+    import os, signal, sys
+    from ddl_jax._src import launch
+    launch.initialize()
+    import jax, numpy as np, optax
+    from flax import nnx
+    import ddl_jax as ddl
+    from ddl_jax._src.fit import fit
+
+    checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    train, _ = ddl.data.digits()
+    loss_fn, params = ddl.flax.loss_from_module(
+        ddl.models.MLP(64, [16], 10, rngs=nnx.Rngs(0)),
+        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+            m(b["image"]), b["label"]).mean(),
+    )
+    mesh = ddl.make_mesh()
+    first = os.environ[launch.ENV_ATTEMPT] == "0"
+
+    def batches(start):
+        for s, batch in enumerate(launch.process_batches(train, {BATCH}, mesh, start=start), start):
+            if s == kill_at and first and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    def train_params(**kwargs):
+        strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), mesh)
+        state, history = fit(strategy, params, batches, steps={STEPS}, progress=False, **kwargs)
+        print("devices", len(jax.devices()), "first step", history[0]["step"])
+        return jax.tree.leaves(jax.device_get(strategy.params(state)))
+
+    resumed = train_params(checkpoint_dir=checkpoint_dir, checkpoint_every={EVERY})
+    first = False
+    uninterrupted = train_params()
+    if jax.process_index() == 0:
+        np.savez(out, *resumed, *uninterrupted)
+    """
+)
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DDL_JAX"))}
+    return {**env, "JAX_PLATFORMS": "cpu"}
+
+
+def run_launcher(tmp_path, name: str, kill_at: int, *extra: str):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / f"{name}.npz"
+    cmd = [
+        sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2",
+        "--devices-per-process", "4", "--heartbeat-timeout", "5", "--grace", "2", *extra,
+        "--", sys.executable, str(script), str(tmp_path / f"{name}_ckpt"), str(out), str(kill_at),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
+    return proc, out
+
+
+def load(out):
+    with np.load(out) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    return leaves[: len(leaves) // 2], leaves[len(leaves) // 2 :]
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """A 2-process run killed (-9) at a random step and restarted, and its output."""
+    # A step after the save at step 4 began, which waits for the one at step 2 to finish:
+    # the restart must resume from a checkpoint, not from scratch.
+    kill_at = random.randint(5, STEPS - 1)
+    tmp_path = tmp_path_factory.mktemp("killed")
+    proc, out = run_launcher(tmp_path, "killed", kill_at, "--restarts", "1")
+    log = f"kill_at={kill_at}\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, log
+    return proc, log, kill_at, *load(out)
+
+
+def test_kill_9_is_reported_and_the_restarted_run_ends_bitwise_equal(restarted):
+    proc, log, kill_at, resumed, uninterrupted = restarted
+    assert "rank 1 failed with exit code -9 (killed by SIGKILL)" in proc.stderr, log
+    assert "restarting all 2 processes (restart 1 of 1)" in proc.stderr, log
+    step = re.search(r"\[rank 0\] fit: resumed from step (\d+)", proc.stdout)
+    assert step and 2 <= int(step.group(1)) <= kill_at, log
+    for rank in (0, 1):
+        assert f"[rank {rank}] devices 8 first step {int(step.group(1)) + 1}" in proc.stdout
+        assert f"[rank {rank}] devices 8 first step 1" in proc.stdout  # the uninterrupted run
+    # Bitwise: the same compiled programs on the same devices and data, resumed from a
+    # checkpoint that stores the float32 state exactly.
+    chex.assert_trees_all_equal(resumed, uninterrupted)
+
+
+def test_two_processes_equal_one_process_on_eight_devices(restarted):
+    uninterrupted = restarted[-1]
+    train, _ = ddl.data.digits()
+    loss_fn, params = ddl.flax.loss_from_module(
+        ddl.models.MLP(64, [16], 10, rngs=nnx.Rngs(0)),
+        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+            m(b["image"]), b["label"]
+        ).mean(),
+    )
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
+    state, _ = fit(strategy, params, ddl.data.batches(train, BATCH), steps=STEPS, progress=False)
+    # allclose, not bitwise: gloo sums across processes in another order than XLA in one.
+    chex.assert_trees_all_close(
+        uninterrupted, jax.tree.leaves(strategy.params(state)), atol=1e-6, rtol=1e-5
+    )
+
+
+def script(tmp_path, body: str) -> str:
+    path = tmp_path / "rank.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_launcher_stops_the_others_and_names_the_dead_rank(tmp_path, capsys):
+    path = script(
+        tmp_path,
+        """
+        import os, signal, time
+        rank = int(os.environ["DDL_JAX_PROCESS_ID"])
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 must be SIGKILLed
+        print("hello from", rank, os.environ["DDL_JAX_NUM_PROCESSES"], flush=True)
+        time.sleep(0.5 if rank == 1 else 60)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    tick = time.monotonic()
+    code = cli.main(["launch", "-n", "2", "--grace", "0.5", "--", sys.executable, path])
+    elapsed = time.monotonic() - tick
+    out, err = capsys.readouterr()
+    assert code == 128 + 9
+    assert "[rank 0] hello from 0 2" in out and "[rank 1] hello from 1 2" in out
+    assert "rank 1 failed with exit code -9 (killed by SIGKILL)" in err
+    assert "giving up" in err
+    assert elapsed < 10  # rank 0 would sleep 60 s had it not been killed
+
+
+def test_launcher_returns_the_exit_code_after_the_restarts(tmp_path, capsys):
+    path = script(
+        tmp_path,
+        """
+        import os, sys
+        print("attempt", os.environ["DDL_JAX_ATTEMPT"])
+        sys.exit(3 if os.environ["DDL_JAX_PROCESS_ID"] == "0" else 0)
+        """,
+    )
+    code = cli.main(["launch", "-n", "2", "--restarts", "2", "--", sys.executable, path])
+    out, err = capsys.readouterr()
+    assert code == 3
+    assert [f"[rank 0] attempt {a}" in out for a in range(3)] == [True] * 3
+    assert err.count("rank 0 failed with exit code 3; stopped the other 1") == 3
+
+
+def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):
+    path = script(tmp_path, "print('done')")
+    assert cli.main(["launch", "-n", "3", "--", sys.executable, path]) == 0
+    assert capsys.readouterr().out.count("done") == 3
+
+
+@pytest.mark.parametrize(
+    "argv", [["launch", "-n", "0", "--", "true"], ["launch", "-n", "2"], ["launch", "--", "true"]]
+)
+def test_launcher_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("127.0.0.1:1234", 2, 2), r"process_id must be in \[0, 2\) for num_processes=2, got 2"),
+        (("127.0.0.1:1234", 2, -1), r"process_id must be in \[0, 2\)"),
+        (("127.0.0.1:1234", 0, 0), "num_processes must be an int >= 1, got 0"),
+        (("localhost", 2, 0), "coordinator_address must be 'host:port', got 'localhost'"),
+        ((None, 2, 0), "need coordinator_address too"),
+    ],
+)
+def test_initialize_rejects_a_cluster_that_cannot_be_right(args, match):
+    with pytest.raises(ValueError, match=match):
+        launch.initialize(*args)
+
+
+def test_initialize_rejects_bad_launcher_variables(monkeypatch):
+    monkeypatch.setenv(launch.ENV_COORDINATOR, "127.0.0.1:1234")
+    monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "two")
+    monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
+    with pytest.raises(ValueError, match="DDL_JAX_NUM_PROCESSES='two' must be an integer"):
+        launch.initialize()
+
+
+def test_unreachable_coordinator_is_a_clear_error_within_the_timeout():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "from ddl_jax._src.launch import initialize; "
+        f"initialize('127.0.0.1:{port}', 2, 1, initialization_timeout=2)"
+    )
+    tick = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1  # a Python exception, not JAX's abort (134)
+    assert (
+        f"RuntimeError: initialize: process 1 of 2 could not reach the coordinator at "
+        f"127.0.0.1:{port} within 2 s" in proc.stderr
+    )
+    assert time.monotonic() - tick < 30
+
+
+def test_process_batches_on_one_process_are_the_global_batches():
+    train, _ = ddl.data.digits()
+    mesh = ddl.make_mesh(data=8)
+    assert launch.process_rows(mesh, 32) == slice(0, 32)
+    got = list(zip(range(3), launch.process_batches(train, 32, mesh, start=5), strict=False))
+    want = list(zip(range(8), ddl.data.batches(train, 32), strict=False))[5:]
+    for (_, g), (_, w) in zip(got, want, strict=True):
+        assert g["image"].sharding.spec == jax.sharding.PartitionSpec("data")
+        chex.assert_trees_all_equal(jax.device_get(g), w)
+    with pytest.raises(ValueError, match="batch_size=30 is not divisible by the 8 workers"):
+        launch.process_rows(mesh, 30)
+
+
+def test_batches_from_start_are_the_tail_and_rows_cut_each_batch():
+    data = {"x": np.arange(20), "y": -np.arange(20)}
+    whole = [b["x"] for _, b in zip(range(12), ddl.data.batches(data, 6, seed=3), strict=False)]
+    tail = [
+        b["x"] for _, b in zip(range(7), ddl.data.batches(data, 6, seed=3, start=5), strict=False)
+    ]
+    np.testing.assert_array_equal(tail, whole[5:])  # 3 batches per epoch: crosses 2 epochs
+    halves = [
+        np.concatenate([b["x"] for b in (lo, hi)])
+        for lo, hi in zip(
+            ddl.data.batches(data, 6, seed=3, start=2, rows=slice(0, 3), epochs=3),
+            ddl.data.batches(data, 6, seed=3, start=2, rows=slice(3, 6), epochs=3),
+            strict=True,
+        )
+    ]
+    np.testing.assert_array_equal(halves, whole[2:9])
+    with pytest.raises(ValueError, match="start must be an int >= 0, got -1"):
+        ddl.data.batches(data, 6, start=-1)
+    with pytest.raises(ValueError, match=r"rows must be a non-empty slice of range\(6\)"):
+        ddl.data.batches(data, 6, rows=slice(4, 8))
