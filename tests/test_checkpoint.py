@@ -1,0 +1,149 @@
+"""Checkpoints and resume in ``fit``: exact resume, corrupt steps, other models and meshes,
+and the non-finite step guard."""
+
+import functools
+import os
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, mlp_loss
+from flax import nnx
+
+import ddl_jax as ddl
+from ddl_jax._src import checkpoint
+from ddl_jax._src.fit import fit
+
+# One model and one strategy object per (name, workers) for the whole module, so that fit's
+# jitted step compiles once per strategy rather than once per test.
+LOSS_FN, PARAMS = ddl.flax.loss_from_module(ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0)), mlp_loss)
+BUILDERS = {
+    "data_parallel": lambda mesh: ddl.data_parallel(LOSS_FN, optax.adam(1e-2), mesh),
+    "local_sgd": lambda mesh: ddl.local_sgd(LOSS_FN, optax.adam(1e-2), mesh, period=3),
+}
+
+
+@functools.cache
+def strategy_for(name: str, workers: int = 8) -> ddl.Strategy:
+    return BUILDERS[name](ddl.make_mesh(data=workers))
+
+
+def train(strategy, batches, steps, directory=None, **kwargs):
+    return fit(
+        strategy, PARAMS, batches, steps=steps, checkpoint_dir=directory, progress=False, **kwargs
+    )
+
+
+def steps_in(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_resumed_fit_ends_bitwise_where_an_uninterrupted_one_does(name, tmp_path):
+    strategy = strategy_for(name)
+    batches = make_batches(6, 32)
+    whole, _ = train(strategy, batches, 6)
+    train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    assert steps_in(tmp_path) == ["2", "4"]
+    # A plain iterable is advanced past the 4 batches already trained on.
+    state, history = train(strategy, batches, 6, tmp_path, checkpoint_every=2)
+    assert [r["step"] for r in history] == [5, 6]
+    chex.assert_trees_all_equal(state, whole)
+    assert steps_in(tmp_path) == ["2", "4", "6"]
+    # Nothing left to train: the checkpoint is the answer.
+    again, history = train(strategy, batches, 6, tmp_path)
+    assert history == []
+    chex.assert_trees_all_equal(again, whole)
+
+
+def test_keep_bounds_the_steps_on_disk(tmp_path):
+    train(strategy_for("data_parallel"), make_batches(5, 32), 5, tmp_path, checkpoint_every=1,
+          keep=2)  # fmt: skip
+    assert steps_in(tmp_path) == ["4", "5"]
+
+
+def largest_data_file(step_dir) -> str:
+    files = [
+        os.path.join(root, f) for root, _, names in os.walk(step_dir / "default" / "d")
+        for f in names
+    ]  # fmt: skip
+    return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize(
+    "target", [largest_data_file, lambda step_dir: step_dir / "default" / "_METADATA"]
+)
+def test_a_truncated_latest_step_is_reported_set_aside_and_the_previous_used(tmp_path, target):
+    strategy = strategy_for("local_sgd")
+    batches = make_batches(4, 32)
+    whole, _ = train(strategy, batches, 4)
+    train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    path = target(tmp_path / "4")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be restored"):
+        state, history = train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    assert [r["step"] for r in history] == [3, 4]  # resumed from step 2
+    chex.assert_trees_all_equal(state, whole)
+    assert steps_in(tmp_path) == ["2", "4", "corrupt-4"]  # the bad step is kept aside
+
+
+def test_a_checkpoint_of_another_model_names_the_mismatching_leaf(tmp_path):
+    train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path)
+    other_loss, other = ddl.flax.loss_from_module(
+        ddl.models.MLP(12, [17], 5, rngs=nnx.Rngs(0)), mlp_loss
+    )
+    strategy = ddl.data_parallel(other_loss, optax.adam(1e-2), ddl.make_mesh(data=8))
+    with pytest.raises(ValueError, match=r"leaf 'params\.layers\.0\.bias' is float32\[16\] in"):
+        fit(strategy, other, make_batches(2, 16), steps=3, checkpoint_dir=tmp_path)
+    assert steps_in(tmp_path) == ["2"]  # a mismatch is not corruption: nothing is moved
+
+
+def test_replicated_state_restores_onto_another_mesh(tmp_path):
+    saved, _ = train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path)
+    mesh = ddl.make_mesh(data=4)
+    like = BUILDERS["data_parallel"](mesh).init(PARAMS)
+    with checkpoint.checkpoint_manager(tmp_path) as manager:
+        restored, step = checkpoint.restore_latest(manager, like)
+    assert step == 2
+    chex.assert_trees_all_equal(jax.device_get(restored), jax.device_get(saved))
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.sharding.mesh.shape == mesh.shape
+
+
+def test_worker_local_state_refuses_another_worker_count(tmp_path):
+    train(strategy_for("local_sgd"), make_batches(1, 32), 1, tmp_path)
+    strategy = BUILDERS["local_sgd"](ddl.make_mesh(data=4))
+    with pytest.raises(
+        ValueError,
+        match="is worker-local state for 8 workers, but the mesh has 4 workers on axis 'data'",
+    ):
+        train(strategy, make_batches(2, 32), 2, tmp_path)
+
+
+def test_skip_nonfinite_skips_the_step_on_every_worker():
+    strategy = strategy_for("local_sgd")
+    clean = make_batches(5, 32)
+    # Only worker 5's rows of batch 2 are NaN: its replica alone would go bad.
+    batches = [dict(b) for b in clean]
+    batches[2]["x"] = batches[2]["x"].copy()
+    batches[2]["x"][20:24] = np.nan
+    state, history = train(strategy, batches, 5, skip_nonfinite=True)
+    assert [r["skipped"] for r in history] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    # As if batch 2 had never been there, step counter and synchronisation clock included
+    # (period 3: the sync after the 3rd applied step is the 4th step's).
+    expected, _ = train(strategy, clean[:2] + clean[3:], 4)
+    chex.assert_trees_all_equal(state, expected)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"checkpoint_every": 0}, "checkpoint_every must be a positive int"),
+     ({"keep": 0}, "keep must be a positive int")],
+)  # fmt: skip
+def test_bad_checkpoint_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path, **kwargs)
