@@ -61,6 +61,13 @@ def _name(path: tuple) -> str:
     return ".".join(parts)
 
 
+def _stored(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    # orbax stores a typed PRNG key array as its uint32 key data.
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.eval_shape(jax.random.key_data, leaf)
+    return tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+
+
 def _worker_axis(leaf: Any) -> str | None:
     spec = getattr(getattr(leaf, "sharding", None), "spec", ())
     return spec[0] if len(spec) and isinstance(spec[0], str) else None
@@ -94,7 +101,7 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
             "saved from a different model or strategy."
         )
     for name, leaf in wanted.items():
-        have, want = tuple(saved[name].shape), tuple(np.shape(leaf))
+        have, (want, dtype) = tuple(saved[name].shape), _stored(leaf)
         axis = _worker_axis(leaf)
         if have != want and axis is not None and have[1:] == want[1:]:
             raise ValueError(
@@ -103,11 +110,11 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
                 "replicas, residuals, queues) cannot change worker count; restore on a mesh "
                 f"with {have[0]} workers."
             )
-        if have != want or np.dtype(saved[name].dtype) != np.dtype(leaf.dtype):
+        if have != want or np.dtype(saved[name].dtype) != dtype:
             raise ValueError(
                 f"{where}: leaf {name!r} is {saved[name].dtype}{list(have)} in the checkpoint "
-                f"but {np.dtype(leaf.dtype)}{list(want)} in this strategy's state; it was saved "
-                "from a different model or strategy."
+                f"but {dtype}{list(want)} in this strategy's state; it was saved from a "
+                "different model or strategy."
             )
 
 
