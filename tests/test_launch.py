@@ -185,6 +185,22 @@ def test_launcher_returns_the_exit_code_after_the_restarts(tmp_path, capsys):
     assert err.count("rank 0 failed with exit code 3; stopped the other 1") == 3
 
 
+def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
+    path = script(
+        tmp_path, "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2", "--", sys.executable, path],
+        env=child_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+    launcher.terminate()
+    assert launcher.wait(timeout=20) == 128 + 15
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):
     path = script(tmp_path, "print('done')")
     assert cli.main(["launch", "-n", "3", "--", sys.executable, path]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -85,15 +86,21 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
 
 
 def _supervise(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    """Waits until every rank succeeded (``None``) or one failed (``(rank, code)``)."""
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                return rank, code
-        if all(code == 0 for code in codes):
-            return None
-        time.sleep(_POLL_S)
+    """Waits until every rank succeeded (``None``) or one failed (``(rank, code)``).
+
+    One waiting thread per rank reports exits in the order they happen, so the rank named
+    is the one that failed first, not a peer that aborted because it lost that rank.
+    """
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank, proc in enumerate(procs):
+        threading.Thread(
+            target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True
+        ).start()
+    for _ in procs:
+        rank, code = exits.get()
+        if code != 0:
+            return rank, code
+    return None
 
 
 def _log(message: str, lock: threading.Lock) -> None:
@@ -114,7 +121,10 @@ def run_launch(args: argparse.Namespace) -> int:
         procs, pumps = _start(args, attempt, lock)
         try:
             failure = _supervise(procs)
-        finally:
+        except KeyboardInterrupt:
+            _log("interrupted; stopping every rank.", lock)
+            return 130
+        finally:  # also on SIGTERM (see main): no rank outlives the launcher
             _stop(procs, args.grace)
             for pump in pumps:
                 pump.join()
@@ -194,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command = args.command[1:]
     if not args.command:
         root.error("launch: give the command to run after --, e.g. -- python train.py")
-    return run_launch(args)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return run_launch(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
