@@ -105,11 +105,11 @@ class _Flat(NamedTuple):
         return self.treedef.unflatten(leaves)
 
 
-def pipeline_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with size-1 ``data`` / ``stage`` axes added where it has none."""
+def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
+    """``mesh`` with a size-1 axis added for each of ``axes`` it lacks (its trivial case)."""
     st.check_mesh_axis(mesh, mesh.axis_names[0], arg="mesh")
     devices, names, types = mesh.devices, tuple(mesh.axis_names), tuple(mesh.axis_types)
-    for axis in (DATA, STAGE):
+    for axis in axes:
         if axis not in names:
             devices, names, types = devices[..., None], (*names, axis), (*types, AxisType.Explicit)
     return Mesh(devices, names, axis_types=types)
@@ -303,7 +303,7 @@ def pipeline(
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     st.check_positive_int("microbatches", microbatches)
-    mesh = pipeline_mesh(mesh)
+    mesh = mesh_with_axes(mesh, (DATA, STAGE))
     n, k_ = mesh.shape[DATA], mesh.shape[STAGE]
     applies, flats = _check_stages(stages, k_)
     param_len = max(f.size for f in flats)

@@ -1,0 +1,290 @@
+"""Tensor (intra-layer) parallelism on the ``model`` mesh axis, and its training strategy.
+
+A column-parallel dense layer splits its kernel's output columns over the ``model`` axis
+(each device computes its slice of the output; no communication), a row-parallel one
+splits its input rows (each device multiplies its slice of the input, one all-reduce sums
+the partial products). A column layer followed by a row layer costs one all-reduce per
+pair (Shoeybi et al. 2019, Megatron-LM, arXiv:1909.08053): the MLP and the attention of a
+Transformer block below each hold one.
+
+The modules hold full-size parameters, each tagged with the ``PartitionSpec`` that shards
+it (``param_specs``); inside ``shard_map`` they run on their local shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src import strategy as st
+from ddl_jax._src.data_parallel import check_builder_args
+from ddl_jax._src.pipeline import mesh_with_axes
+from ddl_jax._src.reducers import allreduce_mean, checks_vma
+
+MODEL, DATA = "model", "data"
+
+
+def column_parallel_dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None):
+    """``x @ kernel + bias`` with ``kernel`` split by columns: no communication.
+
+    Args:
+      x: ``[..., d_in]``, the same on every device of the ``model`` axis.
+      kernel: this device's ``[d_in, d_out / N]`` slice, ``P(None, "model")``.
+      bias: this device's ``[d_out / N]`` slice, ``P("model")``.
+
+    Returns:
+      ``[..., d_out / N]``, this device's slice of the output columns.
+    """
+    y = x @ kernel
+    return y if bias is None else y + bias
+
+
+def row_parallel_dense(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, axis: str = MODEL
+):
+    """``x @ kernel + bias`` with ``x`` and ``kernel`` split by rows: one all-reduce.
+
+    Each device sends ``2 (N-1)/N`` times the output's bytes (one all-reduce over ``axis``).
+
+    Args:
+      x: this device's ``[..., d_in / N]`` slice of the input features.
+      kernel: this device's ``[d_in / N, d_out]`` slice, ``P("model", None)``.
+      bias: ``[d_out]``, replicated (``P()``), added once after the sum.
+      axis: the mesh axis the rows are split over.
+
+    Returns:
+      ``[..., d_out]``, the same on every device of ``axis``.
+    """
+    y = lax.psum(x @ kernel, axis)
+    return y if bias is None else y + bias
+
+
+class ColumnParallelLinear(nnx.Module):
+    """A dense layer whose output features are split over the ``model`` axis."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(
+            init(rngs.params(), (in_features, out_features)), tp_spec=P(None, MODEL)
+        )
+        self.bias = nnx.Param(jnp.zeros((out_features,)), tp_spec=P(MODEL))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return column_parallel_dense(x, self.kernel[...], self.bias[...])
+
+
+class RowParallelLinear(nnx.Module):
+    """A dense layer whose input features are split over the ``model`` axis."""
+
+    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(
+            init(rngs.params(), (in_features, out_features)), tp_spec=P(MODEL, None)
+        )
+        self.bias = nnx.Param(jnp.zeros((out_features,)), tp_spec=P())
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return row_parallel_dense(x, self.kernel[...], self.bias[...])
+
+
+class ParallelMLP(nnx.Module):
+    """``row(gelu(column(x)))``: ``d -> hidden -> d`` with one all-reduce."""
+
+    def __init__(self, features: int, hidden: int, *, rngs: nnx.Rngs):
+        self.up = ColumnParallelLinear(features, hidden, rngs=rngs)
+        self.down = RowParallelLinear(hidden, features, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class ParallelSelfAttention(nnx.Module):
+    """Multi-head self-attention with the heads split over the ``model`` axis.
+
+    The query/key/value projections are column-parallel (device j holds heads
+    ``j H/N .. (j+1) H/N - 1``), the output projection row-parallel: one all-reduce.
+    """
+
+    def __init__(self, features: int, heads: int, *, rngs: nnx.Rngs):
+        if features % heads:
+            raise ValueError(f"features={features} must be a multiple of heads={heads}.")
+        self.head_dim = features // heads
+        self.query = ColumnParallelLinear(features, features, rngs=rngs)
+        self.key = ColumnParallelLinear(features, features, rngs=rngs)
+        self.value = ColumnParallelLinear(features, features, rngs=rngs)
+        self.out = RowParallelLinear(features, features, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        def heads(y):  # [b, s, local features] -> [b, s, local heads, head_dim]
+            return y.reshape(*y.shape[:-1], -1, self.head_dim)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / self.head_dim**0.5)
+        mixed = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return self.out(mixed.reshape(*x.shape[:-1], -1))
+
+
+class ParallelTransformerBlock(nnx.Module):
+    """A pre-LayerNorm Transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
+
+    Two all-reduces in the forward pass (attention output, MLP output), two more in the
+    backward pass (the gradients of the column layers' replicated inputs).
+    """
+
+    def __init__(self, features: int, heads: int, hidden: int, *, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(features, rngs=rngs)
+        self.attention = ParallelSelfAttention(features, heads, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(features, rngs=rngs)
+        self.mlp = ParallelMLP(features, hidden, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def param_specs(module: nnx.Module) -> Any:
+    """The ``PartitionSpec`` of each of ``module``'s params, as a pure dict like its params.
+
+    Parameters of the parallel layers carry their spec; every other parameter (LayerNorm
+    scales, plain layers) is replicated, ``P()``.
+    """
+    state = nnx.state(module, nnx.Param)
+    specs = jax.tree.map(
+        lambda v: v.get_metadata().get("tp_spec", P()),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return nnx.to_pure_dict(specs)
+
+
+class TensorParallelState(NamedTuple):
+    """State of :func:`tensor_parallel`.
+
+    Attributes:
+      params: model parameters, each sharded over ``model`` by its spec, replicated over
+        ``data``.
+      opt_state: optimizer state, sharded like the params it mirrors.
+      reducer_state: each data worker's reducer state, a leading axis ``P("data", ...)``.
+    """
+
+    params: Any
+    opt_state: Any
+    reducer_state: Any
+
+
+def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
+    if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=_is_spec):
+        raise ValueError(
+            "specs must have the structure of params (see param_specs(module)); got "
+            f"{jax.tree.structure(specs, is_leaf=_is_spec)} for params "
+            f"{jax.tree.structure(params)}."
+        )
+    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+    for (path, x), spec in zip(
+        jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
+    ):
+        for dim, names in zip(x.shape, spec, strict=False):
+            names = (names,) if isinstance(names, str) else names or ()
+            if DATA in names:
+                raise ValueError(
+                    f"specs{jax.tree_util.keystr(path)}={spec} shards over 'data'; params are "
+                    "replicated over the data axis."
+                )
+            size = math.prod(mesh.shape[a] for a in names)
+            if dim % size:
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} has shape {x.shape}; spec {spec} "
+                    f"splits a dimension of {dim} into {size} parts, which does not divide."
+                )
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def tensor_parallel(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    specs: Any,
+    reducer: optax.GradientTransformation | None = None,
+) -> st.Strategy:
+    """Tensor parallelism over ``model`` composed with data parallelism over ``data``.
+
+    Each data worker takes ``B/N`` examples; within a data worker the ``model`` devices
+    hold shards of the parameters (``specs``) and run ``loss_fn`` on their shards, the
+    parallel layers communicating inside it. Gradients are reduced over ``data`` only:
+    ``theta <- theta + optimizer(reducer(g_1 .. g_N))``, each device updating its shard.
+
+    Args:
+      loss_fn: ``(params, batch) -> loss``, run inside ``shard_map`` on the parameter
+        shards (e.g. ``ddl.flax.loss_from_module`` of a model built from the parallel
+        layers); the loss must agree over ``model`` (end the model in a row-parallel
+        layer, or ``psum`` over ``"model"``).
+      optimizer: an element-wise optax transform (each device updates its shard).
+      mesh: a mesh with axes ``data`` and ``model``, e.g. ``ddl.make_mesh(data=2, model=4)``;
+        a missing axis counts as size 1.
+      specs: ``PartitionSpec`` per parameter over ``"model"`` (``param_specs(module)``).
+      reducer: reduces gradients over ``data`` (default ``ddl.allreduce_mean("data")``).
+        Reducers built from ``ppermute`` are not supported: they need ``check_vma=False``,
+        under which JAX does not sum the gradients of ``model``-replicated parameters.
+
+    Returns:
+      A ``Strategy`` with a ``TensorParallelState``; metrics: ``loss``.
+    """
+    check_builder_args(loss_fn, optimizer, accumulate=1)
+    mesh = mesh_with_axes(mesh, (DATA, MODEL))
+    n = mesh.shape[DATA]
+    reducer = allreduce_mean(DATA) if reducer is None else reducer
+    if not checks_vma(reducer):
+        raise ValueError(
+            "tensor_parallel needs a psum-based reducer (e.g. ddl.allreduce_mean('data')); "
+            f"got a ppermute-based {type(reducer).__name__}."
+        )
+    sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+    def init(params) -> TensorParallelState:
+        st.check_params(params)
+        _check_specs(params, specs, mesh)
+        params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sharding)(params)
+
+        def per_worker(x):
+            spec = jax.typeof(x).sharding.spec
+            x = jnp.broadcast_to(x, (n, *x.shape))
+            return jax.sharding.reshard(x, NamedSharding(mesh, P(DATA, *spec)))
+
+        with jax.set_mesh(mesh):  # so that fresh leaves (Adam's count) land on the mesh
+            opt_state = jax.jit(optimizer.init)(params)
+            reducer_state = jax.jit(lambda p: jax.tree.map(per_worker, reducer.init(p)))(params)
+        return TensorParallelState(params, opt_state, reducer_state)
+
+    def worker_step(state: TensorParallelState, batch):
+        # A data-varying view, so the reducer sees each data worker's own gradient.
+        local = lax.pcast(state.params, DATA, to="varying")
+        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+        reducer_state = st.unstack(state.reducer_state)
+        updates, reducer_state = reducer.update(grads, reducer_state, state.params)
+        updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TensorParallelState(params, opt_state, st.restack(reducer_state))
+        return new, {"loss": lax.pmean(loss, DATA)}
+
+    def step(state: TensorParallelState, batch):
+        st.check_batch(batch, n, why=f"{n} data workers")
+        state_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
+        program = jax.shard_map(
+            worker_step, mesh=mesh, in_specs=(state_specs, P(DATA)), out_specs=(state_specs, P())
+        )
+        return program(state, st.shard_batch(batch, mesh, DATA))
+
+    return st.Strategy(init=init, step=step, params=lambda state: state.params)

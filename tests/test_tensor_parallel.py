@@ -1,0 +1,185 @@
+"""Tensor-parallel layers and blocks against the same math on one device."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, reference_sgd
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ddl_jax as ddl
+from ddl_jax._src.pipeline import mesh_with_axes
+from ddl_jax._src.tensor_parallel import (
+    ParallelMLP,
+    ParallelTransformerBlock,
+    param_specs,
+    tensor_parallel,
+)
+
+
+def layer_norm(p, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def dense(p, x):
+    return x @ p["kernel"] + p["bias"]
+
+
+def reference_mlp(p, x):
+    return dense(p["down"], jax.nn.gelu(dense(p["up"], x)))
+
+
+def reference_block(p, x, heads):
+    """The Transformer block written plainly on full (unsharded) parameters."""
+    a = p["attention"]
+    h = layer_norm(p["norm1"], x)
+    b, s, d = h.shape
+
+    def split(y):
+        return y.reshape(b, s, heads, d // heads)
+
+    q, k, v = (split(dense(a[name], h)) for name in ("query", "key", "value"))
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // heads) ** 0.5)
+    x = x + dense(a["out"], jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, d))
+    return x + reference_mlp(p["mlp"], layer_norm(p["norm2"], x))
+
+
+def sharded_apply(module, mesh):
+    """``apply(params, x)`` running ``module`` on its parameter shards over ``model``."""
+    apply, _ = ddl.flax.split(module)
+    specs = param_specs(module)
+    mesh = mesh_with_axes(mesh, ("model",))
+    program = jax.shard_map(apply, mesh=mesh, in_specs=(specs, P()), out_specs=P())
+
+    def run(params, x):
+        placed = jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), params, specs)
+        return program(placed, jax.reshard(x, NamedSharding(mesh, P())))
+
+    return jax.jit(run)
+
+
+def all_reduces(hlo):
+    return [line for line in hlo.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
+
+
+def test_transformer_block_on_model_4_equals_the_unsharded_block():
+    block = ParallelTransformerBlock(16, heads=4, hidden=32, rngs=nnx.Rngs(0))
+    _, params = ddl.flax.split(block)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    mesh = ddl.make_mesh(data=1, model=4)
+    apply = sharded_apply(block, mesh)
+    chex.assert_trees_all_close(apply(params, x), reference_block(params, x, 4), atol=1e-5)
+    # Gradients too: every parameter, sharded or replicated, gets the full gradient.
+    grads = jax.jit(jax.grad(lambda p: (apply(p, x) ** 2).sum()))(params)
+    expected = jax.grad(lambda p: (reference_block(p, x, 4) ** 2).sum())(params)
+    chex.assert_trees_all_close(grads, expected, atol=1e-4)
+    # One all-reduce per column/row pair: attention and MLP, each of the block's output.
+    hlo = apply.lower(params, x).compile().as_text()
+    reduces = all_reduces(hlo)
+    assert len(reduces) == 2
+    assert all("f32[2,5,16]" in line for line in reduces)
+
+
+def test_mlp_equals_the_unsharded_mlp_for_every_model_size():
+    mlp = ParallelMLP(8, 16, rngs=nnx.Rngs(0))
+    _, params = ddl.flax.split(mlp)
+    x = jax.random.normal(jax.random.key(1), (3, 8))
+    for m in (1, 2, 4, 8):
+        got = sharded_apply(mlp, ddl.make_mesh(data=1, model=m))(params, x)
+        chex.assert_trees_all_close(got, reference_mlp(params, x), atol=1e-5)
+
+
+class Classifier(nnx.Module):
+    def __init__(self, rngs):
+        self.mlp = ParallelMLP(12, 16, rngs=rngs)
+        self.head = nnx.Linear(12, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x + self.mlp(x))
+
+
+def classifier_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def reference_loss(params, batch):
+    x = batch["x"]
+    logits = dense(params["head"], x + reference_mlp(params["mlp"], x))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.mark.parametrize(("data", "model"), [(1, 1), (2, 4), (4, 2)])
+def test_data_by_model_training_equals_single_device_sgd(data, model):
+    module = Classifier(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
+    batches = make_batches(3, 16)
+    mesh = ddl.make_mesh(data=data, model=model)
+    strategy = tensor_parallel(loss_fn, optax.adam(1e-2), mesh, specs=param_specs(module))
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state = strategy.init(params)
+    for batch in batches:
+        state, metrics = step(state, batch)
+    expected = reference_sgd(reference_loss, optax.adam(1e-2), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+    before = reference_sgd(reference_loss, optax.adam(1e-2), params, batches[:2])
+    np.testing.assert_allclose(metrics["loss"], reference_loss(before, batches[2]), rtol=1e-5)
+
+
+def replica_groups(line):
+    groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)[1]
+    return {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
+
+
+def test_gradients_are_all_reduced_over_data_groups_only():
+    module = Classifier(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
+    mesh = ddl.make_mesh(data=2, model=4)
+    strategy = tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=param_specs(module))
+    [batch] = make_batches(1, 16)
+    hlo = jax.jit(strategy.step).lower(strategy.init(params), batch).compile().as_text()
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [data, model]
+    data_groups = {frozenset(c) for c in ids.T.tolist()}
+    model_groups = {frozenset(r) for r in ids.tolist()}
+    reduces = all_reduces(hlo)
+    groups = [replica_groups(line) for line in reduces]
+    assert all(g in (data_groups, model_groups) for g in groups)
+    # The up-projection's kernel shard [12, 16/4] travels only within its data group.
+    data_lines = [line for line, g in zip(reduces, groups, strict=True) if g == data_groups]
+    assert any("f32[12,4]" in line for line in data_lines)
+    assert not any(
+        "f32[12,4]" in line for line, g in zip(reduces, groups, strict=True) if g != data_groups
+    )
+
+
+def test_bad_input_fails_with_clear_errors():
+    module = Classifier(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
+    specs = param_specs(module)
+    with pytest.raises(ValueError, match="ppermute-based"):
+        tensor_parallel(
+            loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2, model=4), specs=specs,
+            reducer=ddl.allreduce_mean(algorithm="ring"),
+        )  # fmt: skip
+    # 12 output features do not split 8 ways.
+    odd = Classifier(nnx.Rngs(0))
+    odd.mlp = ParallelMLP(12, 12, rngs=nnx.Rngs(1))
+    odd_loss, odd_params = ddl.flax.loss_from_module(odd, classifier_loss)
+    strategy = tensor_parallel(
+        odd_loss, optax.sgd(0.1), ddl.make_mesh(data=1, model=8), specs=param_specs(odd)
+    )
+    with pytest.raises(ValueError, match="splits a dimension of 12 into 8 parts"):
+        strategy.init(odd_params)
+    strategy = tensor_parallel(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2, model=4), specs={"head": specs["head"]}
+    )
+    with pytest.raises(ValueError, match="specs must have the structure of params"):
+        strategy.init(params)
