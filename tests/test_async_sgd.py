@@ -209,11 +209,18 @@ def test_same_seed_same_trajectory_other_seed_another(mlp, random_times_run):
 def test_state_placement(mlp):
     loss_fn, params = mlp
     mesh = ddl.make_mesh(data=8)
-    state = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=downpour(2, 2)).init(params)
     spec = lambda tree: {x.sharding.spec for x in jax.tree.leaves(tree)}  # noqa: E731
-    assert spec(state.params) == spec(state.opt_state) == {P()}
-    assert spec(state.fetched) == spec(state.gradient) == spec(state.accrued) == {P("data")}
+    state = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=softsync(2)).init(params)
+    assert spec(state.params) == spec(state.opt_state) == spec(state.group) == {P()}
+    assert spec(state.fetched) == spec(state.gradient) == {P("data")}
     assert spec(state.arrival) == spec(state.tasks) == spec(state.key) == {P()}
+    # Downpour's server is sharded: device i holds the i-th slice of the flat parameters.
+    strategy = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=downpour(2, 2))
+    state = strategy.init(params)
+    size = sum(x.size for x in jax.tree.leaves(params))
+    assert state.params.shape == (8, -(-size // 8))
+    assert spec(state.params) == spec(state.opt_state) == spec(state.accrued) == {P("data")}
+    chex.assert_trees_all_equal(strategy.params(state), params)
 
 
 @pytest.mark.parametrize(

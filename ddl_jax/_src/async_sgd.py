@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import staleness as sl
@@ -21,8 +22,11 @@ class AsyncSGDState(NamedTuple):
     """State of :func:`async_sgd`: the server, the workers, and the simulated clocks.
 
     Attributes:
-      params: the server's parameters, replicated ``P()``.
-      opt_state: the server's optimizer state, replicated ``P()``.
+      params: the server's parameters, replicated ``P()``; under Downpour, the flattened
+        parameters (zero-padded to a multiple of N) as ``[N, ceil(size / N)]`` sharded
+        ``P(axis)``: device i holds the server's i-th shard.
+      opt_state: the server's optimizer state, replicated ``P()``; under Downpour, one
+        state per shard, ``[N, ...]`` sharded ``P(axis)``.
       fetched: each worker's last fetched parameters, ``[N, ...]`` sharded ``P(axis)``.
       gradient: each worker's gradient of its task in flight (valid where ``ready``),
         ``[N, ...]`` sharded ``P(axis)``.
@@ -93,7 +97,12 @@ def async_sgd(
     * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
       gradients and pushes the mean of its last n_push gradients every n_push; between
       fetches it keeps computing on the parameters it has (the client-side local update of
-      Dean et al. is left out).
+      Dean et al. is left out). The server is sharded over the data axis as in DistBelief:
+      device i holds shard i of the flattened parameters and its optimizer state; a push
+      is a reduce-scatter (each shard receives its slice of the gradient), a fetch an
+      all-gather. The optimizer sees each shard as one flat vector, so elementwise
+      optimizers (SGD, momentum, Adam, ...) act exactly as on the whole model, while
+      transforms that look across leaves (global-norm clipping, masks) act per shard.
 
     Event model. Worker i's k-th gradient takes ``compute_time`` ``d(i, k)`` simulated
     time units (``ddl.compute_times``); it starts when the worker fetches (or is released)
@@ -158,26 +167,44 @@ def async_sgd(
     group_size = protocol.n if isinstance(protocol, sl.SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, sl.SSP) else None
     n_fetch, n_push = protocol if isinstance(protocol, sl.Downpour) else (1, 1)
-    accrues = isinstance(protocol, sl.Downpour)
+    accrues = sharded = isinstance(protocol, sl.Downpour)
     server_opt = optax.with_extra_args_support(optimizer)
     value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
     durations = jax.vmap(lambda key, i, k: sl.duration(model, n, key, i, k), (None, 0, 0))
     workers = jnp.arange(n)
     scalars = dict(group_count=P(), group_staleness=P(), version=P(), now=P())
     vectors = dict(arrival=P(), fetched_version=P(), tasks=P(), ready=P(), waiting=P(), key=P())
+    server_spec = P(axis) if sharded else P()
     specs = AsyncSGDState(
-        params=P(), opt_state=P(), fetched=P(axis), gradient=P(axis), accrued=P(axis),
-        group=P(), **scalars, **vectors,
+        params=server_spec, opt_state=server_spec, fetched=P(axis), gradient=P(axis),
+        accrued=P(axis), group=P(), **scalars, **vectors,
     )  # fmt: skip
+
+    def shards(tree) -> jax.Array:
+        """A params-shaped tree as the sharded server's ``[N, ceil(size / N)]`` blocks."""
+        flat, _ = ravel_pytree(tree)
+        return jnp.pad(flat, (0, -flat.size % n)).reshape(n, -1)
+
+    def unshard(blocks: jax.Array, like) -> Any:
+        """The inverse of ``shards``, shaped like the params-shaped tree ``like``."""
+        flat, unravel = ravel_pytree(like)
+        return unravel(blocks.reshape(-1)[: flat.size])
 
     def init(params) -> AsyncSGDState:
         st.check_params(params)
         zeros = jax.tree.map(jnp.zeros_like, params)
         rep = lambda x: st.replicate(x, mesh)  # noqa: E731
         key = jax.random.key_data(jax.random.key(model.seed, impl="threefry2x32"))
+        if sharded:
+            server = jax.jit(
+                lambda p: (shards(p), jax.vmap(server_opt.init)(shards(p))),
+                out_shardings=NamedSharding(mesh, P(axis)),
+            )(params)
+        else:
+            server = rep(params), rep(server_opt.init(params))
         return AsyncSGDState(
-            params=rep(params),
-            opt_state=rep(server_opt.init(params)),
+            params=server[0],
+            opt_state=server[1],
             fetched=st.stack_for_workers(params, mesh, axis),
             gradient=st.stack_for_workers(zeros, mesh, axis),
             accrued=st.stack_for_workers(zeros, mesh, axis) if accrues else (),
@@ -231,6 +258,10 @@ def async_sgd(
         )
         metrics = {k: v / computed for k, v in metrics.items()}
         state = state._replace(ready=state.ready | ~state.waiting)
+        if sharded:
+            state = state._replace(
+                params=st.unstack(state.params), opt_state=st.unstack(state.opt_state)
+            )
         stats = dict(
             stopped=jnp.zeros((), bool), pushes=jnp.zeros((), jnp.float32),
             tau_sum=jnp.zeros((), jnp.float32), tau_max=jnp.zeros((), jnp.float32),
@@ -259,7 +290,11 @@ def async_sgd(
 
                 def send(args):
                     s, accrued, stats = args
-                    g = lax.psum(jax.tree.map(lambda x: jnp.where(mine, x, 0.0), sent), axis)
+                    g = jax.tree.map(lambda x: jnp.where(mine, x, 0.0), sent)
+                    if sharded:  # each server shard receives its slice of the push
+                        g = lax.psum_scatter(shards(g), axis, scatter_dimension=0)
+                    else:
+                        g = lax.psum(g, axis)
                     s, tau = push(s, g, w)
                     if accrues:
                         accrued = jax.tree.map(lambda a: jnp.where(mine, 0.0, a), accrued)
@@ -282,7 +317,15 @@ def async_sgd(
                     allowed &= lead <= bound
                 start = waiting & allowed
                 fetch = start & (tasks % n_fetch == 0)
-                fetched = jax.tree.map(lambda p, f: jnp.where(fetch[me], p, f), s.params, fetched)
+                if sharded:  # an all-gather of the server's shards, when someone fetches
+                    server = lax.cond(
+                        fetch.any(),
+                        lambda: unshard(lax.all_gather(s.params, axis, tiled=True), fetched),
+                        lambda: fetched,
+                    )
+                else:
+                    server = s.params
+                fetched = jax.tree.map(lambda p, f: jnp.where(fetch[me], p, f), server, fetched)
                 s = s._replace(
                     waiting=waiting & ~start,
                     arrival=jnp.where(start, t + durations(s.key, workers, tasks), s.arrival),
@@ -304,6 +347,10 @@ def async_sgd(
         state = state._replace(
             fetched=st.restack(fetched), gradient=st.restack(gradient), accrued=st.restack(accrued)
         )
+        if sharded:
+            state = state._replace(
+                params=st.restack(state.params), opt_state=st.restack(state.opt_state)
+            )
         metrics |= {
             "staleness_mean": stats["tau_sum"] / jnp.maximum(stats["pushes"], 1.0),
             "staleness_max": stats["tau_max"],
@@ -319,4 +366,12 @@ def async_sgd(
         worker_params=lambda state: st.one_worker(state.fetched),
     )  # fmt: skip
 
-    return st.Strategy(init, step, lambda state: state.params)
+    if not sharded:
+        return st.Strategy(init, step, lambda state: state.params)
+
+    @jax.jit
+    def server_params(state: AsyncSGDState):
+        like = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.fetched)
+        return unshard(jax.sharding.reshard(state.params, NamedSharding(mesh, P())), like)
+
+    return st.Strategy(init, step, server_params)
