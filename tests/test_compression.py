@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import ddl_jax as ddl
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src import strategy as st
+from ddl_jax._src.comm import collectives
 from ddl_jax._src.compression import cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import power_sgd
 from ddl_jax._src.compression_sparse import threshold, top_k
@@ -71,16 +72,18 @@ IDENTITY = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(IDENTITY))
-def test_identity_settings_equal_single_device_training(mlp, name):
+def test_identity_settings_equal_single_device_training(mlp):
     loss_fn, params = mlp
-    batches = make_batches(4, 32)
-    strategy = ddl.data_parallel(
-        loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), reducer=IDENTITY[name]()
-    )
-    state, _ = train(strategy, params, batches)
+    batches = make_batches(3, 32)
     expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
-    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+    for name, reducer in IDENTITY.items():
+        strategy = ddl.data_parallel(
+            loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), reducer=reducer()
+        )
+        state, _ = train(strategy, params, batches)
+        chex.assert_trees_all_close(
+            strategy.params(state), expected, atol=1e-5, rtol=0, custom_message=name
+        )
 
 
 # -- error feedback conserves mass ----------------------------------------------------------
@@ -162,8 +165,8 @@ def test_bit_packing_round_trips():
 # -- QSGD: unbiased, keyed --------------------------------------------------------------------
 
 
-def test_qsgd_is_unbiased_and_keyed():
-    n, steps, levels = 4, 1000, 2
+def test_qsgd_is_unbiased_with_fresh_noise_each_step():
+    n, steps, levels = 4, 400, 2
     one = random_grads(1, n, seed=1)
     grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
     total, outs, _ = run_reducer(qsgd(levels, bucket_size=16), grads, n)
@@ -175,8 +178,6 @@ def test_qsgd_is_unbiased_and_keyed():
     for k in SHAPES:
         np.testing.assert_allclose(total[k][0] / steps, mean[k], atol=tolerance, rtol=0)
         assert not np.allclose(outs[k][0, 0], outs[k][1, 0])  # fresh noise each step
-    _, again, _ = run_reducer(qsgd(levels, bucket_size=16), grads, n)
-    chex.assert_trees_all_equal(again, outs)  # the same keys, the same numbers
 
 
 # -- top_k: DGC's rule ------------------------------------------------------------------------
@@ -233,59 +234,41 @@ def test_top_k_warmup_phases_send_fewer_bytes_each(mlp):
 # -- bytes on the wire ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def large_mlp_step():
-    """``reducer -> CommStats`` of a data_parallel step of the MLP 784-1024-1024-10, N=8."""
+def test_wire_bytes_against_a_dense_fp32_ring():
+    """Bytes per device from the compiled step, the MLP 784-1024-1024-10 on N=8 workers."""
     model = ddl.models.MLP(784, [1024, 1024], 10, rngs=nnx.Rngs(0))
     loss_fn, params = ddl.flax.loss_from_module(model, mlp_loss)
     batch = {"x": np.zeros((64, 784), np.float32), "y": np.zeros(64, np.int32)}
     mesh = ddl.make_mesh(data=8)
 
-    def stats(reducer):
+    def sent(reducer):
         strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
-        return ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+        return ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch).bytes_per_device
 
-    return stats
-
-
-@pytest.mark.parametrize(
-    "name, reducer, low, high",
-    [
-        ("cast_bf16", lambda: cast(jnp.bfloat16), 1.99, 2.0),
-        ("sign", lambda: sign(), 25, np.inf),
-        ("top_k_0.001", lambda: top_k(0.001), 100, np.inf),
-        ("power_sgd_rank_4", lambda: power_sgd(4), 50, np.inf),
-    ],
-)
-def test_wire_bytes_against_a_dense_fp32_ring(large_mlp_step, name, reducer, low, high):
-    dense = large_mlp_step(ddl.allreduce_mean(algorithm="ring")).bytes_per_device
-    compressed = large_mlp_step(reducer())
-    assert low <= dense / compressed.bytes_per_device <= high, name
+    dense = sent(ddl.allreduce_mean(algorithm="ring"))
+    assert 1.99 <= dense / sent(cast(jnp.bfloat16)) <= 2.0  # the 4-byte loss rides along
+    assert dense / sent(sign()) >= 25
+    assert dense / sent(top_k(0.001)) >= 100
+    assert dense / sent(power_sgd(4)) >= 50
 
 
 @pytest.mark.parametrize(
     "reducer",
-    [
-        cast,
-        sign,
-        lambda: threshold(0.01),
-        lambda: top_k(0.05),
-        lambda: qsgd(4),
-        lambda: power_sgd(2),
-    ],
+    [sign, lambda: threshold(0.01), lambda: qsgd(4), lambda: power_sgd(2)],
 )
 def test_compression_ratio_metric_matches_the_compiled_program(mlp, reducer):
     loss_fn, params = mlp
     n = 8
-    mesh = ddl.make_mesh(data=n)
     [batch] = make_batches(1, 32)
-    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer())
-    _, metrics = train(strategy, params, [batch])
-    measured = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), reducer=reducer())
+    state = strategy.init(params)
+    compiled = jax.jit(strategy.step).lower(state, batch).compile()
+    sent = sum(max(op.sent) * op.count for op in collectives(compiled.as_text()))
+    _, metrics = compiled(state, batch)
     metrics_bytes = 2 * (n - 1) / n * 4 * 2  # the all-reduce of loss and compression_ratio
     dense = 2 * (n - 1) / n * 4 * sum(x.size for x in jax.tree.leaves(params))
     np.testing.assert_allclose(
-        metrics["compression_ratio"], dense / (measured.bytes_per_device - metrics_bytes), rtol=1e-5
+        metrics["compression_ratio"], dense / (sent - metrics_bytes), rtol=1e-5
     )
 
 
@@ -293,22 +276,17 @@ def test_compression_ratio_metric_matches_the_compiled_program(mlp, reducer):
 
 
 def test_a_compressor_reduces_local_sgds_pseudo_gradient(mlp):
+    # H = 1 with SGD is synchronous SGD: the compressed exchange at ratio 1 must keep it so.
     loss_fn, params = mlp
-    mesh = ddl.make_mesh(data=8)
-    batches = make_batches(4, 32)
-    plain = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
-    plain_state, _ = train(plain, params, batches)
-    exact = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=top_k(1.0))
-    state, metrics = train(exact, params, batches)
-    chex.assert_trees_all_close(exact.params(state), plain.params(plain_state), atol=1e-6)
-    assert float(metrics["compression_ratio"]) == pytest.approx(1 / 8)  # (N-1) 8 D vs 1.75 4 D
-    signed = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=sign())
-    state, metrics = train(signed, params, batches)
-    assert float(metrics["compression_ratio"]) > 1
-    assert jax.tree.leaves(state.reducer_state.residual)[0].shape[0] == 8  # one per worker
-    chex.assert_trees_all_equal(
-        state.params, jax.tree.map(lambda a: a[None].repeat(8, 0), state.anchor)
+    batches = make_batches(3, 32)
+    strategy = ddl.local_sgd(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=1, reducer=top_k(1.0)
     )
+    state, metrics = train(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+    assert float(metrics["compression_ratio"]) == pytest.approx(1 / 8)  # (N-1) 8 D vs 1.75 4 D
+    assert state.reducer_state.residual.shape[0] == 8  # one residual per worker
 
 
 # -- bad input --------------------------------------------------------------------------------
