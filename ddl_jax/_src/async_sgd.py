@@ -121,11 +121,12 @@ def async_sgd(
     So a step holds between 1 and N arrivals; equal compute times give exactly N (the
     trajectory of synchronous data parallelism under ``softsync(N)``). Wasted work: a
     worker whose gradient is still in flight, or that waits, leaves its shard of the
-    step's batch unused (its device skips the gradient); every event moves one gradient
-    over the data axis (an all-reduce of a masked gradient, so N param-sized
-    all-reduces a step), also for the events the step does not use. The same
-    ``compute_time`` seed gives the same trajectory: ``d(i, k)`` depends only on
-    (seed, i, k).
+    step's batch unused (its device skips the gradient). Communication: each push is one
+    param-sized all-reduce of the pushing worker's gradient, masked to zero elsewhere
+    (Downpour: a reduce-scatter per push and an all-gather per step with a fetch), each
+    inside a conditional branch that only pushing events take. The same ``compute_time``
+    seed gives the same trajectory: ``d(i, k)`` depends only on (seed, i, k); the seed's
+    key lives in the state, so a checkpoint resumes the same run.
 
     References:
       Dean et al., "Large scale distributed deep networks", NeurIPS 2012.

@@ -25,7 +25,7 @@ class ComputeTime(NamedTuple):
     """How long each simulated gradient computation takes (in simulated time units).
 
     The k-th gradient of worker i takes ``base[i] * exp(spread * z)``, with ``z`` a
-    standard normal drawn from ``fold_in(fold_in(PRNGKey(seed), i), k)``: a pure
+    standard normal drawn from ``fold_in(fold_in(key(seed), i), k)``: a pure
     function of (seed, i, k), so the same seed gives the same run whatever the event
     order. ``spread = 0`` gives fixed times; unequal ``base`` gives heterogeneous speeds
     (a straggler is one large entry).
