@@ -1,0 +1,96 @@
+"""One process of ``benchmarks/pipeline.py``: one CPU device, one XLA thread, one stage.
+
+    python benchmarks/_pipeline_worker.py PROCESS_ID PORT CONFIG_JSON
+
+Process 0 prints one JSON line: per mode, the seconds of each timed round and the idle
+fraction of its schedule.
+"""
+
+import json
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process_id, port, config = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes=2, process_id=process_id, heartbeat_timeout_seconds=60
+)
+
+import itertools  # noqa: E402
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import ddl_jax as ddl  # noqa: E402
+from ddl_jax._src.pipeline import pipeline, pipeline_stages  # noqa: E402
+from ddl_jax._src.pipeline_schedules import idle_fraction, make_schedule  # noqa: E402
+
+
+class Stage(nnx.Module):
+    def __init__(self, sizes, *, first: bool, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
+        self.first = first
+
+    def __call__(self, x):
+        x = x["x"] if self.first else x
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def xent(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+width, depth, size = config["width"], config["layers_per_stage"], config["batch"]
+sizes = [[config["features"]] + [width] * depth, [width] * depth + [10]]
+modules = [Stage(s, first=i == 0, rngs=nnx.Rngs(i)) for i, s in enumerate(sizes)]
+stages, params = pipeline_stages(modules)
+mesh = ddl.make_mesh(data=1, stage=2)
+rng = np.random.default_rng(0)
+local = {
+    "x": rng.normal(size=(size, config["features"])).astype(np.float32),
+    "y": rng.integers(0, 10, size=size).astype(np.int32),
+}
+# data=1: every process holds the whole global batch.
+batch = jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), x), local
+)
+modes = {
+    "sequential": dict(microbatches=1, schedule="gpipe"),
+    "gpipe": dict(microbatches=config["microbatches"], schedule="gpipe"),
+    "1f1b": dict(microbatches=config["microbatches"], schedule="1f1b"),
+    "ddg": dict(microbatches=config["microbatches"], schedule="ddg", example_batch=local),
+}
+runs = {}
+for name, kwargs in modes.items():
+    strategy = pipeline(stages, xent, optax.sgd(0.01), mesh, **kwargs)
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state = strategy.init(params)
+    for _ in range(2):  # compile, and fill DDG's pipeline
+        state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    runs[name] = (step, state)
+
+times = {name: [] for name in modes}
+for _ in range(config["rounds"]):  # interleaved, so drift in machine speed hits all alike
+    for name in modes:
+        step, state = runs[name]
+        start = time.perf_counter()
+        for _ in range(config["steps"]):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times[name].append(time.perf_counter() - start)
+        runs[name] = (step, state)
+idle = {
+    name: idle_fraction(make_schedule(2, kw["microbatches"], kw["schedule"], tick=2))
+    for name, kw in modes.items()
+}
+if process_id == 0:
+    print(json.dumps({"seconds": times, "idle_fraction": idle}), flush=True)
+jax.distributed.shutdown()
