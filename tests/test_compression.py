@@ -318,3 +318,10 @@ def test_bad_arguments_raise_clear_errors(build, match):
 def test_axis_must_be_a_name():
     with pytest.raises(TypeError, match="axis must be a mesh axis name"):
         sign(axis=0)
+
+
+def test_reducer_metrics_finds_the_compressor_in_a_chain():
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    chained = optax.chain(optax.clip_by_global_norm(1.0), top_k(0.1))
+    assert set(wire.reducer_metrics(chained.init(params))) == {"compression_ratio"}
+    assert wire.reducer_metrics(ddl.allreduce_mean().init(params)) == {}
