@@ -25,6 +25,7 @@ from ddl_jax._src.reducers import PermuteReducer
 
 
 def check_axis_name(fn: str, axis: Any) -> None:
+    """Raises ``TypeError`` unless ``axis`` is a mesh axis name."""
     if not isinstance(axis, str):
         raise TypeError(f"{fn}: axis must be a mesh axis name (str), got {axis!r}.")
 
@@ -40,8 +41,8 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
 
     Update rule: ``g <- (1/N) sum_i float32(dtype(g_i))``, the sum taken in float32 on the
     owner of each chunk, which sends its chunk back as ``dtype``:
-    ``g <- float32(dtype(g))``. No error feedback (the rounding error is unbiased noise of
-    relative size ~2^-8 for bf16).
+    ``g <- float32(dtype(g))``. No error feedback: the rounding error (relative size
+    ~2^-8 for bf16) is dropped.
 
     Each device sends ``2 (N-1)/N * D * itemsize`` bytes for a D-element gradient (one
     ``all_to_all`` and one ``all_gather``): 2x less than a float32 ring all-reduce for
@@ -52,7 +53,8 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
 
     Args:
       dtype: floating dtype on the wire, at most 4 bytes (``jnp.bfloat16``,
-        ``jnp.float16``; ``jnp.float32`` is the uncompressed mean).
+        ``jnp.float16``, which overflows to inf past 65504: there is no loss scaling here;
+        ``jnp.float32`` is the uncompressed mean).
       axis: the mesh axis the workers live on.
 
     Returns:
