@@ -132,6 +132,8 @@ def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
     while os.path.exists(dst):
         suffix += 1
         dst = os.path.join(manager.directory, f"{CORRUPT_PREFIX}{step}.{suffix}")
+    # Every process picks its name before any renames, so they all report the same one.
+    multihost_utils.sync_global_devices(f"ddl_jax name corrupt checkpoint {step}")
     if jax.process_index() == 0:
         os.rename(src, dst)
     multihost_utils.sync_global_devices(f"ddl_jax set aside checkpoint {step}")

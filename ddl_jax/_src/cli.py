@@ -189,8 +189,8 @@ def parser() -> argparse.ArgumentParser:
         help="seconds before JAX's runtime declares a silent rank dead (default 10)",
     )  # fmt: skip
     p.add_argument(
-        "--grace", type=float, default=5.0,
-        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
+        "--grace", type=float, default=3.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)",
     )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
     return root
