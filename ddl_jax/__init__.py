@@ -1,6 +1,6 @@
 """ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
 
-from ddl_jax import collectives, data, flax, models, sim
+from ddl_jax import collectives, compression, data, flax, models, sim
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.fit import fit
@@ -21,6 +21,7 @@ __all__ = [
     "allreduce_mean",
     "collectives",
     "comm_stats",
+    "compression",
     "data",
     "data_parallel",
     "fit",

@@ -1,13 +1,15 @@
 """What every strategy promises; each new builder adds itself to STRATEGIES.
 
 * its trivial case (one worker) is plain single-device training;
-* the jitted step compiles once;
+* the jitted step compiles once (also for the lossy settings of LOSSY, whose trivial case
+  is not plain SGD: a 1-bit or sparse gradient differs from the dense one even on one worker);
 * its state is a plain pytree that round-trips through an orbax checkpoint, and training
   resumed from the checkpoint continues exactly as if it had never stopped.
 """
 
 import chex
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -33,7 +35,36 @@ STRATEGIES = {
         loss_fn, opt, mesh, period=2, outer_optimizer=optax.sgd(1.0)
     ),
     "gossip_ring": lambda loss_fn, opt, mesh: ddl.gossip(loss_fn, opt, mesh, topology="ring"),
+    # compression at its identity settings
+    "data_parallel_cast_float32": lambda loss_fn, opt, mesh: ddl.data_parallel(
+        loss_fn, opt, mesh, reducer=ddl.compression.cast(jnp.float32)
+    ),
+    "data_parallel_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.data_parallel(
+        loss_fn, opt, mesh, reducer=ddl.compression.top_k(1.0)
+    ),
+    # rank 16 >= the smaller side of every kernel of the 12-16-5 MLP: no compression
+    "data_parallel_power_sgd_full_rank": lambda loss_fn, opt, mesh: ddl.data_parallel(
+        loss_fn, opt, mesh, reducer=ddl.compression.power_sgd(16)
+    ),
+    "local_sgd_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        loss_fn, opt, mesh, period=2, reducer=ddl.compression.top_k(1.0)
+    ),
 }
+
+LOSSY = {
+    f"data_parallel_{name}": lambda loss_fn, opt, mesh, r=reducer: ddl.data_parallel(
+        loss_fn, opt, mesh, reducer=r()
+    )
+    for name, reducer in {
+        "sign": lambda: ddl.compression.sign(),
+        "qsgd": lambda: ddl.compression.qsgd(4),
+        "threshold": lambda: ddl.compression.threshold(0.01),
+        "top_k_dgc": lambda: ddl.compression.top_k(
+            0.1, momentum=0.9, clip_norm=1.0, warmup_steps=4
+        ),
+    }.items()
+}
+EVERY = {**STRATEGIES, **LOSSY}
 
 
 def run(step, state, batches):
@@ -52,10 +83,10 @@ def test_one_worker_is_single_device_sgd(mlp, name):
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_step_compiles_once(mlp, name):
     loss_fn, params = mlp
-    strategy = STRATEGIES[name](loss_fn, optax.adam(1e-3), ddl.make_mesh(data=8))
+    strategy = EVERY[name](loss_fn, optax.adam(1e-3), ddl.make_mesh(data=8))
     traces = []
 
     def counted(state, batch):
@@ -66,11 +97,11 @@ def test_step_compiles_once(mlp, name):
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_state_round_trips_through_a_checkpoint(mlp, name, tmp_path):
     loss_fn, params = mlp
     batches = make_batches(6, 32)
-    strategy = STRATEGIES[name](loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
+    strategy = EVERY[name](loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
     step = jax.jit(strategy.step)
     state = run(step, strategy.init(params), batches[:3])
     with ocp.CheckpointManager(tmp_path) as manager:

@@ -29,10 +29,12 @@ ALGORITHMS = {
 
 
 class PermuteReducer(optax.GradientTransformation):
-    """A reducer built from ``ppermute`` rounds.
+    """A reducer whose output JAX types as varying over the axis (built from ``ppermute``,
+    ``all_gather`` or ``all_to_all``).
 
-    Its output agrees across workers, but JAX types it as varying over the axis, so a
-    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``).
+    Its output agrees across workers, but there is no cast from varying to invariant, so a
+    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
+    such a reducer to a strategy as it is: wrapped in ``optax.chain`` it loses the mark.
     """
 
 
