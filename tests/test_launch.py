@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import mlp_loss
 from flax import nnx
 
 import ddl_jax as ddl
@@ -27,7 +28,7 @@ from ddl_jax._src.fit import fit
 
 STEPS, BATCH, EVERY = 8, 32, 2
 
-# The digits MLP under data_parallel on every device of every process, trained twice:
+# The MLP of conftest under data_parallel on every device of every process, trained twice:
 # from the checkpoints in CHECKPOINT_DIR (rank 1 kills itself with SIGKILL when asked for
 # batch KILL_AT in the launcher's first attempt), then uninterrupted from scratch. Process 0
 # saves both final params.
@@ -42,11 +43,12 @@ WORKER = textwrap.dedent(
     from ddl_jax._src.fit import fit
 
     checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    train, _ = ddl.data.digits()
+    rng = np.random.default_rng(0)  # not digits: sklearn's import would slow each start
+    train = {{"x": rng.normal(size=(256, 12)).astype(np.float32),
+              "y": rng.integers(0, 5, size=256).astype(np.int32)}}
     loss_fn, params = ddl.flax.loss_from_module(
-        ddl.models.MLP(64, [16], 10, rngs=nnx.Rngs(0)),
-        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
-            m(b["image"]), b["label"]).mean(),
+        ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0)),
+        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"]).mean(),
     )
     mesh = ddl.make_mesh()
     first = os.environ[launch.ENV_ATTEMPT] == "0"
@@ -57,8 +59,9 @@ WORKER = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             yield batch
 
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), mesh)  # one compile for both
+
     def train_params(**kwargs):
-        strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), mesh)
         state, history = fit(strategy, params, batches, steps={STEPS}, progress=False, **kwargs)
         print("devices", len(jax.devices()), "first step", history[0]["step"])
         return jax.tree.leaves(jax.device_get(strategy.params(state)))
@@ -125,12 +128,13 @@ def test_kill_9_is_reported_and_the_restarted_run_ends_bitwise_equal(restarted):
 
 def test_two_processes_equal_one_process_on_eight_devices(restarted):
     uninterrupted = restarted[-1]
-    train, _ = ddl.data.digits()
+    rng = np.random.default_rng(0)  # the workers' data and model
+    train = {
+        "x": rng.normal(size=(256, 12)).astype(np.float32),
+        "y": rng.integers(0, 5, size=256).astype(np.int32),
+    }
     loss_fn, params = ddl.flax.loss_from_module(
-        ddl.models.MLP(64, [16], 10, rngs=nnx.Rngs(0)),
-        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
-            m(b["image"]), b["label"]
-        ).mean(),
+        ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0)), mlp_loss
     )
     strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
     state, _ = fit(strategy, params, ddl.data.batches(train, BATCH), steps=STEPS, progress=False)
