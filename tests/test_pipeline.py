@@ -163,8 +163,16 @@ def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations
 # --- exact schedules against single-device training ------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize(("k", "n", "m"), [(1, 2, 2), (2, 1, 4), (4, 2, 4)])
+@pytest.mark.parametrize(
+    ("schedule", "k", "n", "m"),
+    [
+        ("gpipe", 1, 2, 2),
+        ("gpipe", 2, 1, 4),
+        ("gpipe", 4, 2, 4),
+        ("1f1b", 2, 2, 2),
+        ("1f1b", 4, 1, 8),
+    ],
+)
 def test_exact_schedules_equal_single_device_training(schedule, k, n, m):
     stages, params = split_mlp(k)
     batches = make_batches(3, 16)

@@ -104,6 +104,16 @@ class _Flat(NamedTuple):
         ]
         return self.treedef.unflatten(leaves)
 
+    def add_into(self, vector: jax.Array, tree: Any, scale: float) -> jax.Array:
+        """``vector + scale * ravel(tree)``, leaf by leaf in place (no padded temporary)."""
+        offset = 0
+        for x, shape in zip(jax.tree.leaves(tree), self.shapes, strict=True):
+            size = math.prod(shape)
+            part = vector[offset : offset + size] + scale * jnp.ravel(x).astype(vector.dtype)
+            vector = lax.dynamic_update_slice(vector, part, (offset,))
+            offset += size
+        return vector
+
 
 def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
     """``mesh`` with a size-1 axis added for each of ``axes`` it lacks (its trivial case)."""
@@ -159,7 +169,8 @@ class _Stages(NamedTuple):
     """Stage k's forward and backward on flat buffers, for a fixed micro-batch shape."""
 
     forward: list[Callable]  # (p, x_buf, micro) -> y_buf
-    backward: list[Callable]  # (p, x_buf, ct_buf, micro) -> (param grad, input grad, loss)
+    # (p, x_buf, ct_buf, micro, acc, scale) -> (acc + scale * param grad, input grad, loss)
+    backward: list[Callable]
     width: int  # A, entries of the largest activation buffer
     dtype: Any
 
@@ -201,20 +212,23 @@ def _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro) -> _St
     def stage_fn(i):
         apply, flat, last = applies[i], flats[i], i == k_ - 1
 
-        def run(p, x_buf, micro):
+        def run(params, x_buf, micro):
             x = micro if i == 0 else unpack(x_buf, inputs[i])
-            y = apply(flat.unravel(p), x)
+            y = apply(params, x)
             return loss_fn(y, micro) if last else y
 
         def forward(p, x_buf, micro):
             # The last stage sends nothing on: its loss is computed by its backward.
-            return jnp.zeros((width,), dtype) if last else pack(run(p, x_buf, micro))
+            return jnp.zeros((width,), dtype) if last else pack(run(flat.unravel(p), x_buf, micro))
 
-        def backward(p, x_buf, ct_buf, micro):
-            y, vjp = jax.vjp(lambda p, x_buf: run(p, x_buf, micro), p, x_buf)
+        def backward(p, x_buf, ct_buf, micro, acc, scale):
+            # Differentiate the unravelled tree and add leaf by leaf: a gradient of the flat
+            # vector would build a zero-padded copy of every stage's size on every tick.
+            y, vjp = jax.vjp(lambda q, x_buf: run(q, x_buf, micro), flat.unravel(p), x_buf)
             ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
             grad_p, grad_x = vjp(ct)
-            return grad_p, grad_x, y if last else jnp.zeros((), jnp.float32)
+            loss = y if last else jnp.zeros((), jnp.float32)
+            return flat.add_into(acc, grad_p, scale), grad_x, loss
 
         return forward, backward
 
@@ -483,20 +497,20 @@ def _synchronous_step(
     rows = {name: jnp.asarray(t)[:, k] for name, t in tables.items()}
     zeros_a = jnp.zeros((fns.width,), fns.dtype)
 
-    def idle(p, x_buf, ct, mb):
-        return _vary((zeros_a, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+    def idle(p, x_buf, ct, mb, acc):
+        return _vary((zeros_a, zeros_a, acc, jnp.zeros((), jnp.float32)), both)
 
     def forward(i):
-        def run(p, x_buf, ct, mb):
+        def run(p, x_buf, ct, mb, acc):
             y = fns.forward[i](p, x_buf, mb)
-            return _vary((y, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+            return _vary((y, zeros_a, acc, jnp.zeros((), jnp.float32)), both)
 
         return run
 
     def backward(i):
-        def run(p, x_buf, ct, mb):
-            grad_p, grad_x, loss = fns.backward[i](p, x_buf, ct, mb)
-            return _vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32)), both)
+        def run(p, x_buf, ct, mb, acc):
+            acc, grad_x, loss = fns.backward[i](p, x_buf, ct, mb, acc, 1 / m_)
+            return _vary((zeros_a, grad_x, acc, loss.astype(jnp.float32)), both)
 
         return run
 
@@ -505,20 +519,21 @@ def _synchronous_step(
     def tick(carry, row):
         acts, inbox, grad_sum, loss_sum = carry
         m = row["micro"]
-        out_act, out_grad, grad_p, loss = lax.switch(
+        out_act, out_grad, grad_sum, loss = lax.switch(
             row["branch"],
             branches,
             p_var,
             acts[m % slots],
             inbox[m % inbox_slots],
             _index(micro, m),
+            grad_sum,
         )
         if k_ > 1:
             received = row["recv_act"]
             acts = _store(acts, received % slots, _shift(out_act, k_, 1), received >= 0)
             received = row["recv_grad"]
             inbox = _store(inbox, received % inbox_slots, _shift(out_grad, k_, -1), received >= 0)
-        return (acts, inbox, grad_sum + grad_p / m_, loss_sum + loss / m_), None
+        return (acts, inbox, grad_sum, loss_sum + loss / m_), None
 
     carry = _vary(
         (
@@ -554,7 +569,7 @@ def _ddg_step(state, batch, fns, k_, m_, depth, slots, update, local, unlocal):
     def stage_tick(i):
         def run(p, x_f, x_b, ct, mb_f, mb_b):
             out_act = fns.forward[i](p, x_f, mb_f) if i < last else zeros_a
-            grad_p, grad_x, loss = fns.backward[i](p, x_b, ct, mb_b)
+            grad_p, grad_x, loss = fns.backward[i](p, x_b, ct, mb_b, jnp.zeros_like(p), 1.0)
             return _vary((out_act, grad_x, grad_p, loss.astype(jnp.float32)), both)
 
         return run
