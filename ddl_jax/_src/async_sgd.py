@@ -194,7 +194,6 @@ def async_sgd(
     def init(params) -> AsyncSGDState:
         st.check_params(params)
         zeros = jax.tree.map(jnp.zeros_like, params)
-        rep = lambda x: st.replicate(x, mesh)  # noqa: E731
         key = jax.random.key_data(jax.random.key(model.seed, impl="threefry2x32"))
         if sharded:
             server = jax.jit(
@@ -202,25 +201,33 @@ def async_sgd(
                 out_shardings=NamedSharding(mesh, P(axis)),
             )(params)
         else:
-            server = rep(params), rep(server_opt.init(params))
-        return AsyncSGDState(
-            params=server[0],
-            opt_state=server[1],
-            fetched=st.stack_for_workers(params, mesh, axis),
-            gradient=st.stack_for_workers(zeros, mesh, axis),
-            accrued=st.stack_for_workers(zeros, mesh, axis) if accrues else (),
-            group=rep(zeros) if group_size > 1 else (),
-            group_count=rep(jnp.zeros((), jnp.int32)),
-            group_staleness=rep(jnp.zeros((), jnp.float32)),
-            version=rep(jnp.zeros((), jnp.int32)),
-            now=rep(jnp.zeros((), jnp.float32)),
-            arrival=rep(durations(key, workers, jnp.zeros(n, jnp.int32))),
-            fetched_version=rep(jnp.zeros(n, jnp.int32)),
-            tasks=rep(jnp.zeros(n, jnp.int32)),
-            ready=rep(jnp.zeros(n, bool)),
-            waiting=rep(jnp.zeros(n, bool)),
-            key=rep(key),
+            server = params, server_opt.init(params)
+        # One placement per sharding: each st.replicate / stack_for_workers call compiles.
+        per_worker = st.stack_for_workers((params, zeros, zeros if accrues else ()), mesh, axis)
+        replicated = st.replicate(
+            dict(
+                server=() if sharded else server,
+                group=zeros if group_size > 1 else (),
+                group_count=jnp.zeros((), jnp.int32),
+                group_staleness=jnp.zeros((), jnp.float32),
+                version=jnp.zeros((), jnp.int32),
+                now=jnp.zeros((), jnp.float32),
+                arrival=durations(key, workers, jnp.zeros(n, jnp.int32)),
+                fetched_version=jnp.zeros(n, jnp.int32),
+                tasks=jnp.zeros(n, jnp.int32),
+                ready=jnp.zeros(n, bool),
+                waiting=jnp.zeros(n, bool),
+                key=key,
+            ),
+            mesh,
         )
+        server = server if sharded else replicated.pop("server")
+        replicated.pop("server", None)
+        fetched, gradient, accrued = per_worker
+        return AsyncSGDState(
+            params=server[0], opt_state=server[1], fetched=fetched, gradient=gradient,
+            accrued=accrued, **replicated,
+        )  # fmt: skip
 
     def push(s: AsyncSGDState, g, w):
         """The server receives gradient ``g`` from worker ``w``; applies it if its group is full."""
