@@ -1,9 +1,9 @@
 """ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
 
-from ddl_jax import collectives, compression, data, flax, models, sim
+from ddl_jax import checkpoint, collectives, compression, data, flax, launch, models, sim
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
-from ddl_jax._src.fit import fit
+from ddl_jax._src.fit import fit, guard_nonfinite
 from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
@@ -19,6 +19,7 @@ __all__ = [
     "LocalSGDState",
     "Strategy",
     "allreduce_mean",
+    "checkpoint",
     "collectives",
     "comm_stats",
     "compression",
@@ -27,6 +28,8 @@ __all__ = [
     "fit",
     "flax",
     "gossip",
+    "guard_nonfinite",
+    "launch",
     "local_sgd",
     "make_mesh",
     "mixing_matrix",
