@@ -26,6 +26,15 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src import strategy as st
 from ddl_jax._src.data_parallel import check_builder_args
 from ddl_jax._src.flax_bridge import split
+from ddl_jax._src.pipeline_programs import (
+    DATA,
+    STAGE,
+    DDGState,
+    PipelineState,
+    ddg_step,
+    synchronous_step,
+    tick_tables,
+)
 from ddl_jax._src.pipeline_schedules import (
     SCHEDULES,
     gradient_wait,
@@ -34,48 +43,7 @@ from ddl_jax._src.pipeline_schedules import (
 )
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
-DATA, STAGE = "data", "stage"
 StageFn = Callable[[Any, Any], Any]
-
-
-class PipelineState(NamedTuple):
-    """State of :func:`pipeline` with ``schedule="gpipe"`` or ``"1f1b"``.
-
-    Attributes:
-      params: ``[K, P]``, stage k's parameters flattened (zero-padded to the largest
-        stage's size P), ``P("stage")``.
-      opt_state: each stage's optimizer state, leading axis K, ``P("stage")``.
-      reducer_state: each (data worker, stage)'s reducer state, leading axes ``[N, K]``,
-        ``P("data", "stage")``.
-    """
-
-    params: jax.Array
-    opt_state: Any
-    reducer_state: Any
-
-
-class DDGState(NamedTuple):
-    """State of :func:`pipeline` with ``schedule="ddg"``: the pipeline stays full between steps.
-
-    Attributes:
-      params, opt_state, reducer_state: as in ``PipelineState``.
-      inputs: ``[N, K, 2K-1, A]``, the stage inputs each stage keeps for its delayed
-        backward (slot ``micro-batch mod 2K-1``), ``P("data", "stage")``; ``()`` for K=1.
-      inbox: ``[N, K, A]``, the error gradient each stage received on the last tick,
-        ``P("data", "stage")``; ``()`` for K=1.
-      history: the last ``ceil(2(K-1)/M)`` steps' micro-batches, leaves
-        ``[N, H*M, b, ...]``, ``P("data")``: the first stage's inputs for its delayed
-        backward and the labels of the micro-batches still in flight; ``()`` for K=1.
-      tick: ``int32`` scalar, ticks run so far (``P()``).
-    """
-
-    params: jax.Array
-    opt_state: Any
-    reducer_state: Any
-    inputs: Any
-    inbox: Any
-    history: Any
-    tick: jax.Array
 
 
 class _Flat(NamedTuple):
@@ -129,17 +97,6 @@ def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[
     """Flax NNX modules -> ``(stages, params)`` for :func:`pipeline` and its ``init``."""
     pairs = [split(m) for m in modules]
     return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
-
-
-def _vary(x: Any, axes: tuple[str, ...]) -> Any:
-    """Casts ``x`` to varying over ``axes`` (those it is not varying over yet)."""
-
-    def one(leaf):
-        varying = jax.typeof(leaf).manual_axis_type.varying
-        missing = tuple(a for a in axes if a not in varying)
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree.map(one, x)
 
 
 def _check_stages(stages: Any, k: int) -> tuple[list[StageFn], list[_Flat]]:
@@ -240,12 +197,6 @@ def _micro_shapes(batch: Any, count: int) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // count, *x.shape[1:]), x.dtype), batch
     )
-
-
-def _shift(x: jax.Array, k_: int, direction: int) -> jax.Array:
-    """Sends ``x`` to the next (+1) or previous (-1) stage; the ends receive zeros."""
-    perm = [(i, i + direction) for i in range(k_) if 0 <= i + direction < k_]
-    return lax.ppermute(x, STAGE, perm)
 
 
 def pipeline(
@@ -402,7 +353,7 @@ def pipeline(
     if schedule in ("gpipe", "1f1b"):
         plan = make_schedule(k_, microbatches, schedule)
         slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
-        tables = _tick_tables(plan)
+        tables = tick_tables(plan)
         specs = PipelineState(stage_spec, stage_spec, cell_spec)
 
         def init(params) -> PipelineState:
@@ -412,7 +363,7 @@ def pipeline(
             micro = check(batch)
             fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
             program = jax.shard_map(
-                lambda s, b: _synchronous_step(
+                lambda s, b: synchronous_step(
                     s, b, fns, tables, slots, inbox_slots, k_, microbatches, update, local, unlocal
                 ),
                 mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
@@ -450,7 +401,7 @@ def pipeline(
         micro = check(batch)
         fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
         program = jax.shard_map(
-            lambda s, b: _ddg_step(
+            lambda s, b: ddg_step(
                 s, b, fns, k_, microbatches, depth, slots, update, local, unlocal
             ),
             mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
@@ -458,180 +409,3 @@ def pipeline(
         return program(state, st.shard_batch(batch, mesh, DATA))
 
     return st.Strategy(init=init, step=step, params=stage_params)
-
-
-def _tick_tables(plan) -> dict[str, np.ndarray]:
-    """Per tick and stage: the branch to run, its micro-batch, and what arrives."""
-    k_ = plan.stages
-    forward, backward = plan.forward, plan.backward
-    stage = np.arange(k_)[None, :]
-    # The last stage's forward only feeds its loss, which its backward recomputes anyway.
-    runs_forward = (forward >= 0) & (stage < k_ - 1)
-    branch = np.where(runs_forward, 1 + stage, np.where(backward >= 0, 1 + k_ + stage, 0))
-    micro = np.maximum(np.where(forward >= 0, forward, backward), 0)
-    none = np.full((len(forward), 1), -1, np.int32)
-    recv_act = np.concatenate([none, forward[:, :-1]], axis=1)
-    recv_grad = np.concatenate([backward[:, 1:], none], axis=1)
-    return {"branch": branch, "micro": micro, "recv_act": recv_act, "recv_grad": recv_grad}
-
-
-def _index(tree: Any, i: jax.Array) -> Any:
-    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
-
-
-def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
-    old = lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
-
-
-def _synchronous_step(
-    state, batch, fns, tables, slots, inbox_slots, k_, m_, update, local, unlocal
-):
-    """One GPipe / 1F1B step on one device: the scheduled ticks, then one update."""
-    k = lax.axis_index(STAGE)
-    both = (DATA, STAGE)
-    p = state.params[0]
-    # Differentiate a data-varying view: each data worker's gradient goes to the reducer.
-    p_var = _vary(p, (DATA,))
-    micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
-    rows = {name: jnp.asarray(t)[:, k] for name, t in tables.items()}
-    zeros_a = jnp.zeros((fns.width,), fns.dtype)
-
-    def idle(p, x_buf, ct, mb, acc):
-        return _vary((zeros_a, zeros_a, acc, jnp.zeros((), jnp.float32)), both)
-
-    def forward(i):
-        def run(p, x_buf, ct, mb, acc):
-            y = fns.forward[i](p, x_buf, mb)
-            return _vary((y, zeros_a, acc, jnp.zeros((), jnp.float32)), both)
-
-        return run
-
-    def backward(i):
-        def run(p, x_buf, ct, mb, acc):
-            acc, grad_x, loss = fns.backward[i](p, x_buf, ct, mb, acc, 1 / m_)
-            return _vary((zeros_a, grad_x, acc, loss.astype(jnp.float32)), both)
-
-        return run
-
-    branches = [idle, *map(forward, range(k_)), *map(backward, range(k_))]
-
-    def tick(carry, row):
-        acts, inbox, grad_sum, loss_sum = carry
-        m = row["micro"]
-        out_act, out_grad, grad_sum, loss = lax.switch(
-            row["branch"],
-            branches,
-            p_var,
-            acts[m % slots],
-            inbox[m % inbox_slots],
-            _index(micro, m),
-            grad_sum,
-        )
-        if k_ > 1:
-            received = row["recv_act"]
-            acts = _store(acts, received % slots, _shift(out_act, k_, 1), received >= 0)
-            received = row["recv_grad"]
-            inbox = _store(inbox, received % inbox_slots, _shift(out_grad, k_, -1), received >= 0)
-        return (acts, inbox, grad_sum, loss_sum + loss / m_), None
-
-    carry = _vary(
-        (
-            jnp.zeros((slots, fns.width), fns.dtype),
-            jnp.zeros((inbox_slots, fns.width), fns.dtype),
-            jnp.zeros_like(p),
-            jnp.zeros((), jnp.float32),
-        ),
-        both,
-    )
-    (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
-    reducer_state = jax.tree.map(lambda x: x[0, 0], state.reducer_state)
-    p, opt_state, reducer_state = update(p, local(state.opt_state), reducer_state, grads)
-    new = PipelineState(p[None], unlocal(opt_state, 1), unlocal(reducer_state, 2))
-    return new, {"loss": lax.pmean(lax.psum(loss, STAGE), DATA)}
-
-
-def _ddg_step(state, batch, fns, k_, m_, depth, slots, update, local, unlocal):
-    """M DDG ticks on one device; each ends with this stage's (delayed-gradient) update."""
-    k = lax.axis_index(STAGE)
-    both = (DATA, STAGE)
-    last = k_ - 1
-    current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
-    if k_ > 1:
-        inputs, inbox = state.inputs[0, 0], state.inbox[0, 0]
-        sequence = jax.tree.map(lambda h, c: jnp.concatenate([h[0], c]), state.history, current)
-    else:
-        inputs, inbox = jnp.zeros((slots, 0), fns.dtype), jnp.zeros((0,), fns.dtype)
-        sequence = current
-    past = depth * m_  # micro-batches of earlier steps at the front of ``sequence``
-    zeros_a = jnp.zeros((fns.width,), fns.dtype)
-
-    def stage_tick(i):
-        def run(p, x_f, x_b, ct, mb_f, mb_b):
-            out_act = fns.forward[i](p, x_f, mb_f) if i < last else zeros_a
-            grad_p, grad_x, loss = fns.backward[i](p, x_b, ct, mb_b, jnp.zeros_like(p), 1.0)
-            return _vary((out_act, grad_x, grad_p, loss.astype(jnp.float32)), both)
-
-        return run
-
-    branches = [stage_tick(i) for i in range(k_)]
-
-    def tick(carry, i):
-        p, opt_state, reducer_state, inputs, inbox, loss_sum, count = carry
-        g = state.tick + i
-        j_f, j_b = g - k, g - 2 * last + k
-        mb_f = _index(sequence, past + i)
-        mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
-        out_act, grad_x, grad_p, loss = lax.switch(
-            k,
-            branches,
-            _vary(p, (DATA,)),
-            inputs[j_f % slots],
-            inputs[j_b % slots],
-            inbox,
-            mb_f,
-            mb_b,
-        )
-        valid = j_b >= 0
-        new = update(p, opt_state, reducer_state, grad_p)
-        p, opt_state, reducer_state = jax.tree.map(
-            lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
-        )
-        if k_ > 1:
-            inputs = _store(inputs, (g - k + 1) % slots, _shift(out_act, k_, 1), True)
-            inbox = _shift(grad_x, k_, -1)
-        counted = valid & (k == last)
-        return (
-            p,
-            opt_state,
-            reducer_state,
-            inputs,
-            inbox,
-            loss_sum + jnp.where(counted, loss, 0.0),
-            count + counted,
-        ), None
-
-    carry = (
-        state.params[0],
-        local(state.opt_state),
-        jax.tree.map(lambda x: x[0, 0], state.reducer_state),
-        *_vary((inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
-    )
-    (p, opt_state, reducer_state, inputs, inbox, loss_sum, count), _ = lax.scan(
-        tick, carry, jnp.arange(m_)
-    )
-    loss = lax.psum(loss_sum, STAGE) / jnp.maximum(lax.psum(count, STAGE), 1)
-    history = inbox_out = inputs_out = ()
-    if k_ > 1:
-        inputs_out, inbox_out = inputs[None, None], inbox[None, None]
-        history = jax.tree.map(lambda s: s[s.shape[0] - past :][None], sequence)
-    new = DDGState(
-        p[None],
-        unlocal(opt_state, 1),
-        unlocal(reducer_state, 2),
-        inputs_out,
-        inbox_out,
-        history,
-        state.tick + m_,
-    )
-    return new, {"loss": lax.pmean(loss, DATA)}
