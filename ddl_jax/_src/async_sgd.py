@@ -124,7 +124,9 @@ def async_sgd(
     step's batch unused (its device skips the gradient). Communication: each push is one
     param-sized all-reduce of the pushing worker's gradient, masked to zero elsewhere
     (Downpour: a reduce-scatter per push and an all-gather per step with a fetch), each
-    inside a conditional branch that only pushing events take. The same ``compute_time``
+    inside a conditional branch that only pushing events take: a step of N pushes moves N
+    times the bytes of one data-parallel all-reduce, a cost of simulating N point-to-point
+    pushes in SPMD, not of the system simulated. The same ``compute_time``
     seed gives the same trajectory: ``d(i, k)`` depends only on (seed, i, k); the seed's
     key lives in the state, so a checkpoint resumes the same run.
 
