@@ -244,6 +244,25 @@ def ddg_step_by_step(stages, lr, params, batches, m_):
     return params
 
 
+def test_ddg_on_data_by_stage_mesh_averages_each_tick_over_data_workers():
+    """data=2: each tick's gradient is the mean over both workers' micro-batches, i.e. DDG on
+    one worker whose micro-batch j is the two workers' micro-batch j side by side."""
+    stages, params = split_mlp(2)
+    batches = make_batches(3, 16, seed=2)
+    # Worker i holds rows [8i, 8i+8); its micro-batch j is rows 8i+4j .. 8i+4j+3.
+    order = np.concatenate(
+        [np.arange(8 * i + 4 * j, 8 * i + 4 * j + 4) for j in (0, 1) for i in (0, 1)]
+    )
+    results = []
+    for n, data in ((2, batches), (1, [{k: v[order] for k, v in b.items()} for b in batches])):
+        strategy = pipeline(
+            stages, xent, optax.sgd(0.1), ddl.make_mesh(data=n, stage=2), microbatches=2,
+            schedule="ddg", example_batch=batches[0],
+        )  # fmt: skip
+        results.append(train(strategy, params, data)[0])
+    chex.assert_trees_all_close(*results, atol=1e-6)
+
+
 def test_ddg_with_one_stage_is_backprop_on_each_microbatch(mlp):
     stages, params = split_mlp(1)
     batches = make_batches(3, 16)
