@@ -262,9 +262,9 @@ def pipeline(
       ``params(state)`` returns them as a list. Metrics: ``loss``, the mean loss of the
       micro-batches whose loss was computed in this step.
     """
-    check_builder_args(lambda: None, optimizer, accumulate=1)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
+    check_builder_args(loss_fn, optimizer, accumulate=1)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     st.check_positive_int("microbatches", microbatches)
