@@ -9,19 +9,12 @@ and the first evaluated step (every 10) reaching 90% test accuracy. A second tab
 the HLO byte ratios for the MLP 784-1024-1024-10 at N=8 (the sizes the unit tests assert).
 Writes benchmarks/results/compression.{md,json}.
 
-    python benchmarks/compression.py [--steps 400]
+    python benchmarks/gradient_compression.py [--steps 400]
 """
-
-import sys
-from pathlib import Path
-
-# This script is named compression.py, and the folder of a script run by path comes first
-# on sys.path: it would shadow the `compression` package that JAX imports (zstd).
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import argparse
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
