@@ -1,6 +1,7 @@
 """ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
 
 from ddl_jax import checkpoint, collectives, compression, data, flax, launch, models, sim
+from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.fit import fit, guard_nonfinite
@@ -8,23 +9,36 @@ from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.reducers import allreduce_mean
+from ddl_jax._src.staleness import (
+    ComputeTime,
+    compute_times,
+    downpour,
+    scale_by_staleness,
+    softsync,
+    ssp,
+)
 from ddl_jax._src.strategy import Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSGDState",
     "CommStats",
+    "ComputeTime",
     "DataParallelState",
     "GossipState",
     "LocalSGDState",
     "Strategy",
     "allreduce_mean",
+    "async_sgd",
     "checkpoint",
     "collectives",
     "comm_stats",
     "compression",
+    "compute_times",
     "data",
     "data_parallel",
+    "downpour",
     "fit",
     "flax",
     "gossip",
@@ -34,6 +48,9 @@ __all__ = [
     "make_mesh",
     "mixing_matrix",
     "models",
+    "scale_by_staleness",
     "sim",
     "simulate_cpu_devices",
+    "softsync",
+    "ssp",
 ]

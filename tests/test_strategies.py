@@ -49,6 +49,21 @@ STRATEGIES = {
     "local_sgd_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.local_sgd(
         loss_fn, opt, mesh, period=2, reducer=ddl.compression.top_k(1.0)
     ),
+    "async_sgd_softsync": lambda loss_fn, opt, mesh: ddl.async_sgd(
+        loss_fn,
+        opt,
+        mesh,
+        compute_time=ddl.compute_times(1.0, spread=0.5, seed=0),
+        protocol=ddl.softsync(min(2, mesh.shape["data"])),
+    ),
+    # Downpour's sharded server behind lr / tau scaling (tau = 0 with one worker)
+    "async_sgd_downpour": lambda loss_fn, opt, mesh: ddl.async_sgd(
+        loss_fn,
+        optax.chain(ddl.scale_by_staleness(), opt),
+        mesh,
+        compute_time=[1.0] * (mesh.shape["data"] - 1) + [3.0],
+        protocol=ddl.downpour(1, 1),
+    ),
 }
 
 LOSSY = {
