@@ -354,6 +354,19 @@ def test_data_by_stage_mesh_all_reduces_gradients_over_data_only():
                 assert da == db and abs(sa - sb) == 1  # neighbours within a data replica
 
 
+def test_a_ppermute_reducer_over_data_gives_the_same_training():
+    stages, params = split_mlp(2)
+    batches = make_batches(2, 16)
+    results = []
+    for reducer in (None, ddl.allreduce_mean(algorithm="ring")):
+        strategy = pipeline(
+            stages, xent, optax.sgd(0.1), ddl.make_mesh(data=4, stage=2), microbatches=2,
+            reducer=reducer,
+        )  # fmt: skip
+        results.append(train(strategy, params, batches)[0])
+    chex.assert_trees_all_close(*results, atol=1e-6)
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 
