@@ -147,7 +147,7 @@ def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations
     """Memory analysis of the compiled step: GPipe stashes M stage inputs, 1F1B at most K."""
     stages, params = split_mlp(2, [12, 256, 5])
     temp = {}
-    for schedule, m in itertools.product(("gpipe", "1f1b"), (4, 16)):
+    for schedule, m in (("1f1b", 4), ("1f1b", 16), ("gpipe", 16)):
         strategy = pipeline(
             stages, xent, optax.sgd(0.1), ddl.make_mesh(data=1, stage=2), microbatches=m,
             schedule=schedule,
@@ -157,7 +157,8 @@ def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations
         temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
     activation = 8 * 256 * 4  # one micro-batch's input to stage 1, float32
     assert temp["1f1b", 16] - temp["1f1b", 4] < activation
-    assert temp["gpipe", 16] - temp["gpipe", 4] >= 12 * activation
+    # GPipe's stash holds 16 inputs where 1F1B's holds 2 (K).
+    assert temp["gpipe", 16] - temp["1f1b", 16] >= 14 * activation
 
 
 # --- exact schedules against single-device training ------------------------------------
