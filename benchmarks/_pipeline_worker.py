@@ -27,8 +27,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ddl_jax as ddl  # noqa: E402
-from ddl_jax._src.pipeline import pipeline, pipeline_stages  # noqa: E402
-from ddl_jax._src.pipeline_schedules import idle_fraction, make_schedule  # noqa: E402
 
 
 class Stage(nnx.Module):
@@ -50,7 +48,7 @@ def xent(logits, batch):
 width, depth, size = config["width"], config["layers_per_stage"], config["batch"]
 sizes = [[config["features"]] + [width] * depth, [width] * depth + [10]]
 modules = [Stage(s, first=i == 0, rngs=nnx.Rngs(i)) for i, s in enumerate(sizes)]
-stages, params = pipeline_stages(modules)
+stages, params = ddl.pipeline_stages(modules)
 mesh = ddl.make_mesh(data=1, stage=2)
 rng = np.random.default_rng(0)
 local = {
@@ -69,7 +67,7 @@ modes = {
 }
 runs = {}
 for name, kwargs in modes.items():
-    strategy = pipeline(stages, xent, optax.sgd(0.01), mesh, **kwargs)
+    strategy = ddl.pipeline(stages, xent, optax.sgd(0.01), mesh, **kwargs)
     step = jax.jit(strategy.step, donate_argnums=0)
     state = strategy.init(params)
     for _ in range(2):  # compile, and fill DDG's pipeline
@@ -88,7 +86,9 @@ for _ in range(config["rounds"]):  # interleaved, so drift in machine speed hits
         times[name].append(time.perf_counter() - start)
         runs[name] = (step, state)
 idle = {
-    name: idle_fraction(make_schedule(2, kw["microbatches"], kw["schedule"], tick=2))
+    name: ddl.schedules.idle_fraction(
+        ddl.schedules.make_schedule(2, kw["microbatches"], kw["schedule"], tick=2)
+    )
     for name, kw in modes.items()
 }
 if process_id == 0:

@@ -1,6 +1,17 @@
 """ddl_jax: distributed-training strategies for JAX and Flax as pure shard_map programs."""
 
-from ddl_jax import checkpoint, collectives, compression, data, flax, launch, models, sim
+from ddl_jax import (
+    checkpoint,
+    collectives,
+    compression,
+    data,
+    flax,
+    launch,
+    layers,
+    models,
+    schedules,
+    sim,
+)
 from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
@@ -8,6 +19,8 @@ from ddl_jax._src.fit import fit, guard_nonfinite
 from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
+from ddl_jax._src.pipeline import pipeline, pipeline_stages
+from ddl_jax._src.pipeline_programs import DDGState, PipelineState
 from ddl_jax._src.reducers import allreduce_mean
 from ddl_jax._src.staleness import (
     ComputeTime,
@@ -18,6 +31,7 @@ from ddl_jax._src.staleness import (
     ssp,
 )
 from ddl_jax._src.strategy import Strategy
+from ddl_jax._src.tensor_parallel import TensorParallelState, tensor_parallel
 
 __version__ = "0.1.0"
 
@@ -25,10 +39,13 @@ __all__ = [
     "AsyncSGDState",
     "CommStats",
     "ComputeTime",
+    "DDGState",
     "DataParallelState",
     "GossipState",
     "LocalSGDState",
+    "PipelineState",
     "Strategy",
+    "TensorParallelState",
     "allreduce_mean",
     "async_sgd",
     "checkpoint",
@@ -44,13 +61,18 @@ __all__ = [
     "gossip",
     "guard_nonfinite",
     "launch",
+    "layers",
     "local_sgd",
     "make_mesh",
     "mixing_matrix",
     "models",
+    "pipeline",
+    "pipeline_stages",
     "scale_by_staleness",
+    "schedules",
     "sim",
     "simulate_cpu_devices",
     "softsync",
     "ssp",
+    "tensor_parallel",
 ]

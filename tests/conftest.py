@@ -17,11 +17,15 @@ def mlp_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-@pytest.fixture
-def mlp():
-    """``(loss_fn, params)`` of a small MLP, 12 -> 16 -> 5."""
+def mlp_pair() -> tuple:
+    """``(loss_fn, params)`` of a small MLP, 12 -> 16 -> 5, the same on every call."""
     model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
     return ddl.flax.loss_from_module(model, mlp_loss)
+
+
+@pytest.fixture
+def mlp():
+    return mlp_pair()
 
 
 def make_batches(count: int, size: int, seed: int = 0) -> list[dict]:

@@ -15,13 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import ddl_jax as ddl
-from ddl_jax._src.pipeline import pipeline, pipeline_stages
-from ddl_jax._src.pipeline_schedules import (
-    idle_fraction,
-    make_schedule,
-    peak_stash,
-    stash_intervals,
-)
+from ddl_jax import pipeline, pipeline_stages
+from ddl_jax.schedules import idle_fraction, make_schedule, peak_stash, stash_intervals
 
 # Widths of the MLP split into K stages: stages differ in shapes (heterogeneous).
 WIDTHS = {1: [12, 16, 5], 2: [12, 16, 8, 5], 4: [12, 16, 8, 16, 5]}

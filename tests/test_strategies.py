@@ -13,9 +13,36 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import make_batches, reference_sgd
+from conftest import make_batches, mlp_pair, reference_sgd
+from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
+
+
+def one_stage_pipeline(schedule: str, microbatches: int):
+    """The whole model as a pipeline's single stage, behind the (loss_fn, opt, mesh) signature:
+    GPipe and 1F1B average M micro-batch gradients, DDG with M=1 steps on the whole batch."""
+
+    def build(loss_fn, opt, mesh):
+        _, template = mlp_pair()
+        strategy = ddl.pipeline(
+            [(loss_fn, template)], lambda loss, batch: loss, opt, mesh,
+            microbatches=microbatches, schedule=schedule,
+        )  # fmt: skip
+        return ddl.Strategy(
+            init=lambda params: strategy.init([params]),
+            step=strategy.step,
+            params=lambda state: strategy.params(state)[0],
+        )
+
+    return build
+
+
+def replicated_tensor_parallel(loss_fn, opt, mesh):
+    """tensor_parallel with every parameter replicated over ``model`` (its trivial case)."""
+    specs = jax.tree.map(lambda _: P(), mlp_pair()[1])
+    return ddl.tensor_parallel(loss_fn, opt, mesh, specs=specs)
+
 
 STRATEGIES = {
     "data_parallel": lambda loss_fn, opt, mesh: ddl.data_parallel(loss_fn, opt, mesh),
@@ -64,6 +91,10 @@ STRATEGIES = {
         compute_time=[1.0] * (mesh.shape["data"] - 1) + [3.0],
         protocol=ddl.downpour(1, 1),
     ),
+    "pipeline_gpipe": one_stage_pipeline("gpipe", 2),
+    "pipeline_1f1b": one_stage_pipeline("1f1b", 2),
+    "pipeline_ddg": one_stage_pipeline("ddg", 1),
+    "tensor_parallel": replicated_tensor_parallel,
 }
 
 LOSSY = {

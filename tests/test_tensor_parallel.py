@@ -14,13 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
+from ddl_jax import tensor_parallel
 from ddl_jax._src.pipeline import mesh_with_axes
-from ddl_jax._src.tensor_parallel import (
-    ParallelMLP,
-    ParallelTransformerBlock,
-    param_specs,
-    tensor_parallel,
-)
+from ddl_jax.layers import ParallelMLP, ParallelTransformerBlock, param_specs
 
 
 def layer_norm(p, x):

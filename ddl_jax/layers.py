@@ -1,0 +1,23 @@
+"""Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX."""
+
+from ddl_jax._src.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    ParallelTransformerBlock,
+    RowParallelLinear,
+    column_parallel_dense,
+    param_specs,
+    row_parallel_dense,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "ParallelTransformerBlock",
+    "RowParallelLinear",
+    "column_parallel_dense",
+    "param_specs",
+    "row_parallel_dense",
+]
