@@ -24,6 +24,9 @@ bench: install
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/allreduce.py
 	$(BIN)/python benchmarks/averaging.py
+	$(BIN)/python benchmarks/gradient_compression.py
+	$(BIN)/python -P benchmarks/async.py
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

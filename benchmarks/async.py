@@ -26,8 +26,6 @@ import optax
 from flax import nnx
 
 import ddl_jax as ddl
-from ddl_jax._src.async_sgd import async_sgd
-from ddl_jax._src.staleness import downpour, scale_by_staleness, softsync, ssp
 
 TIMES = [1.0] * 7 + [4.0]
 
@@ -35,12 +33,12 @@ TIMES = [1.0] * 7 + [4.0]
 def protocols(lr: float) -> dict:
     sgd = optax.sgd(lr)
     return {
-        "synchronous (softsync(8))": (softsync(8), sgd),
+        "synchronous (softsync(8))": (ddl.softsync(8), sgd),
         "async": ("async", sgd),
-        "async + scale_by_staleness": ("async", optax.chain(scale_by_staleness(), sgd)),
-        "softsync(2)": (softsync(2), sgd),
-        "ssp(2)": (ssp(2), sgd),
-        "downpour(2, 2)": (downpour(2, 2), sgd),
+        "async + scale_by_staleness": ("async", optax.chain(ddl.scale_by_staleness(), sgd)),
+        "softsync(2)": (ddl.softsync(2), sgd),
+        "ssp(2)": (ddl.ssp(2), sgd),
+        "downpour(2, 2)": (ddl.downpour(2, 2), sgd),
     }
 
 
@@ -68,7 +66,7 @@ def main() -> None:
 
     rows, curves = [], {}
     for name, (protocol, optimizer) in protocols(args.lr).items():
-        strategy = async_sgd(loss_fn, optimizer, mesh, compute_time=TIMES, protocol=protocol)
+        strategy = ddl.async_sgd(loss_fn, optimizer, mesh, compute_time=TIMES, protocol=protocol)
         step = jax.jit(strategy.step, donate_argnums=0)
         state = strategy.init(params)
         curve = [(0.0, float(accuracy(strategy.params(state))))]
