@@ -3,7 +3,8 @@
 No JAX API reports what a program sends, so ``comm_stats`` parses the optimised HLO text
 of the compiled executable. It follows while loops (multiplying by XLA's known trip
 count) and reports the collectives of conditional branches per branch, since only one
-branch runs.
+branch runs. Asynchronous collectives (GPU, TPU) count once, at their ``-done``, with the
+attributes of the ``-start`` it completes.
 
 Bytes a device sends per collective, for a result of K bytes over a group of g devices
 (the bandwidth-optimal ring implementations that NCCL and gloo use):
@@ -21,20 +22,29 @@ collective-permute     K (sources only)     1
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, NamedTuple
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+# Bits per element of every array type of XLA's PrimitiveType (xla_data.proto); sub-byte
+# types travel packed. token[] carries no data.
+_DTYPE_BITS = {
+    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4,
+    "s8": 8, "u8": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8,
+    "f8e3m4": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "f8e8m0fnu": 8,
+    "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
+    "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+# One instruction. Async ops print as ``<op>-start``, ``-update``s and ``-done`` (GPU, TPU),
+# e.g. all-reduce-start, or a generic async-start whose ``calls=`` computation holds a
+# synchronous collective.
 _OP = re.compile(
-    r"^(?:ROOT )?%?[\w.\-]+ = (?P<shape>.+?) "
-    r"(?P<kind>" + "|".join(KINDS) + r"|while|conditional)(?P<phase>-start|-done)?\("
+    r"^(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) "
+    r"(?P<kind>[a-z][\w\-]*?)(?P<phase>-start|-update|-done)?\("
 )
 
 
@@ -45,7 +55,8 @@ class CollectiveOp(NamedTuple):
       kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``collective-permute`` or
         ``all-to-all``.
       nbytes: bytes of the op's result.
-      count: executions per call (the product of enclosing loops' trip counts).
+      count: executions per call (the product of enclosing loops' trip counts, plus one
+        for a collective in a loop's condition).
       group: devices in each replica group.
       sent: bytes each device sends per execution, indexed by device.
       rounds: communication rounds per execution.
@@ -85,10 +96,13 @@ def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape such as ``f32[3,4]{1,0}`` or a tuple ``(f32[3], bf16[])``."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += count * _DTYPE_BYTES[dtype]
+        if dtype not in _DTYPE_BITS:
+            raise ValueError(
+                f"comm_stats: unknown HLO element type {dtype!r} in {shape!r}; known: "
+                f"{sorted(_DTYPE_BITS)}."
+            )
+        count = math.prod(int(d) for d in filter(None, dims.split(",")))
+        total += -(-count * _DTYPE_BITS[dtype] // 8)  # a packed sub-byte array rounds up
     return total
 
 
@@ -135,21 +149,61 @@ def _collective(kind: str, line: str, nbytes: int, devices: int, count: int, bra
     return CollectiveOp(kind, nbytes, count, g, (per_device,) * devices, rounds, branch)
 
 
+def _operand(line: str, paren: int) -> str:
+    """Name of the last operand in the list that opens at ``line[paren]``.
+
+    Compiled HLO may print each operand's shape before its name, e.g.
+    ``async-done(((f32[8]{0}), f32[2]{0}, u32[]) %async-start)``.
+    """
+    depth = 0
+    for i in range(paren, len(line)):
+        depth += {"(": 1, ")": -1}.get(line[i], 0)
+        if depth == 0:
+            return line[paren + 1 : i].split()[-1].lstrip("%")
+    raise ValueError(f"comm_stats: unbalanced operand list in HLO line {line!r}.")
+
+
+def _start_of(done: re.Match, ops: dict[str, re.Match]) -> re.Match:
+    """The ``-start`` an async ``-done`` completes, through any ``-update`` between them."""
+    m = done
+    while True:
+        name = _operand(m.string, m.end() - 1)
+        m = ops.get(name)
+        if m is None or m["kind"] != done["kind"] or m["phase"] not in ("-start", "-update"):
+            raise ValueError(
+                f"comm_stats: {done['name']} does not complete a {done['kind']}-start "
+                f"(its operand is {name!r})."
+            )
+        if m["phase"] == "-start":
+            return m
+
+
 def _walk(comps, name, devices, count, branch, out) -> None:
-    for line in comps.get(name, ()):
-        m = _OP.search(line)
-        if not m or m["phase"] == "-start":
-            continue
-        kind = m["kind"]
+    ops = {m["name"]: m for line in comps.get(name, ()) if (m := _OP.search(line))}
+    subs = []
+    for m in ops.values():
+        line, kind, phase = m.string, m["kind"], m["phase"]
+        if phase not in ("-update", "-done"):  # those name their -start's computation again
+            subs += re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line)
         if kind == "while":
+            body = re.search(r"body=%?([\w.\-]+)", line)[1]
+            cond = re.search(r"condition=%?([\w.\-]+)", line)[1]
+            body_ops: list[CollectiveOp] = []
+            cond_ops: list[CollectiveOp] = []
+            _walk(comps, body, devices, count, branch, body_ops)
+            _walk(comps, cond, devices, count, branch, cond_ops)
+            if not body_ops and not cond_ops:
+                continue
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             if trip is None:
                 raise ValueError(
                     "comm_stats: a while loop with collectives has no known trip count; "
                     "use lax.fori_loop/scan with static bounds."
                 )
-            body = re.search(r"body=%?([\w.\-]+)", line)[1]
-            _walk(comps, body, devices, count * int(trip[1]), branch, out)
+            n = int(trip[1])
+            # The condition runs once more than the body: its last run ends the loop.
+            out += [op._replace(count=op.count * n) for op in body_ops]
+            out += [op._replace(count=op.count * (n + 1)) for op in cond_ops]
         elif kind == "conditional":
             names = re.search(r"branch_computations=\{([^}]*)\}", line)
             names = (
@@ -159,10 +213,13 @@ def _walk(comps, name, devices, count, branch, out) -> None:
             )
             for i, sub in enumerate(names):
                 _walk(comps, sub, devices, count, f"{branch}{sub} (branch {i})/", out)
-        else:
+        elif kind in KINDS and phase in (None, "-done"):
+            # A -done's shape is the collective's result (its -start's shape also holds the
+            # operands and context), but the attributes are on the -start.
+            attrs = _start_of(m, ops).string if phase else line
             nbytes = shape_bytes(m["shape"])
-            out.append(_collective(kind, line, nbytes, devices, count, branch.rstrip("/")))
-    for sub in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", "\n".join(comps.get(name, ()))):
+            out.append(_collective(kind, attrs, nbytes, devices, count, branch.rstrip("/")))
+    for sub in subs:
         _walk(comps, sub, devices, count, branch, out)
 
 
