@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.data_parallel import check_builder_args, local_value_and_grad
+from ddl_jax._src.data_parallel import check_builder_args, check_transform, local_value_and_grad
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
 
@@ -94,17 +94,15 @@ def local_sgd(
       metrics (``compression_ratio`` of the last exchange for a compressing reducer).
       ``params(state)`` is the mean of the replicas.
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate)
+    check_builder_args(loss_fn, optimizer, accumulate=accumulate, reducer=reducer)
     st.check_positive_int("period", period)
     st.check_positive_int("warmup_sync_steps", warmup_sync_steps, minimum=0)
-    if outer_optimizer is not None and not all(
-        callable(getattr(outer_optimizer, f, None)) for f in ("init", "update")
-    ):
-        raise TypeError(
-            "outer_optimizer must be None or an optax.GradientTransformation, e.g. "
-            f"optax.sgd(0.7, momentum=0.9, nesterov=True); got {type(outer_optimizer).__name__}."
+    if outer_optimizer is not None:
+        check_transform(
+            "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
     st.check_mesh_axis(mesh, axis)
+    mesh = st.explicit_mesh(mesh)
     reducer = allreduce_mean(axis) if reducer is None else reducer
     outer = outer_optimizer
     value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
@@ -136,11 +134,18 @@ def local_sgd(
     def keep(carry):
         return carry
 
-    def synchronise(carry, use_outer: bool):
+    def catch_up(carry):
+        # The warm-up kept the replicas equal through exact averages: the anchor takes
+        # them as they are, not through the reducer (which may be lossy).
+        params, opt_state, _, outer_state, reducer_state = carry
+        anchor = jax.tree.map(lambda x: lax.pmean(x, axis), params)
+        return params, opt_state, anchor, outer_state, reducer_state
+
+    def synchronise(carry):
         params, opt_state, anchor, outer_state, reducer_state = carry
         delta = jax.tree.map(jnp.subtract, anchor, params)
         delta, reducer_state = reducer.update(delta, reducer_state, anchor)
-        if use_outer and outer is not None:
+        if outer is not None:
             updates, outer_state = outer.update(delta, outer_state, anchor)
             anchor = optax.apply_updates(anchor, updates)
         else:
@@ -165,7 +170,7 @@ def local_sgd(
         carry = (params, opt_state, state.anchor, state.outer_opt_state)
         carry = lax.switch(
             branch,
-            [keep, lambda c: synchronise(c, False), lambda c: synchronise(c, True)],
+            [keep, catch_up, synchronise],
             (*carry, st.unstack(state.reducer_state)),
         )
         params, opt_state, anchor, outer_state, reducer_state = carry
