@@ -21,7 +21,7 @@ from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.pipeline import pipeline, pipeline_stages
 from ddl_jax._src.pipeline_programs import DDGState, PipelineState
-from ddl_jax._src.reducers import allreduce_mean
+from ddl_jax._src.reducers import allreduce_mean, chain
 from ddl_jax._src.staleness import (
     ComputeTime,
     compute_times,
@@ -48,6 +48,7 @@ __all__ = [
     "TensorParallelState",
     "allreduce_mean",
     "async_sgd",
+    "chain",
     "checkpoint",
     "collectives",
     "comm_stats",

@@ -116,6 +116,7 @@ def test_compiled_step_holds_one_all_reduce_of_the_gradient_size(mlp, accumulate
     grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     loss_bytes = 4  # the float32 loss metric rides in the same all-reduce
     assert [op.kind for op in ops] == ["all-reduce"]
+    assert ops[0].count == 1  # once per step, not inside the accumulation loop
     assert ops[0].nbytes == grad_bytes + loss_bytes
 
 
@@ -193,7 +194,8 @@ def test_params_that_are_not_float_arrays_are_rejected(mlp, params, where):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"accumulate": 0}, ValueError, "accumulate must be a positive int"),
+        ({"accumulate": 0}, ValueError, "accumulate must be an int >= 1"),
+        ({"reducer": "psum"}, TypeError, "reducer must be an optax.GradientTransformation"),
         ({"optimizer": "adam"}, TypeError, "optimizer must be an optax.GradientTransformation"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be callable"),
     ],
@@ -210,3 +212,37 @@ def test_allreduce_mean_rejects_unknown_algorithm():
         ValueError, match=r"algorithm='ring2' is not known; valid: \['psum', 'ring', 'tree', 'ps'\]"
     ):
         ddl.allreduce_mean(algorithm="ring2")
+
+
+def test_a_chain_clips_each_workers_gradient_before_the_ring(mlp):
+    loss_fn, params = mlp
+    n, batches = 4, make_batches(3, 32)
+    reducer = ddl.chain(optax.clip_by_global_norm(0.05), ddl.allreduce_mean(algorithm="ring"))
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.5), ddl.make_mesh(data=n), reducer=reducer)
+    state, _ = run(strategy, params, batches)
+    expected = jax.tree.map(jnp.array, params)
+    for batch in batches:
+        grads = [jax.grad(loss_fn)(expected, shard) for shard in worker_shards(batch, n)]
+        norms = [optax.tree.norm(g) for g in grads]
+        assert min(norms) > 0.05  # the clip binds, so the order of clip and mean matters
+        clipped = [
+            jax.tree.map(lambda x, s=s: x * 0.05 / s, g) for g, s in zip(grads, norms, strict=True)
+        ]
+        mean = jax.tree.map(lambda *xs: sum(xs) / n, *clipped)
+        expected = jax.tree.map(lambda p, g: p - 0.5 * g, expected, mean)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "reducer",
+    [
+        optax.chain(optax.clip(1.0), ddl.compression.top_k(0.5)),  # the mark is lost
+        optax.identity(),  # no reduction at all: workers would silently diverge
+    ],
+    ids=["optax_chain_of_a_compressor", "identity"],
+)
+def test_a_reducer_that_does_not_provably_agree_is_a_clear_error(mlp, reducer):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), reducer=reducer)
+    with pytest.raises(ValueError, match="not provably the same on every worker.*ddl.chain"):
+        jax.jit(strategy.step)(strategy.init(params), make_batches(1, 32)[0])

@@ -30,17 +30,23 @@ class DataParallelState(NamedTuple):
     reducer_state: Any
 
 
-def check_builder_args(loss_fn, optimizer, *, accumulate: int) -> None:
+def check_transform(name: str, value, example: str) -> None:
+    """Raises ``TypeError`` unless ``value`` is an optax ``GradientTransformation``."""
+    if not all(callable(getattr(value, f, None)) for f in ("init", "update")):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (e.g. {example}), "
+            f"got {type(value).__name__}."
+        )
+
+
+def check_builder_args(loss_fn, optimizer, *, accumulate: int, reducer=None) -> None:
     """Validates the arguments every gradient-based strategy builder shares."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
-    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
-        raise TypeError(
-            "optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
-            f"got {type(optimizer).__name__}."
-        )
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be a positive int, got {accumulate!r}.")
+    check_transform("optimizer", optimizer, "optax.adam(1e-3)")
+    if reducer is not None:
+        check_transform("reducer", reducer, "ddl.allreduce_mean() or ddl.compression.top_k(0.01)")
+    st.check_positive_int("accumulate", accumulate)
 
 
 def local_value_and_grad(loss_fn, *, has_aux: bool, accumulate: int):
@@ -108,8 +114,9 @@ def data_parallel(
       ``loss`` (mean over the global batch), the aux values, and the reducer's metrics
       (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate)
+    check_builder_args(loss_fn, optimizer, accumulate=accumulate, reducer=reducer)
     st.check_mesh_axis(mesh, axis)
+    mesh = st.explicit_mesh(mesh)
     reducer = allreduce_mean(axis) if reducer is None else reducer
     value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
     specs = DataParallelState(params=P(), opt_state=P(), reducer_state=P(axis))

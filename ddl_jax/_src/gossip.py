@@ -156,6 +156,7 @@ def gossip(
     check_builder_args(loss_fn, optimizer, accumulate=accumulate)
     st.check_positive_int("consensus_every", consensus_every, minimum=0)
     n = st.check_mesh_axis(mesh, axis)
+    mesh = st.explicit_mesh(mesh)
     perms = neighbour_permutations(topology, n)
     w = (
         mixing_matrix(topology, n)

@@ -34,8 +34,22 @@ class PermuteReducer(optax.GradientTransformation):
 
     Its output agrees across workers, but there is no cast from varying to invariant, so a
     strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
-    such a reducer to a strategy as it is: wrapped in ``optax.chain`` it loses the mark.
+    such a reducer to a strategy as it is, or chained with ``ddl.chain``: ``optax.chain``
+    would hide the mark.
     """
+
+
+def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``optax.chain`` for reducers: keeps the mark of a ``ddl.compression`` or explicit
+    ring / tree / ps reducer among ``transforms``, so a strategy can run the chain.
+
+    Example: ``ddl.chain(optax.clip_by_global_norm(1.0), ddl.compression.top_k(0.01))``
+    clips each worker's gradient before it is compressed and averaged.
+    """
+    chained = optax.chain(*transforms)
+    if all(checks_vma(t) for t in transforms):
+        return chained
+    return PermuteReducer(chained.init, chained.update)
 
 
 def checks_vma(reducer: optax.GradientTransformation) -> bool:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 Params = Any
@@ -45,6 +46,17 @@ def check_mesh_axis(mesh: Mesh, axis: str, *, arg: str = "axis") -> int:
             f"{arg}={axis!r} is not an axis of the mesh; valid axis names: {list(mesh.axis_names)}."
         )
     return mesh.shape[axis]
+
+
+def explicit_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type Explicit, as strategies place and check shardings.
+
+    ``jax.make_mesh`` (and ``ddl.make_mesh``) already make Explicit axes; a
+    ``jax.sharding.Mesh`` built by hand has Auto ones, which ``jax.sharding.reshard`` refuses.
+    """
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.devices.ndim)
 
 
 def check_params(params: Params) -> None:
@@ -189,7 +201,17 @@ def worker_step_over_batch(
             batch,
         )
         check_loss_output(jax.eval_shape(loss_fn, worker_params(state), micro), has_aux=has_aux)
-        return program(state, batch)
+        try:
+            return program(state, batch)
+        except ValueError as e:
+            if "can't be statically inferred" not in str(e):
+                raise
+            raise ValueError(
+                "the reducer's output is not provably the same on every worker. A reducer "
+                "must average over the workers (e.g. ddl.allreduce_mean()); a ddl.compression "
+                "reducer or allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain "
+                "loses the mark that lets strategies run it: chain it with ddl.chain instead."
+            ) from e
 
     return step
 
@@ -218,6 +240,6 @@ def replica_mean(stacked: Any, mesh: Mesh) -> Any:
 
 
 def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
-    """Raises ``ValueError`` unless ``value`` is an int >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """Raises ``ValueError`` unless ``value`` is an integer (Python or NumPy) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")

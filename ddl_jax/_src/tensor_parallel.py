@@ -242,7 +242,7 @@ def tensor_parallel(
     Returns:
       A ``Strategy`` with a ``TensorParallelState``; metrics: ``loss``.
     """
-    check_builder_args(loss_fn, optimizer, accumulate=1)
+    check_builder_args(loss_fn, optimizer, accumulate=1, reducer=reducer)
     mesh = mesh_with_axes(mesh, (DATA, MODEL))
     n = mesh.shape[DATA]
     reducer = allreduce_mean(DATA) if reducer is None else reducer
