@@ -246,3 +246,14 @@ def test_a_reducer_that_does_not_provably_agree_is_a_clear_error(mlp, reducer):
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), reducer=reducer)
     with pytest.raises(ValueError, match="not provably the same on every worker.*ddl.chain"):
         jax.jit(strategy.step)(strategy.init(params), make_batches(1, 32)[0])
+
+
+@pytest.mark.parametrize("build", [ddl.data_parallel, lambda *a: ddl.local_sgd(*a, period=1)])
+def test_a_hand_built_mesh_with_auto_axes_works(mlp, build):
+    loss_fn, params = mlp
+    batches = make_batches(3, 32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))  # Auto axis types
+    state, _ = run(build(loss_fn, optax.sgd(0.1), mesh), params, batches)
+    expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(build(loss_fn, optax.sgd(0.1), mesh).params(state), expected,
+                                atol=1e-5)  # fmt: skip

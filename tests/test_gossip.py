@@ -94,18 +94,27 @@ def test_complete_graph_is_data_parallel(mlp):
 
 
 @pytest.mark.parametrize(("topology", "degree"), [("ring", 2), ("exponential", 3), ("torus", 3)])
-def test_sends_degree_times_the_parameters_and_no_all_reduce(mlp, topology, degree):
+@pytest.mark.parametrize("consensus_every", [0, 10])
+def test_sends_degree_times_the_parameters_and_no_all_reduce(mlp, topology, degree,
+                                                             consensus_every):  # fmt: skip
     """Torus on 8 = 2x4: the two vertical neighbours coincide, so degree 3."""
     loss_fn, params = mlp
     n = 8
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
-    strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), topology=topology)
+    strategy = ddl.gossip(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), topology=topology,
+        consensus_every=consensus_every,
+    )  # fmt: skip
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
     assert stats.bytes_sent == (degree * param_bytes + 2 * (n - 1) / n * 4,) * n
     assert stats.bytes_by_kind == {
         "collective-permute": degree * param_bytes,
         "all-reduce": 2 * (n - 1) / n * 4,  # the scalar loss metric, nothing else
     }
+    # Measuring consensus_distance is the only global all-reduce of the parameters, in a
+    # branch taken one step in consensus_every.
+    expected = {} if not consensus_every else {"measure": 2 * (n - 1) / n * (param_bytes + 4)}
+    assert sorted(stats.branches.values()) == sorted(expected.values())
 
 
 @pytest.mark.parametrize(
