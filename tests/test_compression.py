@@ -14,7 +14,7 @@ import ddl_jax as ddl
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src import strategy as st
 from ddl_jax._src.comm import collectives
-from ddl_jax._src.compression import cast, qsgd, sign
+from ddl_jax._src.compression import _dequantise, _quantise, cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import power_sgd
 from ddl_jax._src.compression_sparse import threshold, top_k
 
@@ -27,14 +27,14 @@ def random_grads(steps: int, n: int, seed: int = 0) -> dict:
     return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def run_reducer(reducer, grads: dict, n: int):
-    """Feeds worker i its gradients ``grads[:, i]`` for T steps.
+def reducer_program(reducer, grads: dict, n: int):
+    """The jitted program feeding worker i its gradients ``grads[:, i]`` for T steps.
 
-    Returns each worker's sum of the reducer's outputs ``[N, ...]``, its outputs
-    ``[T, N, ...]`` and its final state ``[N, ...]``.
+    Returns the program and its arguments: the workers' stacked initial reducer states and
+    the gradients, placed on the mesh.
     """
     mesh = ddl.make_mesh(data=n)
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
     state = st.stack_for_workers(reducer.init(params), mesh, "data")
 
     def worker(state, grads):
@@ -51,7 +51,17 @@ def run_reducer(reducer, grads: dict, n: int):
         out_specs=(P("data"), P(None, "data")), check_vma=False,
     )  # fmt: skip
     grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P(None, "data")))
-    state, outs = jax.tree.map(np.asarray, jax.jit(program)(state, grads))
+    return jax.jit(program), state, grads
+
+
+def run_reducer(reducer, grads: dict, n: int):
+    """Runs :func:`reducer_program`.
+
+    Returns each worker's sum of the reducer's outputs ``[N, ...]``, its outputs
+    ``[T, N, ...]`` and its final state ``[N, ...]``.
+    """
+    program, state, grads = reducer_program(reducer, grads, n)
+    state, outs = jax.tree.map(np.asarray, program(state, grads))
     return jax.tree.map(lambda o: o.sum(0), outs), outs, state
 
 
@@ -89,17 +99,23 @@ def test_identity_settings_equal_single_device_training(mlp):
 # -- error feedback conserves mass ----------------------------------------------------------
 
 
-def unsent(name: str, state) -> dict:
-    """What the workers hold back, as a share of the mean: mean_i e_i (+ the owners' e')."""
+def residuals(name: str, state) -> dict:
+    """Each worker's error-feedback residual e_i, ``[N, ...]`` per parameter."""
+    if name == "sign":
+        return state.residual
+    if name == "power_sgd":  # vectors are sent dense and keep no residual
+        e = state.residual[0]
+        return {"w": e, "b": np.zeros((len(e), *SHAPES["b"]), np.float32)}
+    flat = state.residual
+    return {"b": flat[:, :13], "w": flat[:, 13:].reshape(-1, *SHAPES["w"])}  # ravel_pytree
+
+
+def owners_residual(name: str, state) -> dict:
+    """sign's second residual e' (of the averaged chunks, on their owners); else zero."""
     if name == "sign":
         # Each worker's owner_residual is zero outside the chunk it owns: summing assembles e'.
-        return jax.tree.map(
-            lambda e, e2: e.mean(0) + e2.sum(0), state.residual, state.owner_residual
-        )
-    if name == "power_sgd":
-        return {"w": state.residual[0].mean(0), "b": np.zeros(SHAPES["b"], np.float32)}
-    flat = state.residual.mean(0)
-    return {"b": flat[:13], "w": flat[13:].reshape(SHAPES["w"])}  # ravel_pytree's key order
+        return jax.tree.map(lambda e2: e2.sum(0), state.owner_residual)
+    return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 
 
 EF = {
@@ -117,14 +133,40 @@ def test_error_feedback_conserves_mass(name):
     total, outs, state = run_reducer(EF[name](), grads, n)
     raw = jax.tree.map(lambda g: g.sum(0).mean(0), grads)  # mean_i sum_t g_{i,t}
     sent = jax.tree.map(lambda t: t[0], total)
-    chex.assert_trees_all_close(
-        jax.tree.map(jnp.add, sent, unsent(name, state)), raw, atol=2e-5, rtol=0
+    unsent = jax.tree.map(
+        lambda e, e2: e.mean(0) + e2, residuals(name, state), owners_residual(name, state)
     )
+    chex.assert_trees_all_close(jax.tree.map(jnp.add, sent, unsent), raw, atol=2e-5, rtol=0)
     # Every worker got the same update, and it is compressed: not the plain mean.
     chex.assert_trees_all_equal(
         total, jax.tree.map(lambda t: jnp.broadcast_to(t[0], t.shape), total)
     )
     assert not np.allclose(outs["w"][0, 0], grads["w"][0].mean(0), atol=1e-3)
+
+
+@pytest.mark.parametrize("active", [0, 3])
+@pytest.mark.parametrize("name", ["sign", "threshold", "top_k"])
+def test_error_feedback_conserves_mass_per_worker(name, active):
+    """Only worker ``active`` has gradients, so all that arrives is what it transmitted.
+
+    A worker with zero gradients and residual sends nothing, so N times the summed update
+    (plus, for sign, N e': its transmissions the owners still hold back) is worker
+    ``active``'s transmitted total. For every worker i: transmitted_i + e_i = sum_t g_{i,t}.
+    """
+    n, steps = 4, 6
+    mask = np.arange(n) == active
+    grads = jax.tree.map(
+        lambda g: g * mask.reshape(1, n, *[1] * (g.ndim - 2)), random_grads(steps, n)
+    )
+    total, _, state = run_reducer(EF[name](), grads, n)
+    arrived = jax.tree.map(lambda t, e2: n * (t[0] + e2), total, owners_residual(name, state))
+    transmitted = jax.tree.map(lambda a: np.where(mask.reshape(n, *[1] * a.ndim), a, 0), arrived)
+    chex.assert_trees_all_close(  # [N, ...]: worker by worker
+        jax.tree.map(jnp.add, transmitted, residuals(name, state)),
+        jax.tree.map(lambda g: g.sum(0), grads),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 # -- sign: the documented scale ---------------------------------------------------------------
@@ -165,19 +207,53 @@ def test_bit_packing_round_trips():
 # -- QSGD: unbiased, keyed --------------------------------------------------------------------
 
 
-def test_qsgd_is_unbiased_with_fresh_noise_each_step():
-    n, steps, levels = 4, 400, 2
+def qsgd_variance_factor(d: int, s: int) -> float:
+    """Alistarh et al., Lemma 3.1: E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2 per bucket."""
+    return min(d / s**2, np.sqrt(d) / s)
+
+
+@pytest.mark.parametrize("d, s", [(64, 1), (16, 8)])  # either side of the min
+def test_qsgd_quantiser_is_unbiased_within_its_variance_bound(d, s):
+    samples = 20_000
+    v = jnp.asarray(np.random.default_rng(5).normal(size=(3, d)), jnp.float32)  # 3 buckets
+    keys = jax.random.split(jax.random.key(0), samples)
+    draws = np.asarray(jax.vmap(lambda key: _dequantise(*_quantise(v, s, key), s))(keys))
+    bound = qsgd_variance_factor(d, s) * np.sum(np.asarray(v) ** 2, axis=-1)  # per bucket
+    variance = np.mean(np.sum((draws - v) ** 2, axis=-1), axis=0)
+    assert np.all(variance <= bound), (variance, bound)
+    # Unbiased: the mean of K independent draws has E||mean - v||^2 <= bound / K. The error
+    # sums d independent entries, so it concentrates: twice its expected bound is ample.
+    error = np.sum((draws.mean(axis=0) - v) ** 2, axis=-1)
+    assert np.all(error <= 2 * bound / samples), (error, bound / samples)
+
+
+def test_qsgd_reducer_is_unbiased_within_its_variance_bound():
+    n, steps, levels, bucket = 4, 400, 2, 16
     one = random_grads(1, n, seed=1)
     grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
-    total, outs, _ = run_reducer(qsgd(levels, bucket_size=16), grads, n)
-    mean = jax.tree.map(lambda g: g[0].mean(0), one)
-    # One draw's error per entry is below norm / s per stage (two stages); the mean over T
-    # draws is within 5 standard errors.
-    norm = max(float(np.linalg.norm(g[0])) for g in one.values())
-    tolerance = 5 * 2 * norm / levels / np.sqrt(steps)
-    for k in SHAPES:
-        np.testing.assert_allclose(total[k][0] / steps, mean[k], atol=tolerance, rtol=0)
-        assert not np.allclose(outs[k][0, 0], outs[k][1, 0])  # fresh noise each step
+    total, _, _ = run_reducer(qsgd(levels, bucket_size=bucket), grads, n)
+    # g = Q(y), y = (1/N) sum_i Q(g_i), independent noise on each worker and on the owners:
+    # E||g - mean||^2 = E||Q(y) - y||^2 + E||y - mean||^2
+    #                <= beta E||y||^2 + beta/N^2 sum_i ||g_i||^2
+    #                <= beta ||mean||^2 + beta (1 + beta)/N^2 sum_i ||g_i||^2.
+    beta = qsgd_variance_factor(bucket, levels)
+    mean_sq = sum(float(np.sum(g[0].mean(0) ** 2)) for g in one.values())
+    workers_sq = sum(float(np.sum(g[0] ** 2)) for g in one.values())
+    variance = beta * mean_sq + beta * (1 + beta) / n**2 * workers_sq
+    error = sum(float(np.sum((total[k][0] / steps - one[k][0].mean(0)) ** 2)) for k in SHAPES)
+    assert error <= 2 * variance / steps, (error, variance / steps)  # as above
+
+
+def test_qsgd_noise_is_keyed_by_seed_and_step():
+    n, steps = 2, 2
+    one = random_grads(1, n, seed=4)
+    grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
+    _, first, _ = run_reducer(qsgd(2, seed=0), grads, n)
+    _, again, _ = run_reducer(qsgd(2, seed=0), grads, n)
+    _, other, _ = run_reducer(qsgd(2, seed=1), grads, n)
+    chex.assert_trees_all_equal(first, again)
+    assert not np.array_equal(first["w"], other["w"])
+    assert not np.array_equal(first["w"][0], first["w"][1])  # same gradient, fresh noise
 
 
 # -- top_k: DGC's rule ------------------------------------------------------------------------
@@ -254,7 +330,14 @@ def test_wire_bytes_against_a_dense_fp32_ring():
 
 @pytest.mark.parametrize(
     "reducer",
-    [sign, lambda: threshold(0.01), lambda: qsgd(4), lambda: power_sgd(2)],
+    [
+        lambda: cast(jnp.bfloat16),
+        sign,
+        lambda: threshold(0.01),
+        lambda: top_k(0.01),
+        lambda: qsgd(4),
+        lambda: power_sgd(2),
+    ],
 )
 def test_compression_ratio_metric_matches_the_compiled_program(mlp, reducer):
     loss_fn, params = mlp
@@ -270,6 +353,29 @@ def test_compression_ratio_metric_matches_the_compiled_program(mlp, reducer):
     np.testing.assert_allclose(
         metrics["compression_ratio"], dense / (sent - metrics_bytes), rtol=1e-5
     )
+
+
+def test_power_sgd_views_a_conv_kernel_as_its_inputs_by_its_outputs():
+    """A Flax conv kernel [h, w, in, out] is the (h w in) x out matrix (Vogels et al.)."""
+    n, rank = 4, 4
+    h, w, c_in, c_out = 3, 3, 16, 32
+    rng = np.random.default_rng(6)
+    grads = {
+        "kernel": rng.normal(size=(1, n, h, w, c_in, c_out)).astype(np.float32),
+        "bias": rng.normal(size=(1, n, c_out)).astype(np.float32),
+    }
+    program, state, placed = reducer_program(power_sgd(rank), grads, n)
+    rows, cols = h * w * c_in, c_out
+    # P [rows, r] and Q [cols, r] travel instead of the kernel; the bias travels dense.
+    sent = rank * (rows + cols) + c_out
+    dense = rows * cols + c_out
+    stats = ddl.comm_stats(program, state, placed)
+    assert stats.bytes_per_device == pytest.approx(2 * (n - 1) / n * 4 * sent)
+    state, outs = jax.tree.map(np.asarray, program(state, placed))
+    assert state.compression_ratio[0] == pytest.approx(dense / sent)
+    update = outs["kernel"][0, 0].reshape(rows, cols)
+    assert np.linalg.matrix_rank(update) == rank
+    np.testing.assert_allclose(outs["bias"][0, 0], grads["bias"][0].mean(0), rtol=1e-6)
 
 
 # -- local SGD's outer exchange ---------------------------------------------------------------
@@ -298,14 +404,21 @@ def test_a_compressor_reduces_local_sgds_pseudo_gradient(mlp):
         (lambda: top_k(0.0), "ratio must be a number in \\(0, 1\\], got 0.0"),
         (lambda: top_k(1.5), "ratio must be a number in \\(0, 1\\], got 1.5"),
         (lambda: top_k(0.1, momentum=1.0), "momentum must be a number in \\[0, 1\\)"),
-        (lambda: top_k(0.1, warmup_steps=-1), "warmup_steps must be an int >= 0"),
-        (lambda: top_k(0.1, clip_norm=0), "clip_norm must be None or a positive number"),
-        (lambda: threshold(-0.1), "tau must be a positive number, got -0.1"),
+        (lambda: top_k(0.1, warmup_steps=-1), "warmup_steps must be an int >= 0, got -1"),
+        (lambda: top_k(0.1, clip_norm=0), "clip_norm must be None or a number > 0, got 0"),
+        (lambda: top_k(float("nan")), "ratio must be a number in \\(0, 1\\], got nan"),
+        (lambda: top_k(True), "ratio must be a number in \\(0, 1\\], got True"),
+        (lambda: threshold(-0.1), "tau must be a finite number > 0, got -0.1"),
+        (lambda: threshold(float("inf")), "tau must be a finite number > 0, got inf"),
+        (lambda: threshold(float("nan")), "tau must be a finite number > 0, got nan"),
         (lambda: threshold(0.1, capacity=2), "capacity must be a number in \\(0, 1\\]"),
-        (lambda: power_sgd(0), "rank must be an int >= 1, got 0"),
-        (lambda: qsgd(0), "levels must be an int in \\[1, 127\\]"),
+        (lambda: power_sgd(0), "power_sgd: rank must be an int >= 1, got 0"),
+        (lambda: power_sgd(2.0), "power_sgd: rank must be an int >= 1, got 2.0"),
+        (lambda: power_sgd(np.int64(0)), "power_sgd: rank must be an int >= 1"),
+        (lambda: qsgd(0), "qsgd: levels must be an int >= 1, got 0"),
+        (lambda: qsgd(4.0), "qsgd: levels must be an int >= 1, got 4.0"),
         (lambda: qsgd(200), "levels must be an int in \\[1, 127\\]"),
-        (lambda: qsgd(4, bucket_size=0), "bucket_size must be a positive int"),
+        (lambda: qsgd(4, bucket_size=0), "qsgd: bucket_size must be an int >= 1, got 0"),
         (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),
         (lambda: cast(jnp.float64), "dtype must be a floating dtype of at most 4 bytes"),
     ],
@@ -313,6 +426,23 @@ def test_a_compressor_reduces_local_sgds_pseudo_gradient(mlp):
 def test_bad_arguments_raise_clear_errors(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def test_numpy_scalars_are_arguments_like_python_numbers():
+    grads = random_grads(1, 2, seed=7)
+    pairs = [
+        (top_k(np.float32(0.25), momentum=np.float64(0.5), warmup_steps=np.int64(4)),
+         top_k(float(np.float32(0.25)), momentum=0.5, warmup_steps=4)),
+        (threshold(np.float32(0.5), capacity=np.float64(0.25)), threshold(0.5, capacity=0.25)),
+        (power_sgd(np.int64(4), seed=np.int32(1)), power_sgd(4, seed=1)),
+        (qsgd(np.int32(4), bucket_size=np.int64(16), seed=np.int64(2)),
+         qsgd(4, bucket_size=16, seed=2)),
+    ]  # fmt: skip
+    for numpy_args, python_args in pairs:  # the same program, constants included
+        program, state, placed = reducer_program(numpy_args, grads, 2)
+        expected, state_py, _ = reducer_program(python_args, grads, 2)
+        chex.assert_trees_all_equal(state, state_py)
+        assert program.lower(state, placed).as_text() == expected.lower(state, placed).as_text()
 
 
 def test_axis_must_be_a_name():

@@ -11,6 +11,7 @@ varying over the axis, so they are ``PermuteReducer``s: strategies run them with
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from jax.flatten_util import ravel_pytree
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.reducers import PermuteReducer
+from ddl_jax._src.strategy import check_positive_int
 
 
 def check_axis_name(fn: str, axis: Any) -> None:
@@ -259,12 +261,13 @@ def qsgd(
       A reducer whose per-worker state is a ``QSGDState``.
     """
     check_axis_name("qsgd", axis)
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+    check_positive_int("qsgd: levels", levels)
+    if levels > 127:
         raise ValueError(f"qsgd: levels must be an int in [1, 127] (int8 levels), got {levels!r}.")
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"qsgd: bucket_size must be a positive int, got {bucket_size!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    check_positive_int("qsgd: bucket_size", bucket_size)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"qsgd: seed must be an int, got {seed!r}.")
+    levels, bucket_size, seed = int(levels), int(bucket_size), int(seed)
 
     def init(params) -> QSGDState:
         del params

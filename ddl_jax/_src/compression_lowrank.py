@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -12,6 +14,7 @@ from jax import lax
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.compression import check_axis_name
+from ddl_jax._src.strategy import check_positive_int
 
 
 class PowerSGDState(NamedTuple):
@@ -21,8 +24,8 @@ class PowerSGDState(NamedTuple):
       residual: error-feedback residual ``e`` of each matrix parameter (``ndim >= 2``), a
         tuple in tree order, each shaped like its parameter.
       q: the warm-started factor ``Q`` of each matrix, ``[max(a, b), r']`` for a matrix
-        viewed as ``[a, b]`` (leading axis by the rest), ``r' = min(r, a, b)``; equal on
-        every worker.
+        viewed as ``[a, b]`` (see :func:`_matrix`), ``r' = min(r, a, b)``; equal on every
+        worker.
       compression_ratio: float32 scalar, see ``reducer_metrics``.
     """
 
@@ -32,16 +35,24 @@ class PowerSGDState(NamedTuple):
 
 
 def _matrix(x: jax.Array) -> jax.Array:
-    # P lives on the smaller side, so at full rank P P^T = I and the mean is exact.
-    m = x.reshape(x.shape[0], -1)
+    """``x`` viewed as a matrix: every leading axis by the last one, smaller side first.
+
+    Flax keeps output features last (a Dense kernel is ``[in, out]``, a conv kernel
+    ``[h, w, in, out]``), so this is the paper's ``[out, in * h * w]`` view, transposed:
+    a ``[3, 3, 64, 64]`` kernel is ``576 x 64``, not ``3 x 12288`` (whose rank is at most 3
+    and whose factors are as large as the kernel). P lives on the smaller side, so at full
+    rank ``P P^T = I`` and the mean is exact.
+    """
+    m = x.reshape(-1, x.shape[-1])
     return m if m.shape[0] <= m.shape[1] else m.T
 
 
 def power_sgd(rank: int, *, seed: int = 0, axis: str = "data") -> optax.GradientTransformation:
     """PowerSGD: rank-r approximation of the mean gradient, with error feedback.
 
-    For each matrix parameter (viewed ``[a, b]`` with the smaller side first), worker i
-    forms ``M_i = G_i + e_i`` and with the previous step's ``Q`` (warm start):
+    For each matrix parameter (``ndim >= 2``, viewed ``[a, b]`` as its leading axes by its
+    last, the smaller side first), worker i forms ``M_i = G_i + e_i`` and with the previous
+    step's ``Q`` (warm start):
     ``P = (1/N) sum_i M_i Q`` (all-reduce), ``P <- orthonormalise(P)`` (QR),
     ``Q <- (1/N) sum_i M_i^T P`` (all-reduce), ``g = P Q^T``, ``e_i <- M_i - g``. Vectors
     (biases) are all-reduced uncompressed, as in the paper. With ``rank >= min(a, b)``
@@ -63,10 +74,10 @@ def power_sgd(rank: int, *, seed: int = 0, axis: str = "data") -> optax.Gradient
       state is a ``PowerSGDState``.
     """
     check_axis_name("power_sgd", axis)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"power_sgd: rank must be an int >= 1, got {rank!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    check_positive_int("power_sgd: rank", rank)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"power_sgd: seed must be an int, got {seed!r}.")
+    rank, seed = int(rank), int(seed)
 
     def init(params) -> PowerSGDState:
         matrices = [p for p in jax.tree.leaves(params) if p.ndim >= 2]
@@ -115,5 +126,5 @@ def power_sgd(rank: int, *, seed: int = 0, axis: str = "data") -> optax.Gradient
 
 def _unmatrix(m: jax.Array, like: jax.Array) -> jax.Array:
     """The inverse of ``_matrix`` for a parameter shaped like ``like``."""
-    rows = like.shape[0]
+    rows = math.prod(like.shape[:-1])
     return (m if m.shape[0] == rows else m.T).reshape(like.shape)

@@ -10,6 +10,7 @@ they are ``PermuteReducer``s (strategies run them with ``check_vma=False``).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -22,14 +23,20 @@ from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.compression import check_axis_name
 from ddl_jax._src.reducers import PermuteReducer
+from ddl_jax._src.strategy import check_positive_int
 
 # DGC's warm-up: the density falls exponentially, 25% -> 6.25% -> 1.56% -> 0.39%, in four
 # equal phases, before the target density.
 WARMUP_DENSITIES = (0.25, 0.25**2, 0.25**3, 0.25**4)
 
 
+def _is_real(value: Any) -> bool:
+    # numbers.Real takes NumPy scalars (np.float32(0.01)); bool is a Real we refuse.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_fraction(fn: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+    if not _is_real(value) or not 0 < value <= 1:
         raise ValueError(f"{fn}: {name} must be a number in (0, 1], got {value!r}.")
 
 
@@ -73,7 +80,8 @@ def threshold(
       Interspeech 2015.
 
     Args:
-      tau: the threshold tau > 0, in gradient units; also the magnitude of every entry sent.
+      tau: the threshold, finite and > 0, in gradient units; also the magnitude of every
+        entry sent.
       capacity: the largest fraction of the D entries a worker sends per step, in (0, 1].
       axis: the mesh axis the workers live on.
 
@@ -81,9 +89,10 @@ def threshold(
       A reducer whose per-worker state is a ``ThresholdState``.
     """
     check_axis_name("threshold", axis)
-    if isinstance(tau, bool) or not isinstance(tau, int | float) or not tau > 0:
-        raise ValueError(f"threshold: tau must be a positive number, got {tau!r}.")
+    if not _is_real(tau) or not 0 < tau < math.inf:
+        raise ValueError(f"threshold: tau must be a finite number > 0, got {tau!r}.")
     _check_fraction("threshold", "capacity", capacity)
+    tau, capacity = float(tau), float(capacity)
 
     def init(params) -> ThresholdState:
         return ThresholdState(_flat_zeros(params), jnp.ones((), jnp.float32))
@@ -172,14 +181,13 @@ def top_k(
     """
     check_axis_name("top_k", axis)
     _check_fraction("top_k", "ratio", ratio)
-    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+    if not _is_real(momentum) or not 0 <= momentum < 1:
         raise ValueError(f"top_k: momentum must be a number in [0, 1), got {momentum!r}.")
-    if clip_norm is not None and (
-        isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float) or not clip_norm > 0
-    ):
-        raise ValueError(f"top_k: clip_norm must be None or a positive number, got {clip_norm!r}.")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"top_k: warmup_steps must be an int >= 0, got {warmup_steps!r}.")
+    if clip_norm is not None and (not _is_real(clip_norm) or not clip_norm > 0):
+        raise ValueError(f"top_k: clip_norm must be None or a number > 0, got {clip_norm!r}.")
+    check_positive_int("top_k: warmup_steps", warmup_steps, minimum=0)
+    ratio, momentum, warmup_steps = float(ratio), float(momentum), int(warmup_steps)
+    clip_norm = None if clip_norm is None else float(clip_norm)
     densities = [max(ratio, d) for d in WARMUP_DENSITIES] if warmup_steps else []
     densities.append(ratio)
 
