@@ -103,14 +103,14 @@ def main() -> None:
         f"Digits MLP 64-128-128-10, 8 workers x {args.per_worker_batch} examples, "
         f"{args.steps} steps, same data order and seed.",
         "",
-        "| strategy | test accuracy | vs sync (points) | MB sent / device | vs sync | "
-        "comm time on 1 Gb/s |",
-        "|---|---|---|---|---|---|",
+        "| strategy | test accuracy | vs sync (points) | last-batch loss | MB sent / device | "
+        "vs sync | comm time on 1 Gb/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['strategy']} | {r['accuracy']:.4f} | "
-            f"{100 * (r['accuracy'] - base['accuracy']):+.2f} | "
+            f"{100 * (r['accuracy'] - base['accuracy']):+.2f} | {r['final_loss']:.4f} | "
             f"{r['bytes_per_device'] / 1e6:.1f} | "
             f"{r['bytes_per_device'] / base['bytes_per_device']:.3f} | "
             f"{r['seconds_1gbps']:.2f} s |"

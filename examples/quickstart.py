@@ -7,7 +7,7 @@ from flax import nnx
 
 import ddl_jax as ddl
 
-ddl.simulate_cpu_devices(8)  # fake 8 devices on this CPU; drop on a real multi-device host
+ddl.simulate_cpu_devices(8)  # 8 CPU devices when there is no accelerator
 
 train, test = ddl.data.digits()
 model = ddl.models.MLP(64, [128, 128], 10, rngs=nnx.Rngs(0))
@@ -26,7 +26,7 @@ def accuracy(params):
     return jnp.mean(jnp.argmax(apply(params, test["image"]), -1) == test["label"])
 
 
-mesh = ddl.make_mesh(data=8)
+mesh = ddl.make_mesh()  # every device: the 8 CPU ones here, all GPUs / TPU cores elsewhere
 strategy = ddl.data_parallel(loss_fn, optax.adam(3e-3), mesh)
 state, history = ddl.fit(
     strategy, params, ddl.data.batches(train, 128), steps=400, eval_fn=accuracy, eval_every=100
