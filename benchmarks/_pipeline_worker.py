@@ -1,4 +1,4 @@
-"""One process of ``benchmarks/pipeline.py``: one CPU device, one XLA thread, one stage.
+"""One process of ``benchmarks/pipeline.py``: one CPU device on one core, one stage.
 
     python benchmarks/_pipeline_worker.py PROCESS_ID PORT CONFIG_JSON
 

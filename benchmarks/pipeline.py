@@ -1,13 +1,13 @@
-"""Pipeline throughput with real concurrency: 2 processes, one CPU core and XLA thread each.
+"""Pipeline throughput with real concurrency: 2 processes, one CPU core each.
 
 Two stages of an MLP (``features -> width x layers | width x layers -> 10``) live in two
 processes joined by gloo (``jax.distributed`` on 127.0.0.1), each pinned to its own core
-with ``taskset`` and limited to one XLA thread, so the stages really run at the same
-time. Four modes train the same model on the same global batch, interleaved round by
-round: sequential model parallelism (the GPipe program with one micro-batch: each stage
-waits for the other), GPipe and 1F1B with M micro-batches, and DDG. Prints samples/s
-side by side with ratios to sequential, and writes JSON and markdown to
-benchmarks/results/.
+with ``taskset`` (XLA's CPU threads follow the pinning), so the stages really run at the
+same time; it exits if fewer than 2 cores are available. Four modes train the same model
+on the same global batch, interleaved round by round: sequential model parallelism (the
+GPipe program with one micro-batch: each stage waits for the other), GPipe and 1F1B with
+M micro-batches, and DDG. Prints samples/s side by side with ratios to sequential, and
+writes JSON and markdown to benchmarks/results/.
 
     python benchmarks/pipeline.py [--width 1024] [--layers-per-stage 2] [--batch 512]
         [--microbatches 4] [--steps 5] [--rounds 5]
@@ -42,13 +42,20 @@ def main() -> None:
     args = parser.parse_args()
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["layers_per_stage"] = config.pop("layers_per_stage")
-    port = free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "JAX_PLATFORMS": "cpu",
-    }
     cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(
+            f"benchmarks/pipeline.py needs 2 CPU cores, one per stage process, but this process "
+            f"may run on {len(cores)} ({cores}): both stages would share one core and the "
+            "numbers would not measure pipelining. Run it where 2 cores are available."
+        )
+    port = free_port()
+    # One core per process is what bounds XLA here: taskset pins each process, and XLA's
+    # CPU thread pools follow the process's CPU affinity. --xla_cpu_multi_thread_eigen=false
+    # also keeps Eigen's kernels on the calling thread. XLA has no thread-count flag
+    # (intra_op_parallelism_threads is TensorFlow's: XLA_FLAGS ignores it without a
+    # leading -- and rejects it with one).
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu"}
     worker = Path(__file__).parent / "_pipeline_worker.py"
     procs = [
         subprocess.Popen(
@@ -56,7 +63,7 @@ def main() -> None:
             [
                 "taskset",
                 "-c",
-                str(cores[i % len(cores)]),
+                str(cores[i]),
                 sys.executable,
                 "-P",
                 str(worker),

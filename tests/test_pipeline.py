@@ -350,6 +350,16 @@ def test_data_by_stage_mesh_all_reduces_gradients_over_data_only():
                 assert da == db and abs(sa - sb) == 1  # neighbours within a data replica
 
 
+def test_a_hand_built_mesh_with_auto_axes_trains_like_single_device_sgd():
+    stages, params = split_mlp(2)
+    batches = make_batches(1, 8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "stage"))
+    strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2)
+    got, _ = train(strategy, params, batches)
+    expected = reference(full_loss(stages), optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(got, expected, atol=1e-6)
+
+
 def test_a_ppermute_reducer_over_data_gives_the_same_training():
     stages, params = split_mlp(2)
     batches = make_batches(2, 16)
@@ -361,6 +371,37 @@ def test_a_ppermute_reducer_over_data_gives_the_same_training():
         )  # fmt: skip
         results.append(train(strategy, params, batches)[0])
     chex.assert_trees_all_close(*results, atol=1e-6)
+
+
+def test_each_stage_reducer_starts_from_reducer_init_of_its_own_parameters():
+    """Every (data, stage) cell holds reducer.init of the stage's flat, zero-padded vector."""
+    stages, params = split_mlp(2)
+    flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]) for p in params]
+    flat = [np.pad(v, (0, max(map(len, flat)) - len(v))) for v in flat]
+    # A reducer whose initial state is neither zero nor the same on every stage.
+    shifted = optax.GradientTransformation(
+        lambda p: {"seen": p + 1.0, "scale": jnp.full((), 3.0)},
+        lambda g, state, params=None: (jax.lax.pmean(g, "data"), state),
+    )
+    for reducer in (shifted, ddl.compression.top_k(0.5)):
+        for schedule in ("gpipe", "ddg"):
+            strategy = pipeline(
+                stages, xent, optax.sgd(0.1), ddl.make_mesh(data=2, stage=2), microbatches=2,
+                schedule=schedule, example_batch=make_batches(1, 8)[0], reducer=reducer,
+            )  # fmt: skip
+            got = strategy.init(params).reducer_state
+            for d, k in itertools.product(range(2), range(2)):
+                cell = jax.tree.map(lambda x, d=d, k=k: np.asarray(x)[d, k], got)
+                chex.assert_trees_all_close(cell, reducer.init(jnp.asarray(flat[k])))
+    assert float(np.asarray(got.compression_ratio).min()) == 1.0
+
+
+def test_power_sgd_is_refused_since_stages_reach_the_reducer_flattened():
+    stages, _ = split_mlp(2)
+    mesh = ddl.make_mesh(data=2, stage=2)
+    for reducer in (ddl.compression.power_sgd(1), optax.chain(ddl.compression.power_sgd(2))):
+        with pytest.raises(ValueError, match="power_sgd.*cannot be used with ddl.pipeline"):
+            pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, reducer=reducer)
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -377,6 +418,15 @@ def test_bad_input_fails_with_clear_errors():
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, schedule="pipedream")
     with pytest.raises(ValueError, match="microbatches must be an int >= 1, got 0"):
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=0)
+    with pytest.raises(ValueError, match="microbatches must be an int >= 1, got 2.0"):
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2.0)
+    misspelt = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "pipe"))
+    with pytest.raises(
+        ValueError, match=re.escape("the mesh has no 'stage' axis (its axes: ['data', 'pipe'])")
+    ):
+        pipeline(stages, xent, optax.sgd(0.1), misspelt, microbatches=2)
+    with pytest.raises(TypeError, match="reducer must be an optax.GradientTransformation"):
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, reducer="mean")
     with pytest.raises(ValueError, match="needs example_batch="):
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, schedule="ddg")
     with pytest.raises(TypeError, match="stages\\[1\\] must be a pair"):

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
+from ddl_jax._src.compression_lowrank import PowerSGDState
 from ddl_jax._src.data_parallel import check_builder_args
 from ddl_jax._src.flax_bridge import split
 from ddl_jax._src.pipeline_programs import (
@@ -84,13 +85,13 @@ class _Flat(NamedTuple):
 
 
 def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
-    """``mesh`` with a size-1 axis added for each of ``axes`` it lacks (its trivial case)."""
+    """``mesh``, every axis Explicit, with a size-1 axis for each of ``axes`` it lacks."""
     st.check_mesh_axis(mesh, mesh.axis_names[0], arg="mesh")
     devices, names, types = mesh.devices, tuple(mesh.axis_names), tuple(mesh.axis_types)
     for axis in axes:
         if axis not in names:
             devices, names, types = devices[..., None], (*names, axis), (*types, AxisType.Explicit)
-    return Mesh(devices, names, axis_types=types)
+    return st.explicit_mesh(Mesh(devices, names, axis_types=types))
 
 
 def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[Any]]:
@@ -99,16 +100,23 @@ def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[
     return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
 
 
-def _check_stages(stages: Any, k: int) -> tuple[list[StageFn], list[_Flat]]:
+def _check_stages(
+    stages: Any, k: int, mesh_axes: Sequence[str]
+) -> tuple[list[StageFn], list[_Flat]]:
     if not isinstance(stages, Sequence) or not stages:
         raise TypeError(
             "stages must be a non-empty list of (apply, params) pairs, got "
             f"{type(stages).__name__}."
         )
     if len(stages) != k:
+        axis = (
+            f"the mesh's 'stage' axis has size {k}"
+            if STAGE in mesh_axes
+            else f"the mesh has no 'stage' axis (its axes: {list(mesh_axes)})"
+        )
         raise ValueError(
-            f"len(stages)={len(stages)} but the mesh's 'stage' axis has size {k}; build the "
-            f"mesh with ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
+            f"len(stages)={len(stages)} but {axis}; build the mesh with "
+            f"ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
         )
     applies, flats = [], []
     for i, stage in enumerate(stages):
@@ -193,6 +201,19 @@ def _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro) -> _St
     return _Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
 
 
+def _check_reducer(reducer: optax.GradientTransformation, flat: jax.ShapeDtypeStruct) -> None:
+    """Rejects reducers that need each stage's parameter tree, which the pipeline flattens."""
+    state = jax.eval_shape(reducer.init, flat)
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, PowerSGDState))
+    if any(isinstance(node, PowerSGDState) for node in nodes):
+        raise ValueError(
+            "reducer=ddl.compression.power_sgd(...) cannot be used with ddl.pipeline: the "
+            "reducer sees each stage's parameters as one flat vector, so PowerSGD would find "
+            "no matrices and silently run a dense all-reduce. Use another reducer here, or "
+            "power_sgd with ddl.data_parallel."
+        )
+
+
 def _micro_shapes(batch: Any, count: int) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // count, *x.shape[1:]), x.dtype), batch
@@ -237,6 +258,19 @@ def pipeline(
     Stage inputs are rematerialised: a stage keeps the input of each micro-batch in flight
     and re-runs its forward for the backward (as GPipe does).
 
+    What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each
+    stage one flat vector, its leaves concatenated in tree order, cast to one dtype and
+    zero-padded to the largest stage's size; each stage has its own optimizer and reducer
+    state. Transforms that treat every entry on its own are exact (they update each
+    parameter as on the tree): ``optax.sgd``, ``momentum``, ``adam``, ``adamw`` without a
+    ``mask``, learning-rate schedules, ``ddl.allreduce_mean``, ``ddl.compression.cast``.
+    Anything that looks at the tree changes meaning, mostly without an error: norms and
+    scales are taken per stage over its padded vector (``optax.clip_by_global_norm`` clips
+    each stage on its own, ``ddl.compression.sign`` has one scale per stage, ``top_k``'s and
+    ``threshold``'s entry budgets and ``qsgd``'s buckets are per stage), and masks and
+    ``optax.multi_transform`` labels get one array per stage instead of the tree.
+    ``ddl.compression.power_sgd`` would find no matrices, so it is refused (``ValueError``).
+
     Args:
       stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
         micro-batch pytree, stage k>0 the previous stage's output, which must be one
@@ -244,8 +278,8 @@ def pipeline(
         or ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes; NNX modules
         convert with ``pipeline_stages``.
       loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch.
-      optimizer: optax transform applied per stage to its flat parameter vector (so an
-        element-wise optimizer such as SGD or Adam behaves as on the unflattened tree).
+      optimizer: optax transform applied per stage to its flat parameter vector (exact for
+        element-wise optimizers such as SGD or Adam; see above).
       mesh: a mesh with a ``stage`` axis of size K (and optionally ``data``), e.g.
         ``ddl.make_mesh(data=2, stage=4)``; a mesh without ``stage`` means K=1.
       microbatches: M, micro-batches per data worker per step; the global batch must
@@ -254,8 +288,9 @@ def pipeline(
       example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``); required by
         ``"ddg"`` with K > 1, whose state stashes activations of the batch's shape. Every
         later batch must have these shapes.
-      reducer: reduces each stage's gradients over ``data`` (default
-        ``ddl.allreduce_mean("data")``).
+      reducer: reduces each stage's flat gradient vector over ``data`` (default
+        ``ddl.allreduce_mean("data")``); its state starts as ``reducer.init`` of the stage's
+        flat parameter vector on every data worker. Not ``ddl.compression.power_sgd``.
 
     Returns:
       A ``Strategy``: ``init(params)`` takes the K stages' parameter pytrees (a sequence),
@@ -264,16 +299,18 @@ def pipeline(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
-    check_builder_args(loss_fn, optimizer, accumulate=1)
+    check_builder_args(loss_fn, optimizer, accumulate=1, reducer=reducer)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     st.check_positive_int("microbatches", microbatches)
+    given_axes = tuple(getattr(mesh, "axis_names", ()))
     mesh = mesh_with_axes(mesh, (DATA, STAGE))
     n, k_ = mesh.shape[DATA], mesh.shape[STAGE]
-    applies, flats = _check_stages(stages, k_)
+    applies, flats = _check_stages(stages, k_, given_axes)
     param_len = max(f.size for f in flats)
     param_dtype = jnp.result_type(*[d for f in flats for d in f.dtypes])
     reducer = allreduce_mean(DATA) if reducer is None else reducer
+    _check_reducer(reducer, jax.ShapeDtypeStruct((param_len,), param_dtype))
     stage_spec, cell_spec = P(STAGE), P(DATA, STAGE)
     divisor, why = n * microbatches, f"{n} data workers x microbatches={microbatches}"
     if schedule == "ddg" and k_ > 1 and example_batch is None:
@@ -316,11 +353,14 @@ def pipeline(
         opt_state = jax.jit(
             jax.vmap(optimizer.init), out_shardings=NamedSharding(mesh, stage_spec)
         )(stacked)
-        one = jax.ShapeDtypeStruct((param_len,), param_dtype)
-        reducer_state = jax.tree.map(
-            lambda x: jnp.zeros((n, k_, *x.shape), x.dtype), jax.eval_shape(reducer.init, one)
-        )
-        reducer_state = st._place(reducer_state, NamedSharding(mesh, cell_spec))
+        # Each stage's reducer starts from reducer.init of its own (flat) parameters, and
+        # each of its data workers from a copy of that state.
+        reducer_state = jax.jit(
+            lambda s: jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (n, *x.shape)), jax.vmap(reducer.init)(s)
+            ),
+            out_shardings=NamedSharding(mesh, cell_spec),
+        )(stacked)
         return stacked, opt_state, reducer_state
 
     def check(batch) -> Any:
