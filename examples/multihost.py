@@ -53,7 +53,7 @@ def main() -> None:
         strategy, params,
         lambda start: ddl.launch.process_batches(train, args.batch_size, mesh, start=start),
         steps=args.steps, eval_fn=accuracy, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
     )  # fmt: skip
     if jax.process_index() == 0 and history:
         print(

@@ -83,8 +83,10 @@ def test_a_truncated_latest_step_is_reported_set_aside_and_the_previous_used(tmp
     path = target(tmp_path / "4")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be restored"):
+    with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be restored") as got:
         state, history = train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    # The warning points at the user's call (here train's call to fit), not into ddl_jax.
+    assert {w.filename for w in got if "could not be restored" in str(w.message)} == {__file__}
     assert [r["step"] for r in history] == [3, 4]  # resumed from step 2
     chex.assert_trees_all_equal(state, whole)
     assert steps_in(tmp_path) == ["2", "4", "corrupt-4"]  # the bad step is kept aside
@@ -158,9 +160,18 @@ def test_skip_nonfinite_skips_the_step_on_every_worker():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"checkpoint_every": 0}, "checkpoint_every must be a positive int"),
-     ({"keep": 0}, "keep must be a positive int")],
+    [({"checkpoint_every": 0}, "checkpoint_every must be an int >= 1, got 0"),
+     ({"keep": 0}, "keep must be an int >= 1, got 0")],
 )  # fmt: skip
 def test_bad_checkpoint_arguments(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path, **kwargs)
+
+
+def test_a_cloud_directory_stays_a_url_and_a_local_one_becomes_absolute(monkeypatch):
+    # A manager on gs:// would reach for GCS: record the directory orbax would be given.
+    monkeypatch.setattr(checkpoint.ocp, "CheckpointManager", lambda directory, **_: directory)
+    cloud = checkpoint.checkpoint_manager("gs://bucket/run")
+    assert str(cloud) == "gs://bucket/run"
+    assert str(cloud / f"{checkpoint.CORRUPT_PREFIX}4") == "gs://bucket/run/corrupt-4"
+    assert str(checkpoint.checkpoint_manager("run")) == os.path.abspath("run")

@@ -14,7 +14,9 @@ def test_fit_trains_like_the_reference_and_records_every_step(mlp):
     loss_fn, params = mlp
     batches = make_batches(7, 32)
     strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
-    state, history = ddl.fit(strategy, params, batches, steps=7, log_every=3, progress=False)
+    state, history = ddl.fit(
+        strategy, params, batches, steps=np.int64(7), log_every=np.int32(3), progress=False
+    )
     expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
     assert [r["step"] for r in history] == list(range(1, 8))
@@ -72,10 +74,19 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"steps": 0}, ValueError, "steps must be a positive int"),
-        ({"log_every": 2.5}, ValueError, "log_every must be a positive int"),
+        ({"steps": 0}, ValueError, "steps must be an int >= 1, got 0"),
+        ({"log_every": 2.5}, ValueError, "log_every must be an int >= 1, got 2.5"),
         ({"strategy": (1, 2, 3)}, TypeError, "strategy must be a ddl.Strategy"),
         ({"batches": []}, ValueError, "batches yielded no batch"),
+        # Settings that would otherwise be silently ignored.
+        (
+            {"checkpoint_every": 1},
+            ValueError,
+            "checkpoint_every=1 needs checkpoint_dir, got checkpoint_dir=None",
+        ),
+        ({"keep": 2}, ValueError, "keep=2 needs checkpoint_dir, got checkpoint_dir=None"),
+        ({"eval_every": 1}, ValueError, "eval_every=1 needs eval_fn, got eval_fn=None"),
+        ({"skip_nonfinite": "no"}, TypeError, "skip_nonfinite must be a bool, got 'no'"),
     ],
 )
 def test_bad_arguments(mlp, kwargs, error, match):

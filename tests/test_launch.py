@@ -212,13 +212,21 @@ def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["launch", "-n", "0", "--", "true"], ["launch", "-n", "2"], ["launch", "--", "true"]]
-)
-def test_launcher_bad_arguments(argv, capsys):
+    ("argv", "message"),
+    [
+        (["launch", "-n", "0", "--", "true"], "argument -n/--num-processes: must be an int >= 1"),
+        (["launch", "-n", "2"], "give the command to run after --"),
+        (["launch", "--", "true"], "required: -n/--num-processes"),
+        (["launch", "-n", "2", "--grace", "-1", "--", "true"],
+         "argument --grace: must be a finite number of seconds >= 0, got -1"),
+        (["launch", "-n", "2", "--grace", "inf", "--", "true"], "argument --grace: must be"),
+    ],
+)  # fmt: skip
+def test_launcher_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
-    assert "error" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -241,6 +249,26 @@ def test_initialize_rejects_bad_launcher_variables(monkeypatch):
     monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "two")
     monkeypatch.setenv(launch.ENV_PROCESS_ID, "0")
     with pytest.raises(ValueError, match="DDL_JAX_NUM_PROCESSES='two' must be an integer"):
+        launch.initialize()
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"),
+    [
+        ([launch.ENV_COORDINATOR], "DDL_JAX_NUM_PROCESSES, DDL_JAX_PROCESS_ID not set"),
+        ([launch.ENV_COORDINATOR, launch.ENV_PROCESS_ID], "DDL_JAX_NUM_PROCESSES not set"),
+        ([launch.ENV_NUM_PROCESSES, launch.ENV_PROCESS_ID], "DDL_JAX_COORDINATOR not set"),
+    ],
+)
+def test_initialize_names_the_missing_launcher_variable(monkeypatch, present, missing):
+    values = {launch.ENV_COORDINATOR: "127.0.0.1:1234", launch.ENV_NUM_PROCESSES: "2",
+              launch.ENV_PROCESS_ID: "0"}  # fmt: skip
+    for name, value in values.items():
+        if name in present:
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=f"initialize: {missing}, but "):
         launch.initialize()
 
 
@@ -275,6 +303,17 @@ def test_process_batches_on_one_process_are_the_global_batches():
         chex.assert_trees_all_equal(jax.device_get(g), w)
     with pytest.raises(ValueError, match="batch_size=30 is not divisible by the 8 workers"):
         launch.process_rows(mesh, 30)
+
+
+def test_a_mesh_without_a_device_of_this_process_is_a_clear_error(monkeypatch):
+    train, _ = ddl.data.digits()
+    mesh = ddl.make_mesh(data=8)  # all on process 0: seen from a process 1, none is its own
+    monkeypatch.setattr(jax, "process_index", lambda *_: 1)
+    match = "has no device of process 1, so this process holds no rows"
+    with pytest.raises(ValueError, match=match):
+        launch.process_rows(mesh, 32)
+    with pytest.raises(ValueError, match=match):
+        launch.process_batches(train, 32, mesh)
 
 
 def test_batches_from_start_are_the_tail_and_rows_cut_each_batch():

@@ -9,12 +9,23 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from ddl_jax._src.strategy import State, check_positive_int
 
 #: Prefix of the name a step directory that failed to restore is moved to (kept, not deleted).
 CORRUPT_PREFIX = "corrupt-"
+
+
+def _directory(directory: str | os.PathLike) -> epath.Path:
+    """``directory`` as a path orbax accepts: local paths made absolute, URLs kept as URLs.
+
+    ``os.path.abspath`` (and ``epath.Path.absolute``) would turn ``gs://bucket/run`` into a
+    local ``<cwd>/gs:/bucket/run``; a URL is already absolute and is left alone.
+    """
+    path = epath.Path(directory)
+    return path if path.is_absolute() else path.absolute()
 
 
 def checkpoint_manager(directory: str | os.PathLike, *, keep: int = 3) -> ocp.CheckpointManager:
@@ -26,6 +37,7 @@ def checkpoint_manager(directory: str | os.PathLike, *, keep: int = 3) -> ocp.Ch
 
     Args:
       directory: where the steps go (created if missing); the same path on every process.
+        A local path, or a URL of a file system ``etils.epath`` knows (``gs://bucket/run``).
       keep: number of most recent steps kept, >= 1.
 
     Returns:
@@ -37,7 +49,7 @@ def checkpoint_manager(directory: str | os.PathLike, *, keep: int = 3) -> ocp.Ch
         max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True
     )
     return ocp.CheckpointManager(
-        os.path.abspath(directory), options=options, item_handlers=ocp.StandardCheckpointHandler()
+        _directory(directory), options=options, item_handlers=ocp.StandardCheckpointHandler()
     )
 
 
@@ -125,17 +137,17 @@ def _all_ok(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
-def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
-    src = os.path.join(manager.directory, str(step))
-    dst = os.path.join(manager.directory, f"{CORRUPT_PREFIX}{step}")
+def _set_aside(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    src = manager.directory / str(step)
+    dst = manager.directory / f"{CORRUPT_PREFIX}{step}"
     suffix = 0
-    while os.path.exists(dst):
+    while dst.exists():
         suffix += 1
-        dst = os.path.join(manager.directory, f"{CORRUPT_PREFIX}{step}.{suffix}")
+        dst = manager.directory / f"{CORRUPT_PREFIX}{step}.{suffix}"
     # Every process picks its name before any renames, so they all report the same one.
     multihost_utils.sync_global_devices(f"ddl_jax name corrupt checkpoint {step}")
     if jax.process_index() == 0:
-        os.rename(src, dst)
+        src.rename(dst)
     multihost_utils.sync_global_devices(f"ddl_jax set aside checkpoint {step}")
     manager.reload()
     return dst
@@ -162,6 +174,12 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
       ValueError: the checkpoint holds a differently structured state (see
         ``check_compatible``); this is not treated as corruption.
     """
+    return _restore_latest(manager, like)
+
+
+def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, int] | None:
+    # Called only directly by the functions users call (restore_latest, fit), so the
+    # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     for step in sorted(manager.all_steps(), reverse=True):
         try:
@@ -183,6 +201,6 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
         warnings.warn(
             f"checkpoint step {step} in {manager.directory} could not be restored "
             f"({reason[:500]}); moved it to {moved} and trying the previous step.",
-            stacklevel=2,
+            stacklevel=3,
         )
     return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import queue
 import signal
@@ -160,6 +161,14 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    # Not inf or nan either: the launcher would wait forever, or not at all.
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``ddl-jax`` command line."""
     root = argparse.ArgumentParser(prog="ddl-jax", description=__doc__)
@@ -189,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
         help="seconds before JAX's runtime declares a silent rank dead (default 10)",
     )  # fmt: skip
     p.add_argument(
-        "--grace", type=float, default=3.0,
+        "--grace", type=_seconds, default=3.0,
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)",
     )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")

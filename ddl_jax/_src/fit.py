@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ddl_jax._src import checkpoint
-from ddl_jax._src.strategy import Batch, Metrics, Params, State, Strategy
+from ddl_jax._src.strategy import Batch, Metrics, Params, State, Strategy, check_positive_int
 
 
 def _eval_record(eval_fn: Callable[[Params], Any], params: Params) -> dict[str, float]:
@@ -66,7 +66,7 @@ def fit(
     progress: bool = True,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
-    keep: int = 3,
+    keep: int | None = None,
     skip_nonfinite: bool = False,
 ) -> tuple[State, list[dict[str, float]]]:
     """Trains ``params`` with ``strategy`` for ``steps`` steps, resuming from a checkpoint.
@@ -101,7 +101,7 @@ def fit(
       checkpoint_dir: directory of the checkpoints (the same path on every process);
         ``None`` neither saves nor resumes.
       checkpoint_every: steps between saves; ``None`` saves after the last step only.
-      keep: number of most recent checkpoints kept.
+      keep: number of most recent checkpoints kept (default 3).
       skip_nonfinite: do not apply a step whose loss or new state holds NaN/inf, on any
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
         instead of stopping training.
@@ -114,18 +114,30 @@ def fit(
     Raises:
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
-      ValueError: bad arguments, or a checkpoint of a differently shaped state.
+      TypeError: ``strategy`` is not a ``ddl.Strategy``, or ``skip_nonfinite`` not a bool.
+      ValueError: bad arguments (among them ``checkpoint_every`` or ``keep`` without
+        ``checkpoint_dir``, ``eval_every`` without ``eval_fn``), or a checkpoint of a
+        differently shaped state.
     """
     for name, value in (
         ("steps", steps), ("log_every", log_every), ("eval_every", eval_every),
         ("checkpoint_every", checkpoint_every), ("keep", keep),
     ):  # fmt: skip
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"fit: {name} must be a positive int, got {value!r}.")
+        if value is not None:
+            check_positive_int(name, value)
     if not isinstance(strategy, Strategy):
         raise TypeError(f"fit: strategy must be a ddl.Strategy, got {type(strategy).__name__}.")
+    if not isinstance(skip_nonfinite, bool | np.bool_):
+        raise TypeError(f"fit: skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
+    if eval_every is not None and eval_fn is None:
+        raise ValueError(f"fit: eval_every={eval_every!r} needs eval_fn, got eval_fn=None.")
+    for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
+        # Without a directory nothing is saved: a silently ignored setting would hide that.
+        if value is not None and checkpoint_dir is None:
+            raise ValueError(
+                f"fit: {name}={value!r} needs checkpoint_dir, got checkpoint_dir=None; pass "
+                "the directory to save checkpoints to."
+            )
 
     step_fn = jax.jit(
         guard_nonfinite(strategy.step) if skip_nonfinite else strategy.step,
@@ -134,9 +146,10 @@ def fit(
     state = strategy.init(params)
     start, manager = 0, None
     if checkpoint_dir is not None:
-        manager = checkpoint.checkpoint_manager(checkpoint_dir, keep=keep)
+        manager = checkpoint.checkpoint_manager(checkpoint_dir, keep=3 if keep is None else keep)
         try:
-            restored = checkpoint.restore_latest(manager, state)
+            # Not restore_latest: its warning about a corrupt step must name the user's line.
+            restored = checkpoint._restore_latest(manager, state)
         except BaseException:
             manager.close()
             raise

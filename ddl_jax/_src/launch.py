@@ -73,7 +73,8 @@ def initialize(
       Whether the distributed runtime was initialised (false: single process).
 
     Raises:
-      ValueError: a process count, id or address that cannot be right.
+      ValueError: a process count, id or address that cannot be right, or only some of
+        the launcher's variables set.
       RuntimeError: the coordinator could not be reached within ``initialization_timeout``.
     """
     explicit = coordinator_address is not None
@@ -83,8 +84,16 @@ def initialize(
             f"(got num_processes={num_processes!r}, process_id={process_id!r}, "
             "coordinator_address=None); pass all three, or none to auto-detect."
         )
-    launched = not explicit and ENV_COORDINATOR in os.environ
+    required = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+    launched = not explicit and any(name in os.environ for name in required)
     if launched:
+        missing = [name for name in required if name not in os.environ]
+        if missing:
+            raise ValueError(
+                f"initialize: {', '.join(missing)} not set, but "
+                f"{', '.join(n for n in required if n not in missing)} set; ddl-jax launch "
+                "sets all of them: set every one, or none to auto-detect the cluster."
+            )
         coordinator_address = os.environ[ENV_COORDINATOR]
         num_processes = _env_int(ENV_NUM_PROCESSES)
         process_id = _env_int(ENV_PROCESS_ID)
@@ -163,14 +172,21 @@ def process_rows(mesh: Mesh, batch_size: int, axis: str = "data") -> slice:
       A contiguous ``slice`` of ``range(batch_size)``.
 
     Raises:
-      ValueError: ``batch_size`` does not divide, or this process's rows are not
-        contiguous (a mesh whose data axis interleaves processes).
+      ValueError: ``batch_size`` does not divide, the mesh has no device of this process,
+        or this process's rows are not contiguous (a mesh whose data axis interleaves
+        processes).
     """
     n = check_mesh_axis(mesh, axis)
     check_positive_int("batch_size", batch_size)
     if batch_size % n:
         raise ValueError(
             f"batch_size={batch_size} is not divisible by the {n} workers on axis {axis!r}."
+        )
+    if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        raise ValueError(
+            f"mesh {mesh} has no device of process {jax.process_index()}, so this process "
+            "holds no rows of the batch; build the mesh from every process's devices "
+            "(ddl.make_mesh does)."
         )
     indices = NamedSharding(mesh, P(axis)).addressable_devices_indices_map((batch_size,))
     starts = sorted({(idx[0].start or 0, idx[0].stop or batch_size) for idx in indices.values()})
