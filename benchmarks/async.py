@@ -3,13 +3,14 @@
 Eight workers, one of them a 4x straggler (compute times 1,1,1,1,1,1,1,4 simulated time
 units per gradient of 16 examples), the same data order, seed and server optimizer
 (SGD), for: synchronous SGD (``softsync(8)``), plain async, async with
-``scale_by_staleness("inverse")`` (lr / tau), ``softsync(2)``, ``ssp(2)`` and Downpour
-(fetch every 2, push every 2). Each runs for the same simulated time budget; test
-accuracy of the server's parameters is recorded along the way. "Diverged": the loss
+``scale_by_staleness("inverse")`` (lr / tau), ``softsync(2)`` (2 gradients per update:
+Gupta et al.'s 4-softsync), ``ssp(2)`` and Downpour (fetch every 2, push the sum of every
+2), at each of a few SGD learning rates. Each runs for the same simulated time budget;
+test accuracy of the server's parameters is recorded along the way. "Diverged": the loss
 turned non-finite or the final test accuracy is below 0.2 (chance is 0.1). Writes
-benchmarks/results/async_lr<lr>.{md,json,png} (the figure needs matplotlib).
+benchmarks/results/async.{md,json,png} (the figure needs matplotlib).
 
-    python -P benchmarks/async.py [--time 300 --lr 0.5]
+    python -P benchmarks/async.py [--time 300 --lr 0.1 0.5 1.0]
 
 (``-P`` keeps ``benchmarks/`` off ``sys.path``, so that no script there shadows a module.)
 """
@@ -45,7 +46,7 @@ def protocols(lr: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time", type=float, default=300.0, help="simulated time budget")
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     parser.add_argument("--per-worker-batch", type=int, default=16)
     parser.add_argument("--eval-every", type=float, default=10.0, help="simulated time")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -64,8 +65,9 @@ def main() -> None:
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(apply(p, test["image"]), -1) == test["label"]))
     mesh = ddl.make_mesh(data=8)
 
-    rows, curves = [], {}
-    for name, (protocol, optimizer) in protocols(args.lr).items():
+    rows, curves = [], {lr: {} for lr in args.lr}
+    runs = [(lr, *item) for lr in args.lr for item in protocols(lr).items()]
+    for lr, name, (protocol, optimizer) in runs:
         strategy = ddl.async_sgd(loss_fn, optimizer, mesh, compute_time=TIMES, protocol=protocol)
         step = jax.jit(strategy.step, donate_argnums=0)
         state = strategy.init(params)
@@ -85,36 +87,39 @@ def main() -> None:
                 curve.append((clock, float(accuracy(strategy.params(state)))))
         accs = [a for _, a in curve]
         rows.append(
-            {"protocol": name, "final_accuracy": accs[-1], "best_accuracy": max(accs),
-             "simulated_time": clock, "steps": steps, "gradients": pushes,
+            {"lr": lr, "protocol": name, "final_accuracy": accs[-1], "best_accuracy": max(accs),
+             "simulated_time": clock, "steps": steps, "pushes": pushes,
              "updates_applied": float(m["updates_applied"]), "staleness_mean": tau_sum / pushes,
              "staleness_max": tau_max, "final_loss": float(m["loss"]), "finite": finite,
              "diverged": not finite or accs[-1] < 0.2}
         )  # fmt: skip
-        curves[name] = curve
-        print(f"{name}: accuracy {accs[-1]:.4f} at t={clock:.0f}, {steps} steps")
+        curves[lr][name] = curve
+        print(f"lr {lr:g}, {name}: accuracy {accs[-1]:.4f} at t={clock:.0f}, {steps} steps")
 
     lines = [
         f"Digits MLP 64-128-10, 8 workers x {args.per_worker_batch} examples per gradient, "
-        f"compute times {TIMES} (one 4x straggler), SGD lr {args.lr}, simulated time "
-        f"budget {args.time:g}, same data order and seed.",
+        f"compute times {TIMES} (one 4x straggler), SGD, simulated time budget "
+        f"{args.time:g}, same data order and seed.",
         "",
-        "| protocol | test accuracy | best | gradients | server updates | "
+        "| SGD lr | protocol | test accuracy | best | pushes | server updates | "
         "mean staleness | max staleness | steps | final loss | diverged |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['protocol']} | {r['final_accuracy']:.4f} | {r['best_accuracy']:.4f} | "
-            f"{r['gradients']:.0f} | {r['updates_applied']:.0f} | {r['staleness_mean']:.2f} | "
+            f"| {r['lr']:g} | {r['protocol']} | {r['final_accuracy']:.4f} | "
+            f"{r['best_accuracy']:.4f} | "
+            f"{r['pushes']:.0f} | {r['updates_applied']:.0f} | {r['staleness_mean']:.2f} | "
             f"{r['staleness_max']:.0f} | {r['steps']} | {r['final_loss']:.3g} | "
             f"{'yes' if r['diverged'] else 'no'} |"
         )
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"async_lr{args.lr:g}"
-    (args.out / f"{stem}.md").write_text(table)
-    (args.out / f"{stem}.json").write_text(json.dumps({"rows": rows, "curves": curves}, indent=2))
+    (args.out / "async.md").write_text(table)
+    curves_json = {f"{lr:g}": c for lr, c in curves.items()}
+    (args.out / "async.json").write_text(
+        json.dumps({"rows": rows, "curves": curves_json}, indent=2)
+    )
     print(table)
     try:
         import matplotlib
@@ -124,18 +129,23 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, curve in curves.items():
-        t, a = np.array(curve).T
-        ax.plot(t, a, label=name)
-    ax.set(xlabel="simulated wall time (units of one fast gradient)", ylabel="test accuracy",
-           title=f"Async SGD on digits, 8 workers, one 4x straggler, SGD lr {args.lr}")  # fmt: skip
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / f"{stem}.png", dpi=120)
-    print(f"figure: {args.out / f'{stem}.png'}")
+    fig, axes = plt.subplots(
+        1, len(args.lr), figsize=(4.2 * len(args.lr), 4.2), sharey=True, squeeze=False
+    )
+    for ax, (lr, by_name) in zip(axes[0], curves.items(), strict=True):
+        for name, curve in by_name.items():
+            t, a = np.array(curve).T
+            ax.plot(t, a, label=name)
+        ax.set(xlabel="simulated wall time (one fast gradient = 1)", title=f"SGD lr {lr:g}")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("test accuracy")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    fig.suptitle("Async SGD on digits, 8 workers, one 4x straggler")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(args.out / "async.png", dpi=120)
+    print(f"figure: {args.out / 'async.png'}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,22 @@ def test_sgd_after_scale_by_staleness_steps_by_lr_times_scale(rule, expected, ta
     )
 
 
+def test_after_adam_it_scales_the_step_and_before_adam_it_cancels():
+    """Adam divides by the running gradient magnitude: a constant scale before it cancels."""
+
+    def last_update(optimizer, **staleness):
+        state = optimizer.init(UPDATES)
+        for _ in range(3):
+            updates, state = optimizer.update(UPDATES, state, UPDATES, **staleness)
+        return updates
+
+    adam = last_update(optax.adam(0.1))
+    after = last_update(optax.chain(optax.adam(0.1), scale_by_staleness()), staleness=4.0)
+    before = last_update(optax.chain(scale_by_staleness(), optax.adam(0.1)), staleness=4.0)
+    chex.assert_trees_all_close(after, jax.tree.map(lambda u: u / 4, adam), rtol=1e-6)
+    chex.assert_trees_all_close(before, adam, rtol=1e-5)
+
+
 def test_exp_decay_is_lambda():
     updates, _ = scale_by_staleness("exp", decay=0.5).update(UPDATES, (), staleness=2.0)
     chex.assert_trees_all_close(updates, jax.tree.map(lambda u: np.exp(-1.0) * u, UPDATES))
@@ -59,6 +75,11 @@ def test_missing_staleness_raises():
         (lambda tau: 1 / tau, "at tau=\\[0.\\]"),
         (lambda tau: jnp.log(tau - 1), "finite scalar scale >= 0"),
         (lambda tau: -tau, "finite scalar scale >= 0"),
+        # Non-finite only at large tau: caught if within the range checked, which is named.
+        (
+            lambda tau: jnp.exp(tau / 40),
+            "at tau=\\[4096.\\].*checked at tau in \\[0.0, 0.5, .*4096.0\\]",
+        ),
         (lambda tau: jnp.ones(3) / (1 + tau), "finite scalar scale"),
         ("linear", "rule='linear' is not known"),
     ],

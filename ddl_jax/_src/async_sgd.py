@@ -91,18 +91,22 @@ def async_sgd(
       worker fetches the new parameters and starts again at once.
     * ``ddl.softsync(n)`` (Gupta et al.): the server applies the mean of every n arrivals
       (with tau their mean staleness); a worker that pushed waits until its group is
-      applied, then fetches. n = N with equal compute times is synchronous SGD.
+      applied, then fetches. n = N with equal compute times is synchronous SGD. Here n
+      counts gradients per update; Gupta et al.'s n-softsync waits for floor(N / n), so
+      theirs is ``softsync(N // n)`` here.
     * ``ddl.ssp(s)`` (Ho et al.): as async, but a worker whose clock (gradients completed)
       is more than s ahead of the slowest worker's waits until it is not.
     * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
-      gradients and pushes the mean of its last n_push gradients every n_push; between
-      fetches it keeps computing on the parameters it has (the client-side local update of
-      Dean et al. is left out). The server is sharded over the data axis as in DistBelief:
-      device i holds shard i of the flattened parameters and its optimizer state; a push
-      is a reduce-scatter (each shard receives its slice of the gradient), a fetch an
-      all-gather. The optimizer sees each shard as one flat vector, so elementwise
-      optimizers (SGD, momentum, Adam, ...) act exactly as on the whole model, while
-      transforms that look across leaves (global-norm clipping, masks) act per shard.
+      gradients and pushes the sum of its last n_push gradients (Dean et al.'s accumulated
+      gradient Delta w) every n_push, so with SGD one push moves the server as far as those
+      n_push gradients arriving one by one would; between fetches it keeps computing on the
+      parameters it has (the client-side local update of Dean et al. is left out). The
+      server is sharded over the data axis as in DistBelief: device i holds shard i of the
+      flattened parameters and its optimizer state; a push is a reduce-scatter (each shard
+      receives its slice of the gradient), a fetch an all-gather. The optimizer sees each
+      shard as one flat vector, so elementwise optimizers (SGD, momentum, Adam, ...) act
+      exactly as on the whole model, while transforms that look across leaves (global-norm
+      clipping, masks) act per shard.
 
     Event model. Worker i's k-th gradient takes ``compute_time`` ``d(i, k)`` simulated
     time units (``ddl.compute_times``); it starts when the worker fetches (or is released)
@@ -294,9 +298,7 @@ def async_sgd(
                     accrued = jax.tree.map(
                         lambda a, g: jnp.where(mine, a + g, a), accrued, gradient
                     )
-                    sent = jax.tree.map(lambda a: a / n_push, accrued)
-                else:
-                    sent = gradient
+                sent = accrued if accrues else gradient
 
                 def send(args):
                     s, accrued, stats = args

@@ -118,6 +118,10 @@ class Async(NamedTuple):
 class SoftSync(NamedTuple):
     """n-softsync (Gupta et al. 2016): the server applies the average of every n arrivals.
 
+    Here n counts gradients per update. Gupta et al. count the other way: their
+    n-softsync waits for floor(N / n) gradients (1-softsync is synchronous, N-softsync is
+    async), so their n-softsync is ``SoftSync(N // n)`` here.
+
     Attributes:
       n: gradients per server update, in [1, N]; n = N is synchronous SGD, n = 1 is async.
     """
@@ -141,7 +145,7 @@ class Downpour(NamedTuple):
 
     Attributes:
       n_fetch: a worker fetches the server's parameters every ``n_fetch`` gradients.
-      n_push: a worker sends the mean of its last ``n_push`` gradients every ``n_push``.
+      n_push: a worker sends the sum of its last ``n_push`` gradients every ``n_push``.
     """
 
     n_fetch: int
@@ -153,6 +157,10 @@ Protocol = Async | SoftSync | SSP | Downpour
 
 def softsync(n: int) -> SoftSync:
     """The n-softsync protocol: the server averages every ``n`` arrivals into one update.
+
+    ``n`` is gradients per update; Gupta et al.'s n-softsync (which waits for floor(N / n)
+    gradients) is ``softsync(N // n)`` here: their 1-softsync, synchronous SGD, is
+    ``softsync(N)``.
 
     References:
       Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
@@ -188,7 +196,7 @@ def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
 
     Args:
       n_fetch: gradients between parameter fetches, >= 1.
-      n_push: gradients accumulated (averaged) per push, >= 1.
+      n_push: gradients accumulated (summed) per push, >= 1.
     """
     check_positive_int("downpour n_fetch", n_fetch)
     check_positive_int("downpour n_push", n_push)
@@ -231,6 +239,7 @@ RULES: dict[str, str] = {
 
 # Staleness values a callable rule is checked on at construction: zero, fractions (a
 # softsync group's mean), and powers of two up to far beyond any realistic staleness.
+# Only these points are checked: a rule may still misbehave between them or beyond.
 SAMPLE_STALENESS = np.array([0.0, 0.5, 1.0, 1.5, *(2.0**k for k in range(1, 13))], np.float32)
 
 
@@ -246,16 +255,20 @@ def scale_by_staleness(
     ``tau`` is the number of server updates applied between the fetch of the parameters a
     gradient was computed on and the gradient's arrival; ``async_sgd`` passes it as the
     optax extra argument ``staleness`` (a softsync group passes its mean). ``optax.chain``
-    forwards extra args to every link, so this works anywhere in a chain, e.g.
-    ``optax.chain(ddl.scale_by_staleness(), optax.sgd(0.1))`` gives the staleness-aware
-    learning rate ``lr / tau`` of Zhang et al.
+    forwards extra args to every link. Put it after the optimizer that computes the step,
+    e.g. ``optax.chain(optax.adam(1e-3), ddl.scale_by_staleness())``: it then scales the
+    learning rate, ``lr / tau`` in Zhang et al. Before an adaptive optimizer such as Adam,
+    which divides by a running gradient magnitude, the scale is normalised away (exactly,
+    for a constant tau). With plain SGD the order does not matter.
 
     Rules: ``"inverse"``: ``s = 1 / max(tau, 1)``; ``"exp"``: ``s = exp(-decay * tau)``;
     or a callable ``tau -> s`` (traceable jnp code on a float32 scalar). A callable rule
     is checked eagerly, at construction, on tau in {0, 0.5, 1, 1.5, 2, 4, ..., 4096}: a
-    scale that is not a finite number >= 0 raises ``ValueError`` then, rather than
-    silently turning parameters to NaN inside a jitted step (a rule that misbehaves only
-    elsewhere is not caught).
+    scale that is not a finite number >= 0 there raises ``ValueError`` then, rather than
+    silently turning parameters to NaN inside a jitted step. Only those points are
+    checked: a rule that misbehaves between them or beyond 4096 is not caught, and its
+    non-finite scale reaches the parameters (``async_sgd``'s ``staleness_max`` metric
+    shows the staleness a run actually meets).
 
     References:
       Zhang, Gupta, Lian, Liu, "Staleness-aware async-SGD for distributed deep learning",
@@ -287,7 +300,8 @@ def scale_by_staleness(
             where = SAMPLE_STALENESS[bad] if scales.shape == SAMPLE_STALENESS.shape else "?"
             raise ValueError(
                 "scale_by_staleness rule must map a staleness tau to a finite scalar scale "
-                f">= 0; at tau={where} it returned {scales[bad] if bad.any() else scales}."
+                f">= 0; at tau={where} it returned {scales[bad] if bad.any() else scales} "
+                f"(checked at tau in {SAMPLE_STALENESS.tolist()})."
             )
     else:
         raise ValueError(
