@@ -4,6 +4,8 @@ import ddl_jax as ddl
 
 ddl.simulate_cpu_devices(8)
 
+import re  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,3 +57,19 @@ def worker_shards(batch, n: int) -> list[dict]:
     """The rows of a global batch that each of ``n`` workers sees, in worker order."""
     rows = len(jax.tree.leaves(batch)[0]) // n
     return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(n)]
+
+
+def replica_groups(line: str) -> set[frozenset[int]]:
+    """The device groups of an HLO collective, in either of XLA's notations.
+
+    ``replica_groups={{0,2},{1,3}}`` lists them; ``replica_groups=[2,2]<=[2,2]T(1,0)`` is
+    ``iota(4).reshape(2, 2).transpose(1, 0).reshape(2, 2)``, one group per row.
+    """
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        dims = [int(d) for d in m[3].split(",")]
+        ids = np.arange(np.prod(dims)).reshape(dims)
+        if m[4]:
+            ids = ids.transpose([int(p) for p in m[4].split(",")])
+        return {frozenset(row) for row in ids.reshape(int(m[1]), int(m[2])).tolist()}
+    groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)[1]
+    return {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches
+from conftest import make_batches, replica_groups
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -319,10 +319,6 @@ def test_ddg_converges_on_digits_like_backprop():
 
 # --- 2-D mesh ------------------------------------------------------------------------
 
-
-def replica_groups(line: str) -> set[frozenset[int]]:
-    groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)[1]
-    return {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
 
 
 def test_data_by_stage_mesh_all_reduces_gradients_over_data_only():

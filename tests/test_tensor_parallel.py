@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, reference_sgd
+from conftest import make_batches, reference_sgd, replica_groups
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -125,10 +125,6 @@ def test_data_by_model_training_equals_single_device_sgd(data, model):
     before = reference_sgd(reference_loss, optax.adam(1e-2), params, batches[:2])
     np.testing.assert_allclose(metrics["loss"], reference_loss(before, batches[2]), rtol=1e-5)
 
-
-def replica_groups(line):
-    groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)[1]
-    return {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
 
 
 def test_gradients_are_all_reduced_over_data_groups_only():
