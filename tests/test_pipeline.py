@@ -320,7 +320,6 @@ def test_ddg_converges_on_digits_like_backprop():
 # --- 2-D mesh ------------------------------------------------------------------------
 
 
-
 def test_data_by_stage_mesh_all_reduces_gradients_over_data_only():
     stages, params = split_mlp(4)
     mesh = ddl.make_mesh(data=2, stage=4)

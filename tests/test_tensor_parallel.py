@@ -126,7 +126,6 @@ def test_data_by_model_training_equals_single_device_sgd(data, model):
     np.testing.assert_allclose(metrics["loss"], reference_loss(before, batches[2]), rtol=1e-5)
 
 
-
 def test_gradients_are_all_reduced_over_data_groups_only():
     module = Classifier(nnx.Rngs(0))
     loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
