@@ -72,6 +72,10 @@ def largest_data_file(step_dir) -> str:
     return max(files, key=os.path.getsize)
 
 
+# orbax closes its event loop when the first read of a broken step fails; tensorstore's
+# reads still in flight then report "Event loop is closed" to sys.unraisablehook. Noise only:
+# the test checks that the previous step is restored whole.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
     "target", [largest_data_file, lambda step_dir: step_dir / "default" / "_METADATA"]
 )
