@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_batches, reference_sgd, worker_shards
+from flax import nnx
 
 import ddl_jax as ddl
 from ddl_jax._src.comm import collectives
@@ -164,6 +165,28 @@ def test_non_scalar_loss_is_rejected_at_the_call(mlp):
     )
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar loss.*\(1,\)"):
         jax.jit(strategy.step)(strategy.init(params), make_batches(1, 8)[0])
+
+
+@pytest.mark.parametrize(
+    ("aux", "match"), [(jnp.ones(3), r"aux\['acc'\] must be a floating-point scalar"),
+                       (jnp.int32(3), r"aux\['acc'\] must be a floating-point scalar")],
+)  # fmt: skip
+def test_aux_values_must_be_float_scalars(mlp, aux, match):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(
+        lambda p, b: (loss_fn(p, b), {"acc": aux}), optax.sgd(0.1), ddl.make_mesh(data=8),
+        has_aux=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])
+
+
+def test_an_nnx_module_as_params_points_at_the_flax_bridge(mlp):
+    loss_fn, _ = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    module = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="NNX module .*ddl.flax.loss_from_module"):
+        strategy.init(module)
 
 
 def test_tuple_loss_without_has_aux_points_at_has_aux(mlp):

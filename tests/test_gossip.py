@@ -125,6 +125,7 @@ def test_sends_degree_times_the_parameters_and_no_all_reduce(mlp, topology, degr
         ({"mixing_weights": np.eye(3)}, r"mixing_weights must have shape \(4, 4\)"),
         ({"mixing_weights": np.full((4, 4), 0.25)}, r"mixing_weights\[0, 2\].*not a neighbour"),
         ({"consensus_every": -1}, "consensus_every must be an int >= 0"),
+        ({"mixing_weights": "uniform"}, "mixing_weights must be a numeric 4 x 4 array"),
     ],
 )
 def test_bad_arguments(mlp, kwargs, match):

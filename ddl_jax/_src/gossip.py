@@ -70,7 +70,10 @@ def mixing_matrix(topology: str, n: int) -> np.ndarray:
 
 
 def _check_mixing(weights: Any, topology: str, n: int) -> np.ndarray:
-    w = np.asarray(weights, dtype=np.float64)
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"mixing_weights must be a numeric {n} x {n} array: {e}") from e
     if w.shape != (n, n):
         raise ValueError(f"mixing_weights must have shape ({n}, {n}), got {w.shape}.")
     if (w < 0).any() or not (

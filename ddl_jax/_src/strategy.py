@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -61,6 +62,11 @@ def explicit_mesh(mesh: Mesh) -> Mesh:
 
 def check_params(params: Params) -> None:
     """Raises ``TypeError`` unless ``params`` is a non-empty pytree of floating arrays."""
+    if isinstance(params, nnx.Module):
+        raise TypeError(
+            f"params is a Flax NNX module ({type(params).__name__}); pass its parameters: "
+            "loss_fn, params = ddl.flax.loss_from_module(module, loss)."
+        )
     leaves = jax.tree_util.tree_leaves_with_path(params)
     if not leaves:
         raise TypeError(
@@ -87,8 +93,15 @@ def check_loss_output(out: Any, *, has_aux: bool) -> None:
             )
         loss, aux = out
         for name, value in aux.items():
-            if not isinstance(value, jax.ShapeDtypeStruct) or value.shape != ():
-                raise ValueError(f"loss_fn's aux[{name!r}] must be a scalar metric, got {value}.")
+            if (
+                not isinstance(value, jax.ShapeDtypeStruct)
+                or value.shape != ()
+                or not jnp.issubdtype(value.dtype, jnp.floating)
+            ):
+                raise ValueError(
+                    f"loss_fn's aux[{name!r}] must be a floating-point scalar metric (workers "
+                    f"average it), got {value}."
+                )
     else:
         loss = out
     if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
@@ -234,7 +247,10 @@ def one_worker(stacked: Any) -> Any:
 def replica_mean(stacked: Any, mesh: Mesh) -> Any:
     """The average of worker-stacked replicas, replicated on ``mesh`` (for evaluation)."""
     return jax.jit(
-        lambda t: jax.tree.map(lambda x: x.mean(axis=0, dtype=x.dtype), t),
+        lambda t: jax.tree.map(  # summed in at least float32, so bf16 replicas lose nothing
+            lambda x: x.mean(axis=0, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(x.dtype),
+            t,
+        ),
         out_shardings=NamedSharding(mesh, P()),
     )(stacked)
 
