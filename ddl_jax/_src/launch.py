@@ -76,6 +76,12 @@ def initialize(
       ValueError: a process count, id or address that cannot be right, or only some of
         the launcher's variables set.
       RuntimeError: the coordinator could not be reached within ``initialization_timeout``.
+
+    A count that is possible but wrong (``num_processes=4`` with 3 processes started, or
+    two processes given one id) is only found by JAX's own rendezvous: after
+    ``initialization_timeout`` seconds JAX aborts every waiting process with
+    ``DEADLINE_EXCEEDED`` (no Python exception). ``ddl-jax launch`` always passes a
+    consistent count and ids.
     """
     explicit = coordinator_address is not None
     if not explicit and (num_processes is not None or process_id is not None):
