@@ -1,6 +1,6 @@
 """Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX."""
 
-from ddl_jax._src.tensor_parallel import (
+from ddl_jax._src.layers import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,
