@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ddl_jax._src.flat import map_fused
+
 
 def check_axis_in_scope(axis: str, *, arg: str = "axis") -> int:
     """Returns the size of the enclosing ``shard_map``'s mesh axis ``axis``, or raises."""
@@ -31,22 +33,11 @@ def check_axis_in_scope(axis: str, *, arg: str = "axis") -> int:
     return lax.axis_size(axis)
 
 
-def _fused(tree: Any, axis_name: str, algorithm: Callable[[jax.Array, str, int], jax.Array]):
+def _allreduce(tree: Any, axis_name: str, algorithm: Callable[[jax.Array, str, int], jax.Array]):
     n = check_axis_in_scope(axis_name, arg="axis_name")
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [jnp.asarray(x) for x in leaves]
-    out: list[Any] = [None] * len(leaves)
-    by_dtype: dict[Any, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        by_dtype.setdefault(leaf.dtype, []).append(i)
-    for members in by_dtype.values():
-        flat = jnp.concatenate([leaves[i].ravel() for i in members])
-        summed = algorithm(flat, axis_name, n) if n > 1 else flat
-        offset = 0
-        for i in members:
-            out[i] = summed[offset : offset + leaves[i].size].reshape(leaves[i].shape)
-            offset += leaves[i].size
-    return jax.tree.unflatten(treedef, out)
+    if n == 1:  # the sum over one device is its own value: no buffers, no rounds
+        return jax.tree.map(jnp.asarray, tree)
+    return map_fused(lambda flat: algorithm(flat, axis_name, n), tree)
 
 
 def _ring(x: jax.Array, axis: str, n: int) -> jax.Array:
@@ -91,7 +82,7 @@ def ring_allreduce(x: Any, axis_name: str) -> Any:
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
     """
-    return _fused(x, axis_name, _ring)
+    return _allreduce(x, axis_name, _ring)
 
 
 def _tree(x: jax.Array, axis: str, n: int) -> jax.Array:
@@ -126,7 +117,7 @@ def tree_allreduce(x: Any, axis_name: str) -> Any:
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
     """
-    return _fused(x, axis_name, _tree)
+    return _allreduce(x, axis_name, _tree)
 
 
 def _ps(x: jax.Array, axis: str, n: int) -> jax.Array:
@@ -159,4 +150,4 @@ def ps_allreduce(x: Any, axis_name: str) -> Any:
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
     """
-    return _fused(x, axis_name, _ps)
+    return _allreduce(x, axis_name, _ps)

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
+from ddl_jax._src.flat import FlatView, pad_to, padded_size
 from ddl_jax._src.reducers import PermuteReducer
 from ddl_jax._src.strategy import check_positive_int
 
@@ -80,15 +80,15 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
     def update(updates, state, params=None):
         del state, params
         n = check_axis_in_scope(axis)
-        flat, unravel = ravel_pytree(updates)
-        chunks = wire.pad_to(flat.astype(jnp.float32), n).reshape(n, -1).astype(dtype)
+        view = FlatView.of(updates)
+        chunks = view.blocks(updates, n, jnp.float32).astype(dtype)
         received = wire.from_bits(wire.scatter_to_owners(wire.to_bits(chunks), axis), dtype)
         mine = received.astype(jnp.float32).sum(axis=0) / n
         out = wire.gather_from_owners(wire.to_bits(mine.astype(dtype)), axis)
         out = wire.from_bits(out, dtype).astype(jnp.float32)
         wire_bytes = 2 * (n - 1) / n * chunks.size * dtype.itemsize
-        return unravel(out.reshape(-1)[: flat.size]), CastState(
-            wire.ratio(flat.size, wire_bytes, n)
+        return wire.unravel_updates(view, out.reshape(-1)), CastState(
+            wire.ratio(view.size, wire_bytes, n)
         )
 
     return PermuteReducer(init, update)
@@ -160,7 +160,7 @@ def sign(*, axis: str = "data") -> optax.GradientTransformation:
             x = g.astype(jnp.float32) + e
             scale = jnp.abs(x).mean()
             new_residuals.append(x - scale * _signs(x >= 0))
-            packed.append(wire.pack_bits(wire.pad_to(x >= 0, 8 * n).reshape(n, -1)))
+            packed.append(wire.pack_bits(pad_to(x >= 0, 8 * n).reshape(n, -1)))
             scales.append(scale)
         received = wire.scatter_to_owners(jnp.concatenate(packed, axis=1), axis)
         worker_scales = wire.gather_from_owners(jnp.stack(scales), axis)  # [N, tensors]
@@ -174,7 +174,7 @@ def sign(*, axis: str = "data") -> optax.GradientTransformation:
             mean = (worker_scales[:, t, None] * _signs(bits)).mean(axis=0)
             # Padding past the tensor's end is no data: keep it out of y, e' and the scale.
             valid = owner * chunk + jnp.arange(chunk) < g.size
-            full_e2 = wire.pad_to(e2, 8 * n)
+            full_e2 = pad_to(e2, 8 * n)
             y = jnp.where(valid, mean + wire.owner_slice(full_e2, owner, chunk), 0.0)
             scale2 = jnp.abs(y).sum() / jnp.maximum(valid.sum(), 1)
             e2_chunk = jnp.where(valid, y - scale2 * _signs(y >= 0), 0.0)
@@ -276,11 +276,11 @@ def qsgd(
     def update(updates, state: QSGDState, params=None):
         del params
         n = check_axis_in_scope(axis)
-        flat, unravel = ravel_pytree(updates)
+        view = FlatView.of(updates)
         key = jax.random.fold_in(jax.random.key(seed), state.step)
         key_send, key_owner = jax.random.split(jax.random.fold_in(key, lax.axis_index(axis)))
-        chunks = wire.pad_to(flat.astype(jnp.float32), n * bucket_size)
-        chunks = chunks.reshape(n, -1, bucket_size)
+        length = padded_size(view.size, n * bucket_size)
+        chunks = view.ravel(updates, length, jnp.float32).reshape(n, -1, bucket_size)
         q, norms = _quantise(chunks, levels, key_send)
         mine = _dequantise(
             wire.scatter_to_owners(q, axis), wire.scatter_to_owners(norms, axis), levels
@@ -290,7 +290,7 @@ def qsgd(
             wire.gather_from_owners(q, axis), wire.gather_from_owners(norms, axis), levels
         )
         wire_bytes = 2 * (n - 1) / n * (chunks.size + 4 * chunks.size // bucket_size)
-        new_state = QSGDState(state.step + 1, wire.ratio(flat.size, wire_bytes, n))
-        return unravel(out.reshape(-1)[: flat.size]), new_state
+        new_state = QSGDState(state.step + 1, wire.ratio(view.size, wire_bytes, n))
+        return wire.unravel_updates(view, out.reshape(-1)), new_state
 
     return PermuteReducer(init, update)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.compression import check_axis_name
+from ddl_jax._src.flat import FlatView
 from ddl_jax._src.reducers import PermuteReducer
 from ddl_jax._src.strategy import check_positive_int
 
@@ -42,11 +42,6 @@ def _check_fraction(fn: str, name: str, value: Any) -> None:
 
 def _capacity(fraction: float, size: int) -> int:
     return min(size, max(1, math.ceil(fraction * size)))
-
-
-def _flat_zeros(params) -> jax.Array:
-    flat, _ = ravel_pytree(params)
-    return jnp.zeros(flat.shape, jnp.float32)
 
 
 class ThresholdState(NamedTuple):
@@ -95,16 +90,17 @@ def threshold(
     tau, capacity = float(tau), float(capacity)
 
     def init(params) -> ThresholdState:
-        return ThresholdState(_flat_zeros(params), jnp.ones((), jnp.float32))
+        zeros = jnp.zeros(FlatView.of(params).size, jnp.float32)
+        return ThresholdState(zeros, jnp.ones((), jnp.float32))
 
     def update(updates, state: ThresholdState, params=None):
         del params
         n = check_axis_in_scope(axis)
-        flat, unravel = ravel_pytree(updates)
-        if 2 * flat.size >= 2**31:
-            raise ValueError(f"threshold: {flat.size} entries do not fit 31-bit codes.")
-        k = _capacity(capacity, flat.size)
-        r = state.residual + flat.astype(jnp.float32)
+        view = FlatView.of(updates)
+        if 2 * view.size >= 2**31:
+            raise ValueError(f"threshold: {view.size} entries do not fit 31-bit codes.")
+        k = _capacity(capacity, view.size)
+        r = state.residual + view.ravel(updates, dtype=jnp.float32)
         _, index = lax.top_k(jnp.abs(r), k)
         picked = r[index]
         send = jnp.abs(picked) >= tau
@@ -115,9 +111,9 @@ def threshold(
         codes = wire.gather_from_owners(codes, axis).reshape(-1)
         valid = codes >= 0
         values = jnp.where(valid, jnp.where(codes & 1, -tau, tau), 0.0)
-        out = jnp.zeros(flat.shape, jnp.float32).at[jnp.where(valid, codes >> 1, 0)].add(values)
-        new_state = ThresholdState(r, wire.ratio(flat.size, (n - 1) * 4 * k, n))
-        return unravel(out / n), new_state
+        out = jnp.zeros(view.size, jnp.float32).at[jnp.where(valid, codes >> 1, 0)].add(values)
+        new_state = ThresholdState(r, wire.ratio(view.size, (n - 1) * 4 * k, n))
+        return wire.unravel_updates(view, out / n), new_state
 
     return PermuteReducer(init, update)
 
@@ -192,7 +188,7 @@ def top_k(
     densities.append(ratio)
 
     def init(params) -> TopKState:
-        zeros = _flat_zeros(params)
+        zeros = jnp.zeros(FlatView.of(params).size, jnp.float32)
         return TopKState(
             residual=zeros,
             momentum=zeros if momentum else optax.EmptyState(),
@@ -203,8 +199,8 @@ def top_k(
     def update(updates, state: TopKState, params=None):
         del params
         n = check_axis_in_scope(axis)
-        flat, unravel = ravel_pytree(updates)
-        g = flat.astype(jnp.float32)
+        view = FlatView.of(updates)
+        g = view.ravel(updates, dtype=jnp.float32)
         if clip_norm is not None:
             g = g * jnp.minimum(1.0, clip_norm / jnp.maximum(jnp.linalg.norm(g), 1e-30))
         u = momentum * state.momentum + g if momentum else g
@@ -222,7 +218,7 @@ def top_k(
 
             return run
 
-        branches = [exchange(_capacity(d, flat.size)) for d in densities]
+        branches = [exchange(_capacity(d, view.size)) for d in densities]
         if warmup_steps:
             phase = jnp.minimum(state.step * 4 // warmup_steps, 4)
             out, v, u, compression = lax.switch(phase, branches, v, u)
@@ -234,6 +230,6 @@ def top_k(
             step=state.step + 1,
             compression_ratio=compression,
         )
-        return unravel(out), new_state
+        return wire.unravel_updates(view, out), new_state
 
     return PermuteReducer(init, update)

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ddl_jax._src.flat import FlatView
+
 # numpy, not jnp: a jnp array made at import time would start JAX's backend.
 _BIT = np.arange(8, dtype=np.uint8)
 
@@ -48,14 +50,16 @@ def ratio(dense_elements: int, wire_bytes: float, n: int) -> jax.Array:
     return jnp.asarray(2 * (n - 1) / n * 4 * dense_elements / wire_bytes, jnp.float32)
 
 
-def pad_to(x: jax.Array, multiple: int) -> jax.Array:
-    """Flattens ``x`` and pads it with zeros to a multiple of ``multiple`` entries."""
-    x = x.reshape(-1)
-    return jnp.pad(x, (0, -x.size % multiple))
+def unravel_updates(view: FlatView, vector: jax.Array) -> Any:
+    """The updates tree read from the flat ``vector`` (padding past ``view.size`` ignored).
 
-
-def padded_size(size: int, multiple: int) -> int:
-    return size + (-size % multiple)
+    Leaves come back as ``jax.flatten_util.ravel_pytree``'s unravel gives them, which these
+    reducers used: a tree of one dtype in ``vector``'s dtype (float32 updates for bfloat16
+    gradients), a tree of mixed dtypes cast back leaf by leaf.
+    """
+    if len(set(view.dtypes)) == 1:
+        view = view._replace(dtypes=(vector.dtype,) * len(view.dtypes))
+    return view.unravel(vector)
 
 
 def pack_bits(bits: jax.Array) -> jax.Array:

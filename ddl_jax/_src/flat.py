@@ -1,0 +1,174 @@
+"""Flat views of pytrees: one vector (or ``[n, chunk]`` blocks, or one buffer per dtype).
+
+Compressors, fused all-reduces, pipeline stages and a sharded parameter server all treat a
+parameter pytree as one flat vector. :class:`FlatView` records a template tree's structure
+once (from arrays or ``jax.ShapeDtypeStruct``), so the vector can be built, read back, padded
+and cut into blocks without tracing the tree again. :func:`map_fused` applies a function to
+one flat buffer per dtype, as Horovod's tensor fusion does. Everything here is pure and
+static-shaped, usable under ``jit``, ``shard_map`` and ``vmap``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``size``."""
+    return size + (-size % multiple)
+
+
+def pad_to(x: jax.Array, multiple: int) -> jax.Array:
+    """Flattens ``x`` and pads it with zeros to a multiple of ``multiple`` entries."""
+    x = x.reshape(-1)
+    return jnp.pad(x, (0, -x.size % multiple))
+
+
+def _promoted(dtypes: tuple[np.dtype, ...]) -> np.dtype:
+    # ravel_pytree's rule: the promoted dtype of the leaves, float32 for a tree with none.
+    return jnp.result_type(*dtypes) if dtypes else np.dtype(np.float32)
+
+
+class FlatView(NamedTuple):
+    """A template pytree <-> a flat vector of ``size`` entries, leaves in tree order.
+
+    Attributes:
+      treedef: the template's tree structure.
+      shapes: each leaf's shape.
+      dtypes: each leaf's dtype (canonical: no float64 unless x64 is on).
+      size: total number of entries, the sum of the leaves' sizes.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    size: int
+
+    @classmethod
+    def of(cls, tree: Any) -> FlatView:
+        """The view of ``tree``, whose leaves are arrays, scalars or ``jax.ShapeDtypeStruct``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        shapes = tuple(tuple(np.shape(x)) for x in leaves)
+        # result_type canonicalises (a NumPy float64 leaf is float32 without x64), as the
+        # arrays JAX would make from these leaves are.
+        dtypes = tuple(jnp.result_type(x) for x in leaves)
+        return cls(treedef, shapes, dtypes, sum(map(math.prod, shapes)))
+
+    def _sizes(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    def ravel(self, tree: Any, length: int | None = None, dtype: Any = None) -> jax.Array:
+        """``tree``'s leaves, flattened, cast to ``dtype``, concatenated and zero-padded.
+
+        Args:
+          tree: a tree of the template's structure and shapes.
+          length: entries of the result, at least ``size``; ``None`` is ``size``.
+          dtype: the result's dtype; ``None`` promotes the template's dtypes, as
+            ``jax.flatten_util.ravel_pytree`` does.
+
+        Returns:
+          A ``[length]`` vector; entries past ``size`` are zero.
+        """
+        length = self.size if length is None else length
+        if length < self.size:
+            raise ValueError(f"FlatView.ravel: length {length} < the tree's size {self.size}.")
+        dtype = _promoted(self.dtypes) if dtype is None else dtype
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.shapes):
+            raise ValueError(
+                f"FlatView.ravel: the tree has {len(leaves)} leaves, the view {len(self.shapes)}."
+            )
+        if not leaves:
+            return jnp.zeros((length,), dtype)
+        flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
+        if flat.size != self.size:
+            raise ValueError(f"FlatView.ravel: the tree has {flat.size} entries, not {self.size}.")
+        return jnp.pad(flat, (0, length - self.size))
+
+    def unravel(self, vector: jax.Array) -> Any:
+        """The tree whose raveled form is ``vector``, each leaf cast back to its dtype.
+
+        Args:
+          vector: ``[length]`` with ``length >= size``; entries past ``size`` (padding) are
+            ignored.
+        """
+        if vector.ndim != 1 or vector.shape[0] < self.size:
+            raise ValueError(
+                f"FlatView.unravel: expected a vector of at least {self.size} entries, "
+                f"got shape {vector.shape}."
+            )
+        sizes = self._sizes()
+        # One split, the padding as its last piece: a slice per leaf would trace len(leaves)
+        # separate ops.
+        pieces = lax.split(vector, [*sizes, vector.shape[0] - self.size])[:-1]
+        leaves = [
+            p.reshape(s).astype(d) for p, s, d in zip(pieces, self.shapes, self.dtypes, strict=True)
+        ]
+        return self.treedef.unflatten(leaves)
+
+    def add_into(self, vector: jax.Array, tree: Any, scale: float | jax.Array) -> jax.Array:
+        """``vector + scale * ravel(tree, len(vector))``, computed in ``vector``'s dtype.
+
+        Entries past ``size`` are left as they are. Leaf by leaf with ``dynamic_update_slice``,
+        so no raveled copy of ``tree`` is made: XLA updates ``vector``'s buffer in place (a
+        gradient accumulator under ``scan``).
+        """
+        offset = 0
+        for x, size in zip(jax.tree.leaves(tree), self._sizes(), strict=True):
+            part = vector[offset : offset + size] + scale * jnp.ravel(x).astype(vector.dtype)
+            vector = lax.dynamic_update_slice(vector, part, (offset,))
+            offset += size
+        return vector
+
+    def blocks(self, tree: Any, n: int, dtype: Any = None) -> jax.Array:
+        """``ravel(tree)``, zero-padded and cut into ``[n, ceil(size / n)]`` blocks.
+
+        Row j is the block of worker (or shard) j: entries ``[j * chunk, (j + 1) * chunk)``.
+
+        Args:
+          tree: a tree of the template's structure and shapes.
+          n: the number of blocks, >= 1.
+          dtype: as in :meth:`ravel`.
+        """
+        if n < 1:
+            raise ValueError(f"FlatView.blocks: n must be >= 1, got {n!r}.")
+        return self.ravel(tree, padded_size(self.size, n), dtype).reshape(n, -1)
+
+    def from_blocks(self, blocks: jax.Array) -> Any:
+        """The inverse of :meth:`blocks`: ``[n, chunk]`` (any shape, read row-major) to a tree."""
+        return self.unravel(blocks.reshape(-1))
+
+
+def map_fused(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """Applies ``fn`` to one flat buffer per dtype of ``tree``'s leaves and splits it back.
+
+    Fusing the leaves of a dtype (Horovod's tensor fusion) makes a collective run once per
+    dtype rather than once per leaf; ``fn`` sees no mixed-dtype casts, so integers stay exact.
+
+    Args:
+      fn: maps a 1-D buffer to a 1-D buffer of the same size and dtype; entry i of its result
+        goes back where entry i of its argument came from.
+      tree: a pytree of arrays (or scalars, which become arrays).
+
+    Returns:
+      A tree of ``tree``'s structure, shapes and dtypes.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [jnp.asarray(x) for x in leaves]
+    groups: dict[np.dtype, list[int]] = {}  # dtypes in order of first appearance
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(leaf.dtype, []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for members in groups.values():
+        group = [leaves[i] for i in members]
+        view = FlatView.of(group)
+        for i, leaf in zip(members, view.unravel(fn(view.ravel(group))), strict=True):
+            out[i] = leaf
+    return treedef.unflatten(out)
