@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+
+_Loss = TypeVar("_Loss", float, jax.Array)
 
 
 class MLP(nnx.Module):
@@ -45,3 +50,193 @@ class CNN(nnx.Module):
         x = nnx.relu(self.conv1(x))
         x = nnx.relu(self.conv2(x))
         return self.head(x.reshape(x.shape[0], -1))
+
+
+def _check_positive(fn: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{fn}: {name} must be an int >= 1, got {value!r}.")
+
+
+class _ResidualBlock(nnx.Module):
+    """conv-BN-relu-conv-BN plus a shortcut (a strided 1x1 conv-BN when the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, bn: dict, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(c_in, c_out, (3, 3), strides=stride, use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(c_out, **bn, rngs=rngs)
+        self.conv2 = nnx.Conv(c_out, c_out, (3, 3), use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(c_out, **bn, rngs=rngs)
+        if stride != 1 or c_in != c_out:
+            self.project = nnx.Sequential(
+                nnx.Conv(c_in, c_out, (1, 1), strides=stride, use_bias=False, rngs=rngs),
+                nnx.BatchNorm(c_out, **bn, rngs=rngs),
+            )
+        else:
+            self.project = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.bn2(self.conv2(nnx.relu(self.bn1(self.conv1(x)))))
+        shortcut = x if self.project is None else self.project(x)
+        return nnx.relu(y + shortcut)
+
+
+class ResNet(nnx.Module):
+    """A small ResNet with batch norm, for images ``float[batch, h, w, channels]``.
+
+    A 3x3 conv-BN-relu stem, one residual block per entry of ``channels`` (each after the
+    first halves the resolution), global average pooling and a dense head. Batch norm
+    normalises with the batch's statistics and updates its running averages (the module's
+    ``nnx.BatchStat`` variables) after ``model.train()``, and uses the running averages
+    after ``model.eval()``. A new model is in training mode.
+
+    Args:
+      image_shape: ``(h, w, channels)`` of one image; the default fits ``ddl.data.digits``
+        with ``flatten=False``.
+      out_features: number of classes.
+      channels: output channels of the stem and of each residual block.
+      momentum: decay of batch norm's running averages.
+      batch_norm_axis: ``axis_name`` of every ``nnx.BatchNorm``: ``None`` normalises with
+        the statistics of the examples this call sees; a mesh axis (``"data"``) averages
+        them over the workers of that axis (the model must then run under that axis).
+      rngs: parameter initialisation.
+    """
+
+    def __init__(
+        self,
+        image_shape: Sequence[int] = (8, 8, 1),
+        out_features: int = 10,
+        *,
+        channels: Sequence[int] = (16, 32),
+        momentum: float = 0.9,
+        batch_norm_axis: str | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if len(image_shape) != 3:
+            raise ValueError(f"ResNet: image_shape must be (h, w, channels), got {image_shape!r}.")
+        _check_positive("ResNet", out_features=out_features, **{"image_shape[2]": image_shape[2]})
+        if not channels:
+            raise ValueError("ResNet: channels must name at least one block.")
+        for c in channels:
+            _check_positive("ResNet", channels=c)
+        bn = {"momentum": momentum, "axis_name": batch_norm_axis}
+        self.stem = nnx.Conv(image_shape[2], channels[0], (3, 3), use_bias=False, rngs=rngs)
+        self.stem_bn = nnx.BatchNorm(channels[0], **bn, rngs=rngs)
+        self.blocks = nnx.List(
+            [
+                _ResidualBlock(c_in, c_out, 1 if i == 0 else 2, bn, rngs=rngs)
+                for i, (c_in, c_out) in enumerate(itertools.pairwise([channels[0], *channels]))
+            ]
+        )
+        self.head = nnx.Linear(channels[-1], out_features, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Logits ``float32[batch, out_features]`` of images ``[batch, h, w, channels]``."""
+        x = nnx.relu(self.stem_bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(axis=(1, 2)))
+
+
+class _DecoderBlock(nnx.Module):
+    """Pre-LayerNorm causal self-attention and MLP, each followed by dropout."""
+
+    def __init__(self, features: int, heads: int, dropout: float, *, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(features, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            heads, features, decode=False, keep_rngs=False, rngs=rngs
+        )
+        self.drop1 = nnx.Dropout(dropout, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(features, rngs=rngs)
+        self.up = nnx.Linear(features, 4 * features, rngs=rngs)
+        self.down = nnx.Linear(4 * features, features, rngs=rngs)
+        self.drop2 = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+        x = x + self.drop1(self.attention(self.ln1(x), mask=mask), rngs=rngs)
+        return x + self.drop2(self.down(nnx.gelu(self.up(self.ln2(x)))), rngs=rngs)
+
+
+class GPT(nnx.Module):
+    """A small GPT-style decoder-only transformer over tokens (bytes by default).
+
+    Token embedding plus learned positions, ``layers`` pre-LayerNorm blocks of causal
+    multi-head self-attention and a 4x MLP, each followed by ``nnx.Dropout(dropout)`` (as
+    is the embedding), a final LayerNorm and a head tied to the token embedding (or a
+    separate linear layer). Position ``t`` of the logits depends only on tokens ``0..t``.
+
+    Dropout is active after ``model.train()`` (a new model is in training mode) and off
+    after ``model.eval()``; its masks come from the ``rngs.dropout`` stream (``default``
+    if absent) of the constructor's ``rngs``, advanced on every call, unless the call
+    passes its own ``rngs``.
+
+    Args:
+      vocab: vocabulary size; 256 for the bytes of ``ddl.data.text``.
+      context: longest sequence the model takes (the number of learned positions).
+      features: width of the residual stream; divisible by ``heads``.
+      heads: attention heads.
+      layers: transformer blocks.
+      dropout: dropout rate in [0, 1).
+      tied: the output head is the transpose of the token embedding.
+      rngs: parameter initialisation and the dropout stream.
+    """
+
+    def __init__(
+        self,
+        vocab: int = 256,
+        context: int = 128,
+        features: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        dropout: float = 0.1,
+        *,
+        tied: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        _check_positive(
+            "GPT", vocab=vocab, context=context, features=features, heads=heads, layers=layers
+        )
+        if features % heads:
+            raise ValueError(f"GPT: features={features} is not divisible by heads={heads}.")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"GPT: dropout must be in [0, 1), got {dropout!r}.")
+        self.context = context
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Embed(vocab, features, embedding_init=init, rngs=rngs)
+        self.positions = nnx.Embed(context, features, embedding_init=init, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.blocks = nnx.List(
+            [_DecoderBlock(features, heads, dropout, rngs=rngs) for _ in range(layers)]
+        )
+        self.ln = nnx.LayerNorm(features, rngs=rngs)
+        self.head = None if tied else nnx.Linear(features, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
+        """Next-token logits ``float32[batch, t, vocab]`` of tokens ``int[batch, t]``.
+
+        Args:
+          tokens: integer tokens, ``t <= context``.
+          rngs: dropout randomness for this call, an ``nnx.Rngs`` or a PRNG key; ``None``
+            uses the model's own stream.
+        """
+        if tokens.ndim != 2 or not 1 <= tokens.shape[1] <= self.context:
+            raise ValueError(
+                f"GPT: tokens must be int[batch, t] with 1 <= t <= context={self.context}, "
+                f"got shape {tokens.shape}."
+            )
+        if rngs is not None and not isinstance(rngs, nnx.Rngs):
+            rngs = nnx.Rngs(dropout=rngs)
+        x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
+        x = self.drop(x, rngs=rngs)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask, rngs)
+        x = self.ln(x)
+        return self.embed.attend(x) if self.head is None else self.head(x)
+
+
+def bits_per_byte(loss_nats: _Loss) -> _Loss:
+    """Mean cross-entropy in nats per token as bits per byte (token), ``loss / ln 2``.
+
+    With one token per byte (``ddl.data.text``), a model that knows nothing scores 8.
+    """
+    return loss_nats / math.log(2)
