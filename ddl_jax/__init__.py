@@ -19,6 +19,7 @@ from ddl_jax._src.fit import fit, guard_nonfinite
 from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
+from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline import pipeline, pipeline_stages
 from ddl_jax._src.pipeline_programs import DDGState, PipelineState
 from ddl_jax._src.reducers import allreduce_mean, chain
@@ -43,6 +44,8 @@ __all__ = [
     "DataParallelState",
     "GossipState",
     "LocalSGDState",
+    "ModelLoss",
+    "ModelVars",
     "PipelineState",
     "Strategy",
     "TensorParallelState",

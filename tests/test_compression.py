@@ -8,11 +8,12 @@ import optax
 import pytest
 from conftest import make_batches, mlp_loss, reference_sgd
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax._src import compression_wire as wire
-from ddl_jax._src import strategy as st
+from ddl_jax._src import kit
 from ddl_jax._src.comm import collectives
 from ddl_jax._src.compression import _dequantise, _quantise, cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import power_sgd
@@ -35,7 +36,10 @@ def reducer_program(reducer, grads: dict, n: int):
     """
     mesh = ddl.make_mesh(data=n)
     params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
-    state = st.stack_for_workers(reducer.init(params), mesh, "data")
+    state = jax.device_put(
+        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), reducer.init(params)),
+        NamedSharding(mesh, P("data")),
+    )
 
     def worker(state, grads):
         def one(state, g):
@@ -43,8 +47,8 @@ def reducer_program(reducer, grads: dict, n: int):
             return state, out
 
         mine = jax.tree.map(lambda g: g[:, 0], grads)
-        state, outs = jax.lax.scan(one, st.unstack(state), mine)
-        return st.restack(state), jax.tree.map(lambda x: x[:, None], outs)
+        state, outs = jax.lax.scan(one, kit.unstack(state), mine)
+        return kit.restack(state), jax.tree.map(lambda x: x[:, None], outs)
 
     program = jax.shard_map(
         worker, mesh=mesh, in_specs=(P("data"), P(None, "data")),

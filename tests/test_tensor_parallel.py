@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax import tensor_parallel
-from ddl_jax._src.pipeline import mesh_with_axes
+from ddl_jax._src.kit import explicit_mesh
 from ddl_jax.layers import ParallelMLP, ParallelTransformerBlock, param_specs
 
 
@@ -52,7 +52,7 @@ def sharded_apply(module, mesh):
     """``apply(params, x)`` running ``module`` on its parameter shards over ``model``."""
     apply, _ = ddl.flax.split(module)
     specs = param_specs(module)
-    mesh = mesh_with_axes(mesh, ("model",))
+    mesh = explicit_mesh(mesh, ("model",))
     program = jax.shard_map(apply, mesh=mesh, in_specs=(specs, P()), out_specs=P())
 
     def run(params, x):

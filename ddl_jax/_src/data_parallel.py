@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.reducers import allreduce_mean, checks_vma
+from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.model_loss import ModelVars, mean_over, worker_key
+from ddl_jax._src.strategy import Strategy
 
 
 class DataParallelState(NamedTuple):
@@ -23,59 +23,14 @@ class DataParallelState(NamedTuple):
       opt_state: optimizer state, replicated (``P()``).
       reducer_state: each worker's reducer state (error-feedback residuals and the like),
         with a leading worker axis sharded ``P(axis)``.
+      model: model state (replicated: each worker's batch statistics of a step, averaged
+        over the workers), the run's key and step count (see ``ddl.ModelVars``).
     """
 
     params: Any
     opt_state: Any
     reducer_state: Any
-
-
-def check_transform(name: str, value, example: str) -> None:
-    """Raises ``TypeError`` unless ``value`` is an optax ``GradientTransformation``."""
-    if not all(callable(getattr(value, f, None)) for f in ("init", "update")):
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation (e.g. {example}), "
-            f"got {type(value).__name__}."
-        )
-
-
-def check_builder_args(loss_fn, optimizer, *, accumulate: int, reducer=None) -> None:
-    """Validates the arguments every gradient-based strategy builder shares."""
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
-    check_transform("optimizer", optimizer, "optax.adam(1e-3)")
-    if reducer is not None:
-        check_transform("reducer", reducer, "ddl.allreduce_mean() or ddl.compression.top_k(0.01)")
-    st.check_positive_int("accumulate", accumulate)
-
-
-def local_value_and_grad(loss_fn, *, has_aux: bool, accumulate: int):
-    """Returns ``(params, batch) -> ((loss, aux), grads)``, averaged over micro-batches.
-
-    The micro-batches are visited by ``lax.scan`` with a running sum, so memory holds one
-    micro-batch's activations and one gradient, whatever ``accumulate`` is.
-    """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-
-    def one(params, batch):
-        out, grads = grad_fn(params, batch)
-        return (out if has_aux else (out, {})), grads
-
-    if accumulate == 1:
-        return one
-
-    def accumulated(params, batch):
-        micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
-        first = jax.tree.map(lambda x: x[0], micro)
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, params, first))
-
-        def add(total, mb):
-            return jax.tree.map(jnp.add, total, one(params, mb)), None
-
-        total, _ = jax.lax.scan(add, zeros, micro)
-        return jax.tree.map(lambda x: x / accumulate, total)
-
-    return accumulated
+    model: ModelVars
 
 
 def data_parallel(
@@ -87,7 +42,7 @@ def data_parallel(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
-) -> st.Strategy:
+) -> Strategy:
     """Synchronous data-parallel SGD (the DDP / Horovod pattern) as a ``shard_map`` program.
 
     Each of the N workers on ``axis`` takes ``B/N`` examples of the global batch ``B``,
@@ -114,38 +69,36 @@ def data_parallel(
       ``loss`` (mean over the global batch), the aux values, and the reducer's metrics
       (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate, reducer=reducer)
-    st.check_mesh_axis(mesh, axis)
-    mesh = st.explicit_mesh(mesh)
-    reducer = allreduce_mean(axis) if reducer is None else reducer
-    value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
-    specs = DataParallelState(params=P(), opt_state=P(), reducer_state=P(axis))
+    kit = prepare(
+        loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
+    )
+    reducer = kit.reducer
+    specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 
-    def init(params) -> DataParallelState:
-        st.check_params(params)
-        params = st.replicate(params, mesh)
+    def make_state(params, model: ModelVars) -> DataParallelState:
         return DataParallelState(
-            params=params,
-            opt_state=st.replicate(optimizer.init(params), mesh),
-            reducer_state=st.stack_for_workers(reducer.init(params), mesh, axis),
+            params, optimizer.init(params), kit.stack(reducer.init(params)), model
         )
 
     def worker_step(state: DataParallelState, batch):
         # Differentiate a worker-varying view of the replicated params: under check_vma the
         # gradient of an invariant input is already psum'd, and the reducer must see g_i.
         local_params = jax.lax.pcast(state.params, axis, to="varying")
-        (loss, aux), grads = value_and_grad(local_params, batch)
-        reducer_state = st.unstack(state.reducer_state)
+        key = worker_key(state.model, jax.lax.axis_index(axis))
+        (loss, aux), grads, model_state = kit.value_and_grad(
+            local_params, state.model.state, batch, key
+        )
+        reducer_state = unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # One all-reduce carries the loss, the aux values and the reducer's own metrics.
         metrics = jax.lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
-        return DataParallelState(params, opt_state, st.restack(reducer_state)), metrics
+        model = ModelVars(mean_over(model_state, axis), state.model.key, state.model.step + 1)
+        return DataParallelState(params, opt_state, restack(reducer_state), model), metrics
 
-    step = st.worker_step_over_batch(
-        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
-        worker_params=lambda state: state.params, check_vma=checks_vma(reducer),
-    )  # fmt: skip
-
-    return st.Strategy(init=init, step=step, params=lambda state: state.params)
+    return Strategy(
+        kit.init(make_state, specs),
+        kit.step(worker_step, specs),
+        lambda state: kit.variables(state.params, state.model),
+    )

@@ -13,8 +13,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src import strategy as st
-from ddl_jax._src.data_parallel import check_builder_args, local_value_and_grad
+from ddl_jax._src.kit import prepare, replica_mean, restack, unstack
+from ddl_jax._src.model_loss import ModelVars, worker_key
+from ddl_jax._src.strategy import Strategy, check_int
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
 
@@ -104,13 +105,14 @@ class GossipState(NamedTuple):
       opt_state: each worker's optimizer state, ``[N, ...]`` sharded ``P(axis)``.
       consensus_distance: mean distance of the replicas to their average at the last
         measurement, ``P()``.
-      step: steps taken so far, int32, ``P()``.
+      model: each worker's model state (batch statistics), ``P(axis)``, mixed with its
+        neighbours' as the parameters are; the run's key and the step count, ``P()``.
     """
 
     params: Any
     opt_state: Any
     consensus_distance: jax.Array
-    step: jax.Array
+    model: ModelVars
 
 
 def gossip(
@@ -124,7 +126,7 @@ def gossip(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
-) -> st.Strategy:
+) -> Strategy:
     """Decentralised gossip SGD (D-PSGD): a local step, then averaging with neighbours.
 
     Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
@@ -156,10 +158,17 @@ def gossip(
       ``consensus_every=0``) ``consensus_distance`` as last measured. ``params(state)`` is
       the mean of the replicas.
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate)
-    st.check_positive_int("consensus_every", consensus_every, minimum=0)
-    n = st.check_mesh_axis(mesh, axis)
-    mesh = st.explicit_mesh(mesh)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis=axis,
+        takes_reducer=False,
+        accumulate=accumulate,
+        has_aux=has_aux,
+    )
+    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
+    n = kit.n
     perms = neighbour_permutations(topology, n)
     w = (
         mixing_matrix(topology, n)
@@ -168,16 +177,14 @@ def gossip(
     )
     # sources[k][i]: whom device i hears from in round k.
     sources = [np.argsort(perm) for perm in perms]
-    value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
-    specs = GossipState(P(axis), P(axis), P(), P())
+    specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
-    def init(params) -> GossipState:
-        st.check_params(params)
+    def make_state(params, model: ModelVars) -> GossipState:
         return GossipState(
-            params=st.stack_for_workers(params, mesh, axis),
-            opt_state=st.stack_for_workers(optimizer.init(params), mesh, axis),
-            consensus_distance=st.replicate(jnp.zeros((), jnp.float32), mesh),
-            step=st.replicate(jnp.zeros((), jnp.int32), mesh),
+            params=kit.stack(params),
+            opt_state=kit.stack(optimizer.init(params)),
+            consensus_distance=jnp.zeros((), jnp.float32),
+            model=model._replace(state=kit.stack(model.state)),
         )
 
     def mix(y):
@@ -192,32 +199,35 @@ def gossip(
 
     def consensus_distance(params):
         mean = lax.pmean(params, axis)
-        sq = sum(jnp.sum((p - m) ** 2) for p, m in zip(
-            jax.tree.leaves(params), jax.tree.leaves(mean), strict=True
-        ))  # fmt: skip
+        pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
+        sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
         return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)
 
     def worker_step(state: GossipState, batch):
-        params, opt_state = st.unstack(state.params), st.unstack(state.opt_state)
-        (loss, aux), grads = value_and_grad(params, batch)
+        params, opt_state = unstack(state.params), unstack(state.opt_state)
+        key = worker_key(state.model, lax.axis_index(axis))
+        (loss, aux), grads, model_state = kit.value_and_grad(
+            params, unstack(state.model.state), batch, key
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = mix(optax.apply_updates(params, updates))
+        params, model_state = mix((optax.apply_updates(params, updates), model_state))
         metrics = lax.pmean({"loss": loss, **aux}, axis)
         distance = state.consensus_distance
         if consensus_every:
             distance = lax.cond(
-                state.step % consensus_every == 0,
+                state.model.step % consensus_every == 0,
                 consensus_distance,
                 lambda _: state.consensus_distance,
                 params,
             )
             metrics["consensus_distance"] = distance
-        new = GossipState(st.restack(params), st.restack(opt_state), distance, state.step + 1)
-        return new, metrics
+        model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
+        return GossipState(restack(params), restack(opt_state), distance, model), metrics
 
-    step = st.worker_step_over_batch(
-        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
-        worker_params=lambda state: st.one_worker(state.params),
-    )  # fmt: skip
+    def variables(state: GossipState):
+        model_state = replica_mean(state.model.state)
+        return kit.variables(replica_mean(state.params), state.model._replace(state=model_state))
 
-    return st.Strategy(init, step, lambda state: st.replica_mean(state.params, mesh))
+    return Strategy(
+        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replicated(variables)
+    )

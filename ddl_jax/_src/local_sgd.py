@@ -11,10 +11,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.data_parallel import check_builder_args, check_transform, local_value_and_grad
-from ddl_jax._src.reducers import allreduce_mean, checks_vma
+from ddl_jax._src.kit import prepare, replica_mean, restack, unstack
+from ddl_jax._src.model_loss import ModelVars, worker_key
+from ddl_jax._src.strategy import Strategy, check_int, check_transform
 
 
 class LocalSGDState(NamedTuple):
@@ -26,7 +26,8 @@ class LocalSGDState(NamedTuple):
       anchor: the global model at the last synchronisation, replicated ``P()``.
       outer_opt_state: the outer optimizer's state (DiLoCo), replicated ``P()``.
       reducer_state: each worker's state of the outer exchange's reducer, ``P(axis)``.
-      step: steps taken so far, an int32 scalar, ``P()``.
+      model: each worker's model state (batch statistics), ``P(axis)``, averaged at every
+        synchronisation (and every warm-up step); the run's key and the step count, ``P()``.
     """
 
     params: Any
@@ -34,7 +35,7 @@ class LocalSGDState(NamedTuple):
     anchor: Any
     outer_opt_state: Any
     reducer_state: Any
-    step: jax.Array
+    model: ModelVars
 
 
 def local_sgd(
@@ -50,7 +51,7 @@ def local_sgd(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
-) -> st.Strategy:
+) -> Strategy:
     """Local SGD: every worker trains its own replica and they synchronise every H steps.
 
     Each worker i takes ``period`` (H) steps of ``optimizer`` on its own shard of the
@@ -94,31 +95,26 @@ def local_sgd(
       metrics (``compression_ratio`` of the last exchange for a compressing reducer).
       ``params(state)`` is the mean of the replicas.
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate, reducer=reducer)
-    st.check_positive_int("period", period)
-    st.check_positive_int("warmup_sync_steps", warmup_sync_steps, minimum=0)
+    kit = prepare(
+        loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
+    )
+    period = check_int("period", period, minimum=1)
+    warmup_sync_steps = check_int("warmup_sync_steps", warmup_sync_steps, minimum=0)
     if outer_optimizer is not None:
         check_transform(
             "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
-    st.check_mesh_axis(mesh, axis)
-    mesh = st.explicit_mesh(mesh)
-    reducer = allreduce_mean(axis) if reducer is None else reducer
-    outer = outer_optimizer
-    value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
-    specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), P())
+    reducer, outer = kit.reducer, outer_optimizer
+    specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
 
-    def init(params) -> LocalSGDState:
-        st.check_params(params)
+    def make_state(params, model: ModelVars) -> LocalSGDState:
         return LocalSGDState(
-            params=st.stack_for_workers(params, mesh, axis),
-            opt_state=st.stack_for_workers(optimizer.init(params), mesh, axis),
-            anchor=st.replicate(params, mesh),
-            outer_opt_state=st.replicate(
-                optax.EmptyState() if outer is None else outer.init(params), mesh
-            ),
-            reducer_state=st.stack_for_workers(reducer.init(params), mesh, axis),
-            step=st.replicate(jnp.zeros((), jnp.int32), mesh),
+            params=kit.stack(params),
+            opt_state=kit.stack(optimizer.init(params)),
+            anchor=params,
+            outer_opt_state=optax.EmptyState() if outer is None else outer.init(params),
+            reducer_state=kit.stack(reducer.init(params)),
+            model=model._replace(state=kit.stack(model.state)),
         )
 
     def average(tree):
@@ -137,12 +133,12 @@ def local_sgd(
     def catch_up(carry):
         # The warm-up kept the replicas equal through exact averages: the anchor takes
         # them as they are, not through the reducer (which may be lossy).
-        params, opt_state, _, outer_state, reducer_state = carry
+        params, opt_state, _, outer_state, reducer_state, model_state = carry
         anchor = jax.tree.map(lambda x: lax.pmean(x, axis), params)
-        return params, opt_state, anchor, outer_state, reducer_state
+        return params, opt_state, anchor, outer_state, reducer_state, model_state
 
     def synchronise(carry):
-        params, opt_state, anchor, outer_state, reducer_state = carry
+        params, opt_state, anchor, outer_state, reducer_state, model_state = carry
         delta = jax.tree.map(jnp.subtract, anchor, params)
         delta, reducer_state = reducer.update(delta, reducer_state, anchor)
         if outer is not None:
@@ -153,38 +149,40 @@ def local_sgd(
         if average_optimizer_state:
             opt_state = average(opt_state)
         params = lax.pcast(anchor, axis, to="varying")
-        return params, opt_state, anchor, outer_state, reducer_state
+        return params, opt_state, anchor, outer_state, reducer_state, average(model_state)
 
     def worker_step(state: LocalSGDState, batch):
-        params, opt_state = st.unstack(state.params), st.unstack(state.opt_state)
-        (loss, aux), grads = value_and_grad(params, batch)
-        warm = state.step < warmup_sync_steps
+        params, opt_state = unstack(state.params), unstack(state.opt_state)
+        step = state.model.step
+        key = worker_key(state.model, lax.axis_index(axis))
+        (loss, aux), grads, model_state = kit.value_and_grad(
+            params, unstack(state.model.state), batch, key
+        )
+        warm = step < warmup_sync_steps
         if warmup_sync_steps:
-            grads = lax.cond(warm, average, keep, grads)
+            grads, model_state = lax.cond(warm, average, keep, (grads, model_state))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
         # 2: a synchronisation through the outer step.
-        outer_sync = ~warm & ((state.step - warmup_sync_steps + 1) % period == 0)
-        branch = jnp.where(outer_sync, 2, jnp.where(state.step == warmup_sync_steps - 1, 1, 0))
+        outer_sync = ~warm & ((step - warmup_sync_steps + 1) % period == 0)
+        branch = jnp.where(outer_sync, 2, jnp.where(step == warmup_sync_steps - 1, 1, 0))
         carry = (params, opt_state, state.anchor, state.outer_opt_state)
-        carry = lax.switch(
-            branch,
-            [keep, catch_up, synchronise],
-            (*carry, st.unstack(state.reducer_state)),
-        )
-        params, opt_state, anchor, outer_state, reducer_state = carry
+        carry = (*carry, unstack(state.reducer_state), model_state)
+        carry = lax.switch(branch, [keep, catch_up, synchronise], carry)
+        params, opt_state, anchor, outer_state, reducer_state, model_state = carry
         metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
         metrics["synchronised"] = (branch == 2).astype(jnp.float32)
+        model = ModelVars(restack(model_state), state.model.key, step + 1)
         new = LocalSGDState(
-            st.restack(params), st.restack(opt_state), anchor, outer_state,
-            st.restack(reducer_state), state.step + 1,
-        )  # fmt: skip
+            restack(params), restack(opt_state), anchor, outer_state, restack(reducer_state), model
+        )
         return new, metrics
 
-    step = st.worker_step_over_batch(
-        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
-        worker_params=lambda state: st.one_worker(state.params), check_vma=checks_vma(reducer),
-    )  # fmt: skip
+    def variables(state: LocalSGDState):
+        model_state = replica_mean(state.model.state)
+        return kit.variables(replica_mean(state.params), state.model._replace(state=model_state))
 
-    return st.Strategy(init, step, lambda state: st.replica_mean(state.params, mesh))
+    return Strategy(
+        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replicated(variables)
+    )

@@ -1,7 +1,8 @@
-"""The Strategy abstraction and the checks and placements every strategy shares."""
+"""The Strategy abstraction, the axis names, and the argument checks every builder shares."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -10,14 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 Params = Any
 State = Any
 Batch = Any
 Metrics = dict[str, jax.Array]
 LossFn = Callable[..., Any]
+
+#: Mesh axis names the strategies understand, in the order they are laid out.
+DATA, STAGE, MODEL = "data", "stage", "model"
+AXIS_NAMES = (DATA, STAGE, MODEL)
 
 
 class Strategy(NamedTuple):
@@ -47,17 +51,6 @@ def check_mesh_axis(mesh: Mesh, axis: str, *, arg: str = "axis") -> int:
             f"{arg}={axis!r} is not an axis of the mesh; valid axis names: {list(mesh.axis_names)}."
         )
     return mesh.shape[axis]
-
-
-def explicit_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with every axis of type Explicit, as strategies place and check shardings.
-
-    ``jax.make_mesh`` (and ``ddl.make_mesh``) already make Explicit axes; a
-    ``jax.sharding.Mesh`` built by hand has Auto ones, which ``jax.sharding.reshard`` refuses.
-    """
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.devices.ndim)
 
 
 def check_params(params: Params) -> None:
@@ -146,116 +139,54 @@ def check_batch(batch: Batch, divisor: int, *, why: str) -> int:
     return size
 
 
-def _place(tree: Any, sharding: NamedSharding, expand=lambda x: x) -> Any:
-    # A jitted copy, not device_put: device_put may hand back the caller's own buffer for
-    # the shard on its device, and the strategy's step donates the state it is given.
-    return jax.jit(
-        lambda t: jax.tree.map(lambda x: expand(jnp.copy(x)), t), out_shardings=sharding
-    )(tree)
+def check_int(
+    name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """Returns ``value`` as an ``int``; raises ``ValueError`` unless it is an integer
+    (Python or NumPy, not ``bool``) within ``[minimum, maximum]``."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+    if ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return int(value)
+    bounds = " and ".join(
+        f"{op} {b}" for op, b in ((">=", minimum), ("<=", maximum)) if b is not None
+    )
+    raise ValueError(f"{name} must be an int{' ' + bounds if bounds else ''}, got {value!r}.")
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Places a copy of every leaf on every device of ``mesh`` (``PartitionSpec()``)."""
-    return _place(tree, NamedSharding(mesh, P()))
-
-
-def stack_for_workers(tree: Any, mesh: Mesh, axis: str) -> Any:
-    """Gives each worker on ``axis`` its own copy of ``tree`` (a leading axis, ``P(axis)``)."""
-    n = mesh.shape[axis]
-    return _place(tree, NamedSharding(mesh, P(axis)), lambda x: jnp.broadcast_to(x, (n, *x.shape)))
-
-
-def shard_batch(batch: Batch, mesh: Mesh, axis: str) -> Batch:
-    """Splits the leading axis of every batch leaf over ``axis`` (inside or outside jit)."""
-    sharding = NamedSharding(mesh, P(axis))
-    return jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
-
-
-def worker_step_over_batch(
-    worker_step: Callable[[State, Batch], tuple[State, Metrics]],
-    mesh: Mesh,
-    axis: str,
-    specs: Any,
+def check_real(
+    name: str,
+    value: Any,
     *,
-    loss_fn: LossFn,
-    has_aux: bool,
-    accumulate: int,
-    worker_params: Callable[[State], Params],
-    check_vma: bool = True,
-) -> Callable[[State, Batch], tuple[State, Metrics]]:
-    """The ``Strategy.step`` of the data-parallel family, around a per-worker step.
-
-    The step checks the global batch (it must divide by workers x ``accumulate``) and
-    ``loss_fn`` on one micro-batch's shapes, shards the batch over ``axis``, and runs
-    ``worker_step(state, local_batch)`` under ``shard_map``.
-
-    Args:
-      worker_step: ``(state, local_batch) -> (state, metrics)``, run on each worker.
-      mesh: the strategy's mesh; ``axis``: its worker axis.
-      specs: the ``PartitionSpec`` prefix of the state; metrics are replicated.
-      loss_fn, has_aux: the user's loss.
-      accumulate: micro-batches per worker per step.
-      worker_params: ``state -> one worker's params`` (arrays or ``ShapeDtypeStruct``s).
-      check_vma: whether ``shard_map`` checks replication types (see ``checks_vma``).
-    """
-    n = mesh.shape[axis]
-    program = jax.shard_map(
-        worker_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
-        check_vma=check_vma,
-    )  # fmt: skip
-
-    def step(state: State, batch: Batch) -> tuple[State, Metrics]:
-        size = check_batch(
-            batch, n * accumulate, why=f"{n} workers on axis {axis!r} x accumulate={accumulate}"
-        )
-        batch = shard_batch(batch, mesh, axis)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size // (n * accumulate), *x.shape[1:]), x.dtype),
-            batch,
-        )
-        check_loss_output(jax.eval_shape(loss_fn, worker_params(state), micro), has_aux=has_aux)
-        try:
-            return program(state, batch)
-        except ValueError as e:
-            if "can't be statically inferred" not in str(e):
-                raise
-            raise ValueError(
-                "the reducer's output is not provably the same on every worker. A reducer "
-                "must average over the workers (e.g. ddl.allreduce_mean()); a ddl.compression "
-                "reducer or allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain "
-                "loses the mark that lets strategies run it: chain it with ddl.chain instead."
-            ) from e
-
-    return step
-
-
-def unstack(tree: Any) -> Any:
-    """Inside ``shard_map``: this worker's entry of leaves stacked over the worker axis."""
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-def restack(tree: Any) -> Any:
-    """Inside ``shard_map``: the inverse of ``unstack``, for a ``P(axis)`` out_spec."""
-    return jax.tree.map(lambda x: x[None], tree)
-
-
-def one_worker(stacked: Any) -> Any:
-    """Abstract shapes of one worker's entry of a worker-stacked pytree."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-
-
-def replica_mean(stacked: Any, mesh: Mesh) -> Any:
-    """The average of worker-stacked replicas, replicated on ``mesh`` (for evaluation)."""
-    return jax.jit(
-        lambda t: jax.tree.map(  # summed in at least float32, so bf16 replicas lose nothing
-            lambda x: x.mean(axis=0, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(x.dtype),
-            t,
-        ),
-        out_shardings=NamedSharding(mesh, P()),
-    )(stacked)
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive: bool = False,
+) -> float:
+    """Returns ``value`` as a ``float``; raises ``ValueError`` unless it is a finite real
+    number (Python or NumPy, not ``bool``) within the bounds (open ones if ``exclusive``)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+    if ok and math.isfinite(value):
+        low = minimum is None or (value > minimum if exclusive else value >= minimum)
+        high = maximum is None or (value < maximum if exclusive else value <= maximum)
+        if low and high:
+            return float(value)
+    ops = (">", "<") if exclusive else (">=", "<=")
+    bounds = " and ".join(
+        f"{op} {b}" for op, b in zip(ops, (minimum, maximum), strict=True) if b is not None
+    )
+    raise ValueError(
+        f"{name} must be a finite real number{' ' + bounds if bounds else ''}, got {value!r}."
+    )
 
 
 def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
-    """Raises ``ValueError`` unless ``value`` is an integer (Python or NumPy) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    """Raises ``ValueError`` unless ``value`` is an integer >= ``minimum``."""
+    check_int(name, value, minimum=minimum)
+
+
+def check_transform(name: str, value: Any, example: str) -> None:
+    """Raises ``TypeError`` unless ``value`` is an optax ``GradientTransformation``."""
+    if not all(callable(getattr(value, f, None)) for f in ("init", "update")):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (e.g. {example}), "
+            f"got {type(value).__name__}."
+        )

@@ -13,18 +13,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
-from ddl_jax._src.data_parallel import check_builder_args
-from ddl_jax._src.pipeline import mesh_with_axes
-from ddl_jax._src.reducers import allreduce_mean, checks_vma
-
-MODEL, DATA = "model", "data"
+from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.model_loss import ModelVars, mean_over, worker_key
+from ddl_jax._src.reducers import checks_vma
+from ddl_jax._src.strategy import DATA, MODEL
 
 
 class TensorParallelState(NamedTuple):
@@ -35,11 +33,15 @@ class TensorParallelState(NamedTuple):
         ``data``.
       opt_state: optimizer state, sharded like the params it mirrors.
       reducer_state: each data worker's reducer state, a leading axis ``P("data", ...)``.
+      model: model state (batch statistics), replicated, averaged over ``data`` after each
+        step; the run's key and the step count (one key per data worker: the ``model``
+        devices of a data worker draw the same dropout masks).
     """
 
     params: Any
     opt_state: Any
     reducer_state: Any
+    model: ModelVars
 
 
 def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
@@ -73,12 +75,14 @@ def _is_spec(x: Any) -> bool:
 
 
 def tensor_parallel(
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
     specs: Any,
     reducer: optax.GradientTransformation | None = None,
+    accumulate: int = 1,
+    has_aux: bool = False,
 ) -> st.Strategy:
     """Tensor parallelism over ``model`` composed with data parallelism over ``data``.
 
@@ -88,10 +92,10 @@ def tensor_parallel(
     ``theta <- theta + optimizer(reducer(g_1 .. g_N))``, each device updating its shard.
 
     Args:
-      loss_fn: ``(params, batch) -> loss``, run inside ``shard_map`` on the parameter
-        shards (e.g. ``ddl.flax.loss_from_module`` of a model built from the parallel
-        layers); the loss must agree over ``model`` (end the model in a row-parallel
-        layer, or ``psum`` over ``"model"``).
+      loss_fn: ``(params, batch) -> loss`` (or a ``ddl.ModelLoss``), run inside
+        ``shard_map`` on the parameter shards (e.g. ``ddl.flax.loss_from_module`` of a
+        model built from ``ddl.layers``); the loss must agree over ``model`` (end the
+        model in a row-parallel layer, or ``psum`` over ``"model"``).
       optimizer: an element-wise optax transform (each device updates its shard).
       mesh: a mesh with axes ``data`` and ``model``, e.g. ``ddl.make_mesh(data=2, model=4)``;
         a missing axis counts as size 1.
@@ -99,53 +103,67 @@ def tensor_parallel(
       reducer: reduces gradients over ``data`` (default ``ddl.allreduce_mean("data")``).
         Reducers built from ``ppermute`` are not supported: they need ``check_vma=False``,
         under which JAX does not sum the gradients of ``model``-replicated parameters.
+      accumulate: micro-batches per data worker per step.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
 
     Returns:
-      A ``Strategy`` with a ``TensorParallelState``; metrics: ``loss``.
+      A ``Strategy`` with a ``TensorParallelState``; metrics: ``loss`` and aux values.
+      ``params(state)`` gathers the parameters (replicated), so the model built from
+      ``ddl.layers`` evaluates them on one device.
     """
-    check_builder_args(loss_fn, optimizer, accumulate=1, reducer=reducer)
-    mesh = mesh_with_axes(mesh, (DATA, MODEL))
-    n = mesh.shape[DATA]
-    reducer = allreduce_mean(DATA) if reducer is None else reducer
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis=DATA,
+        add_axes=(DATA, MODEL),
+        reducer=reducer,
+        accumulate=accumulate,
+        has_aux=has_aux,
+    )
+    reducer = kit.reducer
     if not checks_vma(reducer):
         raise ValueError(
             "tensor_parallel needs a psum-based reducer (e.g. ddl.allreduce_mean('data')); "
             f"got a ppermute-based {type(reducer).__name__}."
         )
-    sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
-    def init(params) -> TensorParallelState:
-        st.check_params(params)
-        _check_specs(params, specs, mesh)
-        params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=sharding)(params)
+    def state_specs(state: TensorParallelState) -> TensorParallelState:
+        """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
 
-        def per_worker(x):
-            spec = jax.typeof(x).sharding.spec
-            x = jnp.broadcast_to(x, (n, *x.shape))
-            return jax.sharding.reshard(x, NamedSharding(mesh, P(DATA, *spec)))
+        def like_params(transform, tree, worker):
+            return optax.tree_map_params(
+                transform, lambda _, spec: P(*worker, *spec), tree, specs,
+                transform_non_params=lambda _: P(*worker), is_leaf=_is_spec,
+            )  # fmt: skip
 
-        with jax.set_mesh(mesh):  # so that fresh leaves (Adam's count) land on the mesh
-            opt_state = jax.jit(optimizer.init)(params)
-            reducer_state = jax.jit(lambda p: jax.tree.map(per_worker, reducer.init(p)))(params)
-        return TensorParallelState(params, opt_state, reducer_state)
+        return TensorParallelState(
+            specs,
+            like_params(optimizer, state.opt_state, ()),
+            like_params(reducer, state.reducer_state, (DATA,)),
+            ModelVars(P(), P(), P()),
+        )
+
+    def make_state(params, model: ModelVars) -> TensorParallelState:
+        _check_specs(params, specs, kit.mesh)
+        reducer_state = kit.stack(reducer.init(params))
+        return TensorParallelState(params, optimizer.init(params), reducer_state, model)
 
     def worker_step(state: TensorParallelState, batch):
         # A data-varying view, so the reducer sees each data worker's own gradient.
         local = lax.pcast(state.params, DATA, to="varying")
-        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
-        reducer_state = st.unstack(state.reducer_state)
+        key = worker_key(state.model, lax.axis_index(DATA))
+        (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
+        reducer_state = unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = TensorParallelState(params, opt_state, st.restack(reducer_state))
-        return new, {"loss": lax.pmean(loss, DATA)}
+        model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
+        new = TensorParallelState(params, opt_state, restack(reducer_state), model)
+        return new, lax.pmean({"loss": loss, **aux}, DATA)
 
-    def step(state: TensorParallelState, batch):
-        st.check_batch(batch, n, why=f"{n} data workers")
-        state_specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
-        program = jax.shard_map(
-            worker_step, mesh=mesh, in_specs=(state_specs, P(DATA)), out_specs=(state_specs, P())
-        )
-        return program(state, st.shard_batch(batch, mesh, DATA))
-
-    return st.Strategy(init=init, step=step, params=lambda state: state.params)
+    return st.Strategy(
+        kit.init(make_state, state_specs),
+        kit.step(worker_step, state_specs),
+        kit.replicated(lambda state: kit.variables(state.params, state.model)),
+    )
