@@ -6,103 +6,68 @@ the ticks of a schedule computed in numpy (``pipeline_schedules``). Stages may d
 parameters and in activation shapes: each stage's parameters are one flat vector (padded
 to the largest stage, so they stack over the ``stage`` axis) and activations travel as flat
 buffers padded to the largest boundary, unpacked by the receiving stage.
+
+:func:`pipeline` checks its arguments once into a ``PipelineConfig`` (:func:`_setup`) and
+hands it to one of two builders on the kit: :func:`_exact_pipeline` (GPipe, 1F1B) and
+:func:`_ddg_pipeline`; their per-device programs are in ``pipeline_programs``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_lowrank import PowerSGDState
-from ddl_jax._src.data_parallel import check_builder_args
+from ddl_jax._src.flat import FlatView
 from ddl_jax._src.flax_bridge import split
+from ddl_jax._src.kit import Kit, explicit_mesh, prepare
+from ddl_jax._src.model_loss import ModelVars
 from ddl_jax._src.pipeline_programs import (
     DATA,
     STAGE,
     DDGState,
+    Metrics,
+    PipelineConfig,
     PipelineState,
+    StageFn,
+    Stages,
     ddg_step,
     synchronous_step,
-    tick_tables,
 )
-from ddl_jax._src.pipeline_schedules import (
-    SCHEDULES,
-    gradient_wait,
-    make_schedule,
-    peak_stash,
-)
-from ddl_jax._src.reducers import allreduce_mean, checks_vma
-
-StageFn = Callable[[Any, Any], Any]
-
-
-class _Flat(NamedTuple):
-    """A stage's parameter pytree <-> a flat vector of ``size`` entries."""
-
-    treedef: Any
-    shapes: list[tuple[int, ...]]
-    dtypes: list[Any]
-    size: int
-
-    @classmethod
-    def of(cls, template: Any) -> _Flat:
-        leaves, treedef = jax.tree.flatten(template)
-        shapes = [tuple(np.shape(x)) for x in leaves]
-        return cls(treedef, shapes, [x.dtype for x in leaves], sum(map(math.prod, shapes)))
-
-    def ravel(self, tree: Any, length: int, dtype: Any) -> jax.Array:
-        flat = [jnp.ravel(x).astype(dtype) for x in jax.tree.leaves(tree)]
-        return jnp.pad(jnp.concatenate(flat), (0, length - self.size))
-
-    def unravel(self, vector: jax.Array) -> Any:
-        offsets = np.cumsum([0, *map(math.prod, self.shapes)])
-        leaves = [
-            vector[a:b].reshape(s).astype(d)
-            for a, b, s, d in zip(offsets[:-1], offsets[1:], self.shapes, self.dtypes, strict=True)
-        ]
-        return self.treedef.unflatten(leaves)
-
-    def add_into(self, vector: jax.Array, tree: Any, scale: float) -> jax.Array:
-        """``vector + scale * ravel(tree)``, leaf by leaf in place (no padded temporary)."""
-        offset = 0
-        for x, shape in zip(jax.tree.leaves(tree), self.shapes, strict=True):
-            size = math.prod(shape)
-            part = vector[offset : offset + size] + scale * jnp.ravel(x).astype(vector.dtype)
-            vector = lax.dynamic_update_slice(vector, part, (offset,))
-            offset += size
-        return vector
+from ddl_jax._src.pipeline_schedules import SCHEDULES, make_schedule
 
 
 def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
     """``mesh``, every axis Explicit, with a size-1 axis for each of ``axes`` it lacks."""
     st.check_mesh_axis(mesh, mesh.axis_names[0], arg="mesh")
-    devices, names, types = mesh.devices, tuple(mesh.axis_names), tuple(mesh.axis_types)
-    for axis in axes:
-        if axis not in names:
-            devices, names, types = devices[..., None], (*names, axis), (*types, AxisType.Explicit)
-    return st.explicit_mesh(Mesh(devices, names, axis_types=types))
+    return explicit_mesh(mesh, axes)
 
 
 def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[Any]]:
-    """Flax NNX modules -> ``(stages, params)`` for :func:`pipeline` and its ``init``."""
+    """Flax NNX modules -> ``(stages, params)`` for :func:`pipeline` and its ``init``.
+
+    ``stages[k]`` is the pair ``(apply, params_k)`` of module k; ``params`` the list of the
+    modules' parameter pytrees, which ``Strategy.init`` takes and ``Strategy.params``
+    returns (write them back with ``ddl.flax.update_module``).
+    """
     pairs = [split(m) for m in modules]
     return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
 
 
 def _check_stages(
     stages: Any, k: int, mesh_axes: Sequence[str]
-) -> tuple[list[StageFn], list[_Flat]]:
+) -> tuple[list[StageFn], list[FlatView]]:
+    """The stages' apply functions and the flat views of their parameter templates."""
     if not isinstance(stages, Sequence) or not stages:
         raise TypeError(
             "stages must be a non-empty list of (apply, params) pairs, got "
@@ -118,7 +83,7 @@ def _check_stages(
             f"len(stages)={len(stages)} but {axis}; build the mesh with "
             f"ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
         )
-    applies, flats = [], []
+    applies, views = [], []
     for i, stage in enumerate(stages):
         if not (isinstance(stage, tuple) and len(stage) == 2 and callable(stage[0])):
             raise TypeError(
@@ -126,28 +91,19 @@ def _check_stages(
                 f"ddl.pipeline_stages(modules); got {type(stage).__name__}."
             )
         applies.append(stage[0])
-        flats.append(_Flat.of(stage[1]))
-    return applies, flats
+        views.append(FlatView.of(stage[1]))
+    return applies, views
 
 
-class _Stages(NamedTuple):
-    """Stage k's forward and backward on flat buffers, for a fixed micro-batch shape."""
-
-    forward: list[Callable]  # (p, x_buf, micro) -> y_buf
-    # (p, x_buf, ct_buf, micro, acc, scale) -> (acc + scale * param grad, input grad, loss)
-    backward: list[Callable]
-    width: int  # A, entries of the largest activation buffer
-    dtype: Any
-
-
-def _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro) -> _Stages:
-    """Traces the stage chain on abstract shapes and wraps each stage on flat buffers."""
-    k_ = len(applies)
+def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
+    """Traces the stage chain on abstract shapes: each stage's input (stage 0's is the
+    micro-batch), checking that each stage takes the last one's output and the loss is a
+    scalar."""
     inputs, x = [micro], micro
-    for i, (apply, flat) in enumerate(zip(applies, flats, strict=True)):
-        p = jax.ShapeDtypeStruct((param_len,), param_dtype)
+    p = jax.ShapeDtypeStruct((cfg.param_len,), cfg.param_dtype)
+    for i, (apply, view) in enumerate(zip(cfg.applies, cfg.views, strict=True)):
         try:
-            x = jax.eval_shape(lambda p, x, a=apply, f=flat: a(f.unravel(p), x), p, x)
+            x = jax.eval_shape(lambda p, x, a=apply, v=view: a(v.unravel(p), x), p, x)
         except (TypeError, ValueError) as e:
             got = jax.tree.map(lambda s: s.shape, x)
             raise ValueError(
@@ -156,49 +112,62 @@ def _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro) -> _St
                 if i
                 else f"stage 0 does not accept a micro-batch of shape {got}: {e}"
             ) from e
-        if i < k_ - 1:
+        if i < cfg.k - 1:
             if not (isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)):
                 raise ValueError(
                     f"stage {i} must return one floating-point array to pass to stage {i + 1}, "
                     f"got {jax.tree.map(lambda s: (s.shape, s.dtype), x)}."
                 )
             inputs.append(x)
-    st.check_loss_output(jax.eval_shape(loss_fn, x, micro), has_aux=False)
+    st.check_loss_output(jax.eval_shape(cfg.loss_fn, x, micro), has_aux=False)
+    return inputs
+
+
+def _build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
+    """Each stage's forward and backward on flat buffers, for micro-batches of shape ``micro``."""
+    inputs = _stage_inputs(cfg, micro)
     boundaries = inputs[1:]
     width = max([math.prod(s.shape) for s in boundaries], default=0)
-    dtype = jnp.result_type(*[s.dtype for s in boundaries]) if boundaries else param_dtype
+    dtype = jnp.result_type(*[s.dtype for s in boundaries]) if boundaries else cfg.param_dtype
 
-    def pack(y):
+    def pack(y: jax.Array) -> jax.Array:
         return jnp.pad(jnp.ravel(y).astype(dtype), (0, width - y.size))
 
-    def unpack(buf, like):
+    def unpack(buf: jax.Array, like: Any) -> jax.Array:
         return buf[: math.prod(like.shape)].reshape(like.shape).astype(like.dtype)
 
-    def stage_fn(i):
-        apply, flat, last = applies[i], flats[i], i == k_ - 1
+    def stage_fn(i: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        apply, view, last = cfg.applies[i], cfg.views[i], i == cfg.k - 1
 
-        def run(params, x_buf, micro):
+        def run(params: Any, x_buf: jax.Array, micro: Any) -> jax.Array:
             x = micro if i == 0 else unpack(x_buf, inputs[i])
             y = apply(params, x)
-            return loss_fn(y, micro) if last else y
+            return cfg.loss_fn(y, micro) if last else y
 
-        def forward(p, x_buf, micro):
+        def forward(p: jax.Array, x_buf: jax.Array, micro: Any) -> jax.Array:
             # The last stage sends nothing on: its loss is computed by its backward.
-            return jnp.zeros((width,), dtype) if last else pack(run(flat.unravel(p), x_buf, micro))
+            return jnp.zeros((width,), dtype) if last else pack(run(view.unravel(p), x_buf, micro))
 
-        def backward(p, x_buf, ct_buf, micro, acc, scale):
+        def backward(
+            p: jax.Array,
+            x_buf: jax.Array,
+            ct_buf: jax.Array,
+            micro: Any,
+            acc: jax.Array,
+            scale: float,
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
             # Differentiate the unravelled tree and add leaf by leaf: a gradient of the flat
             # vector would build a zero-padded copy of every stage's size on every tick.
-            y, vjp = jax.vjp(lambda q, x_buf: run(q, x_buf, micro), flat.unravel(p), x_buf)
+            y, vjp = jax.vjp(lambda q, x_buf: run(q, x_buf, micro), view.unravel(p), x_buf)
             ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
             grad_p, grad_x = vjp(ct)
             loss = y if last else jnp.zeros((), jnp.float32)
-            return flat.add_into(acc, grad_p, scale), grad_x, loss
+            return view.add_into(acc, grad_p, scale), grad_x, loss
 
         return forward, backward
 
-    fns = [stage_fn(i) for i in range(k_)]
-    return _Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
+    fns = [stage_fn(i) for i in range(cfg.k)]
+    return Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
 
 
 def _check_reducer(reducer: optax.GradientTransformation, flat: jax.ShapeDtypeStruct) -> None:
@@ -215,8 +184,169 @@ def _check_reducer(reducer: optax.GradientTransformation, flat: jax.ShapeDtypeSt
 
 
 def _micro_shapes(batch: Any, count: int) -> Any:
+    """Abstract shapes of one of the ``count`` micro-batches ``batch`` is cut into."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // count, *x.shape[1:]), x.dtype), batch
+    )
+
+
+def _abstract(batch: Any) -> Any:
+    """``batch`` as ``jax.ShapeDtypeStruct``s, dtypes as JAX would make its arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
+
+
+def _setup(
+    stages: Any,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    microbatches: int,
+    schedule: str,
+    example_batch: Any,
+    reducer: optax.GradientTransformation | None,
+) -> tuple[Kit, PipelineConfig]:
+    """What both builders share: the checked arguments, the kit and the config."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
+    kit = prepare(loss_fn, optimizer, mesh, axis=DATA, add_axes=(DATA, STAGE), reducer=reducer)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
+    m_ = st.check_int("microbatches", microbatches, minimum=1)
+    k_ = kit.mesh.shape[STAGE]
+    applies, views = _check_stages(stages, k_, tuple(mesh.axis_names))
+    param_len = max(v.size for v in views)
+    param_dtype = jnp.result_type(*[d for v in views for d in v.dtypes])
+    _check_reducer(kit.reducer, jax.ShapeDtypeStruct((param_len,), param_dtype))
+    if schedule == "ddg" and k_ > 1 and example_batch is None:
+        raise ValueError(
+            "schedule='ddg' with K > 1 stages needs example_batch= (a global batch or its "
+            "jax.ShapeDtypeStructs): its state stashes activations of that shape."
+        )
+    cfg = PipelineConfig(
+        applies=tuple(applies),
+        views=tuple(views),
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        reducer=kit.reducer,
+        param_len=param_len,
+        param_dtype=param_dtype,
+        k=k_,
+        n=kit.n,
+        m=m_,
+        example=None,
+    )
+    if example_batch is not None:
+        st.check_batch(example_batch, cfg.divisor, why=cfg.why)
+        cfg = cfg._replace(example=_abstract(example_batch))
+        _build_stages(cfg, _micro_shapes(cfg.example, cfg.divisor))
+    return kit, cfg
+
+
+def _stage_vectors(kit: Kit, cfg: PipelineConfig, params: Any) -> tuple[jax.Array, Any, Any]:
+    """Inside ``make_state``: the stages' flat parameters ``[K, P]``, each stage's optimizer
+    state, and each (data worker, stage)'s reducer state ``[N, K, ...]``."""
+    if not isinstance(params, Sequence) or len(params) != cfg.k:
+        raise ValueError(
+            f"params must be a sequence of {cfg.k} stage parameter pytrees (one per stage), "
+            f"got {type(params).__name__}"
+            + (f" of length {len(params)}." if isinstance(params, Sequence) else ".")
+        )
+    for i, (p, view) in enumerate(zip(params, cfg.views, strict=True)):
+        st.check_params(p)
+        got = FlatView.of(p)
+        if got.treedef != view.treedef or got.shapes != view.shapes:
+            raise ValueError(
+                f"params[{i}] has shapes {got.shapes} but stage {i} was built with {view.shapes}."
+            )
+    stacked = jnp.stack(
+        [v.ravel(p, cfg.param_len, cfg.param_dtype) for p, v in zip(params, cfg.views, strict=True)]
+    )
+    # Each stage's reducer starts from reducer.init of its own (flat) parameters, and each
+    # of its data workers from a copy of that state.
+    reducer_state = kit.stack(jax.vmap(cfg.reducer.init)(stacked))
+    return stacked, jax.vmap(cfg.optimizer.init)(stacked), reducer_state
+
+
+def _local_stages(cfg: PipelineConfig, batch: Any) -> Stages:
+    """Inside ``shard_map``: the stages for ``batch``, this data worker's share of a global
+    batch that must have ``example_batch``'s shapes if one was given."""
+    if cfg.example is not None:
+        given = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] * cfg.n, *x.shape[1:]), x.dtype), batch
+        )
+        if given != cfg.example:
+            raise ValueError(
+                f"batch shapes {given} differ from example_batch {cfg.example}, which "
+                "fixed the shapes of the pipeline's stashed activations."
+            )
+    return _build_stages(cfg, _micro_shapes(batch, cfg.m))
+
+
+def _stage_params(kit: Kit, cfg: PipelineConfig) -> Callable[[Any], list[Any]]:
+    """``Strategy.params``: the K stages' parameter pytrees, as a list."""
+    replicated = NamedSharding(kit.mesh, P())
+
+    def stage_params(state: PipelineState | DDGState) -> list[Any]:
+        stacked = jax.sharding.reshard(state.params, replicated)
+        return [view.unravel(stacked[i]) for i, view in enumerate(cfg.views)]
+
+    return kit.replicated(stage_params)
+
+
+def _exact_pipeline(kit: Kit, cfg: PipelineConfig, schedule: str) -> st.Strategy:
+    """GPipe or 1F1B: each step runs the schedule's ticks, then updates every stage once
+    with the exact gradient of the global batch."""
+    plan = make_schedule(cfg.k, cfg.m, schedule)
+    specs = PipelineState(params=P(STAGE), opt_state=P(STAGE), reducer_state=P(DATA, STAGE))
+
+    def make_state(params: Sequence[Any], model: ModelVars) -> PipelineState:
+        return PipelineState(*_stage_vectors(kit, cfg, params))
+
+    def worker_step(state: PipelineState, batch: Any) -> tuple[PipelineState, Metrics]:
+        return synchronous_step(cfg, plan, _local_stages(cfg, batch), state, batch)
+
+    return st.Strategy(
+        init=kit.init(make_state, specs),
+        step=kit.step(worker_step, specs, divisor=cfg.divisor, why=cfg.why),
+        params=_stage_params(kit, cfg),
+    )
+
+
+def _ddg_pipeline(kit: Kit, cfg: PipelineConfig) -> st.Strategy:
+    """DDG: each step runs M ticks, each a forward, a delayed backward and an update on
+    every stage; the stashed activations keep the pipeline full between steps."""
+    cells = P(DATA, STAGE)
+    specs = DDGState(
+        params=P(STAGE),
+        opt_state=P(STAGE),
+        reducer_state=cells,
+        inputs=cells,
+        inbox=cells,
+        history=P(DATA),
+        tick=P(),
+    )
+    # The stashed activations' shapes: those of example_batch's micro-batches.
+    micro = _micro_shapes(cfg.example, cfg.divisor) if cfg.k > 1 else None
+    fns = _build_stages(cfg, micro) if cfg.k > 1 else None
+
+    def make_state(params: Sequence[Any], model: ModelVars) -> DDGState:
+        inputs = inbox = history = ()
+        if cfg.k > 1:
+            n, k_, past = cfg.n, cfg.k, cfg.ddg_depth * cfg.m
+            inputs = jnp.zeros((n, k_, cfg.ddg_slots, fns.width), fns.dtype)
+            inbox = jnp.zeros((n, k_, fns.width), fns.dtype)
+            history = jax.tree.map(lambda s: jnp.zeros((n, past, *s.shape), s.dtype), micro)
+        tick = jnp.zeros((), jnp.int32)
+        return DDGState(*_stage_vectors(kit, cfg, params), inputs, inbox, history, tick)
+
+    def worker_step(state: DDGState, batch: Any) -> tuple[DDGState, Metrics]:
+        return ddg_step(cfg, _local_stages(cfg, batch), state, batch)
+
+    return st.Strategy(
+        init=kit.init(make_state, specs),
+        step=kit.step(worker_step, specs, divisor=cfg.divisor, why=cfg.why),
+        params=_stage_params(kit, cfg),
     )
 
 
@@ -296,156 +426,33 @@ def pipeline(
       A ``Strategy``: ``init(params)`` takes the K stages' parameter pytrees (a sequence),
       ``params(state)`` returns them as a list. Metrics: ``loss``, the mean loss of the
       micro-batches whose loss was computed in this step.
+
+    Example (an autoencoder of two linear stages on a 2 x 2 mesh):
+
+    >>> import numpy as np, optax
+    >>> from flax import nnx
+    >>> import ddl_jax as ddl
+    >>> stages, params = ddl.pipeline_stages(
+    ...     [nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1))]
+    ... )
+    >>> strategy = ddl.pipeline(
+    ...     stages, lambda y, x: ((y - x) ** 2).mean(), optax.sgd(0.1),
+    ...     ddl.make_mesh(data=2, stage=2), microbatches=2, schedule="1f1b",
+    ... )
+    >>> state, metrics = strategy.step(strategy.init(params), np.ones((8, 4), np.float32))
+    >>> [p["kernel"].shape for p in strategy.params(state)]
+    [(4, 8), (8, 4)]
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
-    check_builder_args(loss_fn, optimizer, accumulate=1, reducer=reducer)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
-    st.check_positive_int("microbatches", microbatches)
-    given_axes = tuple(getattr(mesh, "axis_names", ()))
-    mesh = mesh_with_axes(mesh, (DATA, STAGE))
-    n, k_ = mesh.shape[DATA], mesh.shape[STAGE]
-    applies, flats = _check_stages(stages, k_, given_axes)
-    param_len = max(f.size for f in flats)
-    param_dtype = jnp.result_type(*[d for f in flats for d in f.dtypes])
-    reducer = allreduce_mean(DATA) if reducer is None else reducer
-    _check_reducer(reducer, jax.ShapeDtypeStruct((param_len,), param_dtype))
-    stage_spec, cell_spec = P(STAGE), P(DATA, STAGE)
-    divisor, why = n * microbatches, f"{n} data workers x microbatches={microbatches}"
-    if schedule == "ddg" and k_ > 1 and example_batch is None:
-        raise ValueError(
-            "schedule='ddg' with K > 1 stages needs example_batch= (a global batch or its "
-            "jax.ShapeDtypeStructs): its state stashes activations of that shape."
-        )
-    if example_batch is not None:
-        st.check_batch(example_batch, divisor, why=why)
-        example_batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), example_batch
-        )
-        _build_stages(
-            applies, flats, loss_fn, param_len, param_dtype, _micro_shapes(example_batch, divisor)
-        )
-
-    @jax.jit
-    def stage_params(state) -> list[Any]:
-        stacked = jax.sharding.reshard(state.params, NamedSharding(mesh, P()))
-        return [f.unravel(stacked[i]) for i, f in enumerate(flats)]
-
-    def place_common(params):
-        if not isinstance(params, Sequence) or len(params) != k_:
-            raise ValueError(
-                f"params must be a sequence of {k_} stage parameter pytrees (one per stage), "
-                f"got {type(params).__name__}"
-                + (f" of length {len(params)}." if isinstance(params, Sequence) else ".")
-            )
-        for i, (p, f) in enumerate(zip(params, flats, strict=True)):
-            st.check_params(p)
-            got = _Flat.of(p)
-            if got.treedef != f.treedef or got.shapes != f.shapes:
-                raise ValueError(
-                    f"params[{i}] has shapes {got.shapes} but stage {i} was built with {f.shapes}."
-                )
-        stacked = jnp.stack(
-            [f.ravel(p, param_len, param_dtype) for p, f in zip(params, flats, strict=True)]
-        )
-        stacked = st._place(stacked, NamedSharding(mesh, stage_spec))
-        opt_state = jax.jit(
-            jax.vmap(optimizer.init), out_shardings=NamedSharding(mesh, stage_spec)
-        )(stacked)
-        # Each stage's reducer starts from reducer.init of its own (flat) parameters, and
-        # each of its data workers from a copy of that state.
-        reducer_state = jax.jit(
-            lambda s: jax.tree.map(
-                lambda x: jnp.broadcast_to(x, (n, *x.shape)), jax.vmap(reducer.init)(s)
-            ),
-            out_shardings=NamedSharding(mesh, cell_spec),
-        )(stacked)
-        return stacked, opt_state, reducer_state
-
-    def check(batch) -> Any:
-        size = st.check_batch(batch, divisor, why=why)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((size // divisor, *np.shape(x)[1:]), x.dtype), batch
-        )
-        if example_batch is not None:
-            given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-            if given != example_batch:
-                raise ValueError(
-                    f"batch shapes {given} differ from example_batch {example_batch}, which "
-                    "fixed the shapes of the pipeline's stashed activations."
-                )
-        return micro
-
-    def update(params, opt_state, reducer_state, grads):
-        grads, reducer_state = reducer.update(grads, reducer_state, params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, reducer_state
-
-    def local(tree):
-        return jax.tree.map(lambda x: x[0], tree)
-
-    def unlocal(tree, depth):
-        return jax.tree.map(lambda x: x.reshape((1,) * depth + x.shape), tree)
-
-    vma = checks_vma(reducer)
-
-    if schedule in ("gpipe", "1f1b"):
-        plan = make_schedule(k_, microbatches, schedule)
-        slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
-        tables = tick_tables(plan)
-        specs = PipelineState(stage_spec, stage_spec, cell_spec)
-
-        def init(params) -> PipelineState:
-            return PipelineState(*place_common(params))
-
-        def step(state: PipelineState, batch):
-            micro = check(batch)
-            fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
-            program = jax.shard_map(
-                lambda s, b: synchronous_step(
-                    s, b, fns, tables, slots, inbox_slots, k_, microbatches, update, local, unlocal
-                ),
-                mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
-            )  # fmt: skip
-            return program(state, st.shard_batch(batch, mesh, DATA))
-
-        return st.Strategy(init=init, step=step, params=stage_params)
-
-    depth = math.ceil(2 * (k_ - 1) / microbatches)
-    slots = 2 * k_ - 1
-
-    def init(params) -> DDGState:
-        stacked, opt_state, reducer_state = place_common(params)
-        inputs = inbox = history = ()
-        if k_ > 1:
-            micro = _micro_shapes(example_batch, divisor)
-            fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
-            cells = NamedSharding(mesh, cell_spec)
-            inputs = jax.jit(
-                lambda: jnp.zeros((n, k_, slots, fns.width), fns.dtype), out_shardings=cells
-            )()
-            inbox = jax.jit(lambda: jnp.zeros((n, k_, fns.width), fns.dtype), out_shardings=cells)()
-            history = jax.jit(
-                lambda: jax.tree.map(
-                    lambda s: jnp.zeros((n, depth * microbatches, *s.shape), s.dtype), micro
-                ),
-                out_shardings=NamedSharding(mesh, P(DATA)),
-            )()
-        tick = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P()))()
-        return DDGState(stacked, opt_state, reducer_state, inputs, inbox, history, tick)
-
-    specs = DDGState(stage_spec, stage_spec, cell_spec, cell_spec, cell_spec, P(DATA), P())
-
-    def step(state: DDGState, batch):
-        micro = check(batch)
-        fns = _build_stages(applies, flats, loss_fn, param_len, param_dtype, micro)
-        program = jax.shard_map(
-            lambda s, b: ddg_step(
-                s, b, fns, k_, microbatches, depth, slots, update, local, unlocal
-            ),
-            mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()), check_vma=vma,
-        )  # fmt: skip
-        return program(state, st.shard_batch(batch, mesh, DATA))
-
-    return st.Strategy(init=init, step=step, params=stage_params)
+    kit, cfg = _setup(
+        stages,
+        loss_fn,
+        optimizer,
+        mesh,
+        microbatches=microbatches,
+        schedule=schedule,
+        example_batch=example_batch,
+        reducer=reducer,
+    )
+    if schedule == "ddg":
+        return _ddg_pipeline(kit, cfg)
+    return _exact_pipeline(kit, cfg, schedule)
