@@ -1,5 +1,6 @@
 """Pipelines (GPipe, 1F1B, DDG) against single-device backprop and the papers' formulas."""
 
+import doctest
 import itertools
 import re
 
@@ -143,10 +144,8 @@ def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations
     stages, params = split_mlp(2, [12, 256, 5])
     temp = {}
     for schedule, m in (("1f1b", 4), ("1f1b", 16), ("gpipe", 16)):
-        strategy = pipeline(
-            stages, xent, optax.sgd(0.1), ddl.make_mesh(data=1, stage=2), microbatches=m,
-            schedule=schedule,
-        )  # fmt: skip
+        mesh = ddl.make_mesh(data=1, stage=2)
+        strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule)
         [batch] = make_batches(1, 8 * m)
         compiled = jax.jit(strategy.step).lower(strategy.init(params), batch).compile()
         temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
@@ -172,10 +171,8 @@ def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations
 def test_exact_schedules_equal_single_device_training(schedule, k, n, m):
     stages, params = split_mlp(k)
     batches = make_batches(3, 16)
-    strategy = pipeline(
-        stages, xent, optax.adam(1e-2), ddl.make_mesh(data=n, stage=k),
-        microbatches=m, schedule=schedule,
-    )  # fmt: skip
+    mesh = ddl.make_mesh(data=n, stage=k)
+    strategy = pipeline(stages, xent, optax.adam(1e-2), mesh, microbatches=m, schedule=schedule)
     got, metrics = train(strategy, params, batches)
     expected = reference(full_loss(stages), optax.adam(1e-2), params, batches)
     chex.assert_trees_all_close(got, expected, atol=1e-5, rtol=0)
@@ -191,10 +188,9 @@ def test_ddg_follows_the_delayed_gradient_rule(k):
     stages, params = split_mlp(k, widths=[12, 16, 8, 8, 5][: k + 2] if k > 1 else None)
     batches = make_batches(3, 8, seed=1)
     m_ = 2
-    strategy = pipeline(
-        stages, xent, optax.sgd(0.1), ddl.make_mesh(data=1, stage=k), microbatches=m_,
-        schedule="ddg", example_batch=batches[0],
-    )  # fmt: skip
+    mesh = ddl.make_mesh(data=1, stage=k)
+    ddg = {"schedule": "ddg", "example_batch": batches[0]}
+    strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m_, **ddg)
     got, _ = train(strategy, params, batches)
     expected = jax.jit(lambda p, b: ddg_step_by_step(stages, 0.1, p, b, m_))(params, batches)
     chex.assert_trees_all_close(got, expected, atol=1e-5)
@@ -251,10 +247,9 @@ def test_ddg_on_data_by_stage_mesh_averages_each_tick_over_data_workers():
     )
     results = []
     for n, data in ((2, batches), (1, [{k: v[order] for k, v in b.items()} for b in batches])):
-        strategy = pipeline(
-            stages, xent, optax.sgd(0.1), ddl.make_mesh(data=n, stage=2), microbatches=2,
-            schedule="ddg", example_batch=batches[0],
-        )  # fmt: skip
+        mesh = ddl.make_mesh(data=n, stage=2)
+        ddg = {"schedule": "ddg", "example_batch": batches[0]}
+        strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, **ddg)
         results.append(train(strategy, params, data)[0])
     chex.assert_trees_all_close(*results, atol=1e-6)
 
@@ -298,10 +293,9 @@ def test_ddg_converges_on_digits_like_backprop():
 
     for k in (2, 4):
         stages, params = split_mlp(k, [64, 32, 32, 32, 10])
-        strategy = pipeline(
-            stages, xent, sgd, ddl.make_mesh(data=1, stage=k), microbatches=m_,
-            schedule="ddg", example_batch=batches[0],
-        )  # fmt: skip
+        mesh = ddl.make_mesh(data=1, stage=k)
+        ddg = {"schedule": "ddg", "example_batch": batches[0]}
+        strategy = pipeline(stages, xent, sgd, mesh, microbatches=m_, **ddg)
         ddg, _ = train(strategy, params, batches)
 
         @jax.jit
@@ -360,10 +354,8 @@ def test_a_ppermute_reducer_over_data_gives_the_same_training():
     batches = make_batches(2, 16)
     results = []
     for reducer in (None, ddl.allreduce_mean(algorithm="ring")):
-        strategy = pipeline(
-            stages, xent, optax.sgd(0.1), ddl.make_mesh(data=4, stage=2), microbatches=2,
-            reducer=reducer,
-        )  # fmt: skip
+        mesh = ddl.make_mesh(data=4, stage=2)
+        strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, reducer=reducer)
         results.append(train(strategy, params, batches)[0])
     chex.assert_trees_all_close(*results, atol=1e-6)
 
@@ -378,12 +370,11 @@ def test_each_stage_reducer_starts_from_reducer_init_of_its_own_parameters():
         lambda p: {"seen": p + 1.0, "scale": jnp.full((), 3.0)},
         lambda g, state, params=None: (jax.lax.pmean(g, "data"), state),
     )
+    mesh, example = ddl.make_mesh(data=2, stage=2), make_batches(1, 8)[0]
     for reducer in (shifted, ddl.compression.top_k(0.5)):
         for schedule in ("gpipe", "ddg"):
-            strategy = pipeline(
-                stages, xent, optax.sgd(0.1), ddl.make_mesh(data=2, stage=2), microbatches=2,
-                schedule=schedule, example_batch=make_batches(1, 8)[0], reducer=reducer,
-            )  # fmt: skip
+            options = {"schedule": schedule, "example_batch": example, "reducer": reducer}
+            strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, **options)
             got = strategy.init(params).reducer_state
             for d, k in itertools.product(range(2), range(2)):
                 cell = jax.tree.map(lambda x, d=d, k=k: np.asarray(x)[d, k], got)
@@ -439,10 +430,61 @@ def test_bad_input_fails_with_clear_errors():
         [Block([12, 16], last=False, rngs=nnx.Rngs(0)), Block([8, 5], last=True, rngs=nnx.Rngs(1))]
     )
     with pytest.raises(ValueError, match="stage 1 does not accept the output of stage 0"):
-        pipeline(
-            mismatched, xent, optax.sgd(0.1), mesh, microbatches=2, schedule="ddg",
-            example_batch=make_batches(1, 16)[0],
-        )  # fmt: skip
+        ddg = {"schedule": "ddg", "example_batch": make_batches(1, 16)[0]}
+        pipeline(mismatched, xent, optax.sgd(0.1), mesh, microbatches=2, **ddg)
     strategy = pipeline(mismatched, xent, optax.sgd(0.1), mesh, microbatches=2)
     with pytest.raises(ValueError, match="stage 1 does not accept the output of stage 0"):
         strategy.step(strategy.init([p for _, p in mismatched]), make_batches(1, 16)[0])
+
+
+# --- training with ddl.fit and exporting to the modules ----------------------------------
+
+
+def run_stages(stages, params, x):
+    """The stages one after another, on one device (the default one)."""
+    # Through the host: jax.device_put(params, device) keeps the mesh in the arrays' types,
+    # and eager ops on them then ask for a mesh context.
+    params = jax.device_get(params)
+    for (apply, _), p in zip(stages, params, strict=True):
+        x = apply(p, x)
+    return x
+
+
+def test_a_pipeline_trained_with_fit_evaluates_and_exports_to_its_modules():
+    """ddl.fit's eval_fn gets the list of stage params; written back into the NNX modules,
+    the stages called in sequence outside any mesh score the same accuracy."""
+    train_set, test_set = ddl.data.digits()
+    modules = [
+        Block([64, 32], last=False, rngs=nnx.Rngs(0)),
+        Block([32, 32, 10], last=True, rngs=nnx.Rngs(1)),
+    ]
+    stages, params = pipeline_stages(modules)
+    mesh = ddl.make_mesh(data=2, stage=2)
+    strategy = pipeline(stages, xent, optax.adam(1e-2), mesh, microbatches=2, schedule="1f1b")
+    batches = (
+        {"x": b["image"], "y": b["label"]} for b in ddl.data.batches(train_set, 64, epochs=None)
+    )
+
+    def accuracy(logits):
+        return jnp.mean(logits.argmax(-1) == test_set["label"])
+
+    def eval_fn(stage_params):
+        assert isinstance(stage_params, list) and len(stage_params) == 2
+        return accuracy(run_stages(stages, stage_params, test_set["image"]))
+
+    state, history = ddl.fit(strategy, params, batches, steps=100, eval_fn=eval_fn, progress=False)
+    evaluated = history[-1]["eval"]
+    assert evaluated > 0.9
+
+    for module, p in zip(modules, jax.device_get(strategy.params(state)), strict=True):
+        ddl.flax.update_module(module, p)
+    x = test_set["image"]
+    for module in modules:
+        x = module(x)
+    assert float(accuracy(x)) == evaluated
+
+
+def test_pipeline_docstring_example_runs():
+    finder = doctest.DocTestFinder()
+    [example] = finder.find(pipeline, "pipeline", globs={})
+    assert doctest.DocTestRunner().run(example) == (0, 7)  # (failed, attempted)
