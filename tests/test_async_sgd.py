@@ -1,5 +1,6 @@
 """async_sgd against synchronous SGD, a plain-Python event simulation, and the papers' claims."""
 
+import doctest
 import functools
 
 import chex
@@ -14,6 +15,7 @@ from hypothesis import example, given, settings
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
+from ddl_jax._src import async_events as ev
 from ddl_jax._src.async_sgd import async_sgd
 from ddl_jax._src.staleness import (
     SSP,
@@ -212,7 +214,8 @@ def random_times_run():
         strategy, step = cache[protocol]
         state = strategy.init(params)
         key = jax.random.key_data(jax.random.key(seed, impl="threefry2x32"))
-        state = state._replace(key=jax.device_put(key, state.key.sharding))
+        clock = state.clock._replace(key=jax.device_put(key, state.clock.key.sharding))
+        state = state._replace(clock=clock)
         history = []
         for batch in make_batches(6, 16):
             state, metrics = step(state, batch)
@@ -251,9 +254,9 @@ def test_ssp_never_exceeds_its_bound(mlp):
         state = strategy.init(params)
         for batch in make_batches(6, 16):
             state, metrics = step(state, batch)
-            lead = np.asarray(state.tasks) - np.asarray(state.tasks).min()
+            lead = np.asarray(state.clock.tasks) - np.asarray(state.clock.tasks).min()
             assert lead.max() <= bound + 1, lead
-            np.testing.assert_array_equal(np.asarray(state.waiting), lead == bound + 1)
+            np.testing.assert_array_equal(np.asarray(state.clock.waiting), lead == bound + 1)
             # While a gradient is in flight every other worker can push at most 2s + 1 times.
             assert metrics["staleness_max"] <= 7 * (2 * bound + 1)
             spans.append(lead.max() - bound)
@@ -274,15 +277,17 @@ def test_state_placement(mlp):
     mesh = ddl.make_mesh(data=8)
     spec = lambda tree: {x.sharding.spec for x in jax.tree.leaves(tree)}  # noqa: E731
     state = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=softsync(2)).init(params)
-    assert spec(state.params) == spec(state.opt_state) == spec(state.group) == {P()}
-    assert spec(state.fetched) == spec(state.gradient) == {P("data")}
-    assert spec(state.arrival) == spec(state.tasks) == spec(state.key) == {P()}
+    assert spec(state.params) == spec(state.opt_state) == spec(state.protocol.gradient) == {P()}
+    assert spec(state.workers.params) == spec(state.workers.gradient) == {P("data")}
+    assert spec(state.clock.arrival) == spec(state.clock.tasks) == spec(state.clock.key) == {P()}
     # Downpour's server is sharded: device i holds the i-th slice of the flat parameters.
     strategy = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=downpour(2, 2))
     state = strategy.init(params)
     size = sum(x.size for x in jax.tree.leaves(params))
     assert state.params.shape == (8, -(-size // 8))
-    assert spec(state.params) == spec(state.opt_state) == spec(state.accrued) == {P("data")}
+    assert (
+        spec(state.params) == spec(state.opt_state) == spec(state.protocol.gradient) == {P("data")}
+    )
     chex.assert_trees_all_equal(strategy.params(state), params)
 
 
@@ -308,3 +313,234 @@ def test_protocol_of_the_wrong_type_raises(mlp):
     loss_fn, _ = mlp
     with pytest.raises(TypeError, match="protocol must be 'async'"):
         async_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), protocol=2)
+
+
+def test_docstring_example_runs():
+    (test,) = doctest.DocTestFinder().find(async_sgd, "async_sgd")
+    assert doctest.DocTestRunner().run(test).failed == 0
+
+
+def plain_schedule(n, times, protocol, steps):
+    """The event clock alone, one event at a time in plain Python (times in float32).
+
+    Returns per step ``(computes, events, clock)``: the workers that compute, each
+    processed arrival as ``(worker, time, tau or None, update_tau or None, started,
+    fetched)``, and the clock after the step.
+    """
+    group_n = protocol.n if isinstance(protocol, SoftSync) else 1
+    bound = protocol.bound if isinstance(protocol, SSP) else None
+    n_fetch, n_push = protocol if isinstance(protocol, Downpour) else (1, 1)
+    key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
+    d = functools.cache(
+        lambda i, k: np.float32(duration(times, n, key, jnp.int32(i), jnp.int32(k)))
+    )
+    version, fetched_version, tasks = 0, [0] * n, [0] * n
+    arrival, ready, waiting, group, now = [d(i, 0) for i in range(n)], [False] * n, set(), [], 0
+    log = []
+    for _ in range(steps):
+        computes = [not ready[i] and i not in waiting for i in range(n)]
+        ready = [r or i not in waiting for i, r in enumerate(ready)]
+        events = []
+        while True:
+            now, w = min((arrival[i], i) for i in range(n) if i not in waiting)
+            if not ready[w]:
+                break
+            ready[w], tasks[w], tau, update = False, tasks[w] + 1, None, None
+            if tasks[w] % n_push == 0:
+                tau = version - fetched_version[w]
+                group.append(tau)
+                if len(group) == group_n:
+                    update, version, group = sum(group) / group_n, version + 1, []
+            waiting.add(w)
+            started, fetched = [], []
+            for i in sorted(waiting):
+                if group or (bound is not None and tasks[i] - min(tasks) > bound):
+                    continue
+                waiting.discard(i)
+                started.append(i)
+                if tasks[i] % n_fetch == 0:
+                    fetched.append(i)
+                    fetched_version[i] = version
+                arrival[i] = np.float32(now + d(i, tasks[i]))
+            events.append((w, now, tau, update, started, fetched))
+        clock = {
+            "arrival": list(arrival),
+            "fetched_version": list(fetched_version),
+            "tasks": list(tasks),
+            "ready": list(ready),
+            "waiting": [i in waiting for i in range(n)],
+            "version": version,
+            "group_count": len(group),
+            "group_staleness": sum(group),
+        }
+        log.append((computes, events, clock))
+    return log
+
+
+SCHEDULES = {
+    "async_random_5": (5, compute_times(1.0, spread=0.7, seed=3), "async"),
+    "async_equal_3": (3, compute_times(1.0), "async"),
+    "softsync_2_of_4": (4, compute_times([1.0, 2.0, 1.0, 3.0]), softsync(2)),
+    "softsync_3_of_6_random": (6, compute_times(1.0, spread=0.5, seed=4), softsync(3)),
+    "softsync_4_of_4_equal": (4, compute_times(1.0), softsync(4)),
+    "ssp_0_of_3": (3, compute_times([1.0, 2.0, 0.5]), ssp(0)),
+    "ssp_1_straggler": (4, compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1)),
+    "ssp_2_random_8": (8, compute_times([1.0] * 6 + [2.0, 5.0], spread=0.8, seed=1), ssp(2)),
+    "downpour_3_2": (4, compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1), downpour(3, 2)),
+    "downpour_1_3": (5, compute_times(1.0, spread=0.4, seed=9), downpour(1, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEDULES))
+def test_event_clock_equals_a_plain_schedule_without_a_mesh(case):
+    """The pure event clock, alone (no mesh, no model), against plain Python."""
+    n, times, protocol = SCHEDULES[case]
+    rules = ev.Rules.of(protocol)
+    step = jax.jit(lambda clock: ev.step_clock(clock, rules, times))
+    clock = ev.initial_clock(times, n)
+    expected = plain_schedule(n, times, protocol, steps=12)
+    for computes, events, plain in expected:
+        clock, got_computes, got = step(clock)
+        got = jax.device_get(got)
+        assert got_computes.tolist() == computes
+        happened = np.flatnonzero(got.happens)
+        assert happened.tolist() == list(range(len(events)))  # the empty events come last
+        assert 1 <= len(events) <= n
+        for j, (w, _, tau, update, started, fetched) in enumerate(events):
+            assert got.worker[j] == w and got.push[j] == (tau is not None)
+            assert got.staleness[j] == (tau or 0) and got.apply[j] == (update is not None)
+            np.testing.assert_allclose(got.update_staleness[j], update or 0, rtol=1e-6)
+            assert np.flatnonzero(got.start[j]).tolist() == started
+            assert np.flatnonzero(got.fetch[j]).tolist() == fetched
+        # Times to an ulp: XLA's jitted exp may round the durations differently.
+        np.testing.assert_allclose(clock.now, events[-1][1], rtol=1e-6)
+        np.testing.assert_allclose(clock.arrival, plain.pop("arrival"), rtol=1e-6)
+        for name, value in plain.items():
+            np.testing.assert_array_equal(getattr(clock, name), value, err_msg=name)
+        summary = ev.summarize(got)
+        taus = [e[2] for e in events if e[2] is not None]
+        assert summary.pushes == len(taus) and summary.staleness_max == max(taus, default=0)
+
+
+def counting_loss(seed=7):
+    """A ModelLoss by hand: its state counts batches and keeps a running mean of ``x``, which
+    the loss centres with; dropout keeps each input with probability 1/2 (scaled by 2)."""
+
+    def fn(params, state, batch, key):
+        stats = state["stats"]
+        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+        x = jnp.where(keep, 2 * batch["x"], 0.0) - stats["mean"]
+        loss = jnp.mean((x @ params["w"] + params["b"] - batch["y"]) ** 2)
+        count = stats["count"] + 1
+        mean = stats["mean"] + (batch["x"].mean(0) - stats["mean"]) / count
+        return loss, {"stats": {"count": count, "mean": mean}}
+
+    variables = {
+        "params": {"w": jnp.full(3, 0.1), "b": jnp.zeros(())},
+        "stats": {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros(3)},
+    }
+    return ddl.ModelLoss(fn, seed=seed), variables
+
+
+def regression_batches(count, size, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(1.0, 1.0, (count, size, 3)).astype(np.float32)
+    y = rng.normal(size=(count, size)).astype(np.float32)
+    return [{"x": x[i], "y": y[i]} for i in range(count)]
+
+
+def test_model_state_and_dropout_on_one_worker_equal_a_hand_written_loop():
+    """One async worker: fetch (params, state), gradient and new state with the key of
+    task k, push both; the server takes the state with the update."""
+    loss, variables = counting_loss()
+    batches = regression_batches(4, 8)
+    strategy = async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=1))
+    state, history = run(strategy, variables, batches)
+    base = jax.random.key(7, impl="threefry2x32")
+    grad_fn = jax.jit(jax.value_and_grad(loss.fn, has_aux=True))
+    params, model_state = variables["params"], {"stats": variables["stats"]}
+    for k, batch in enumerate(batches):
+        key = jax.random.fold_in(jax.random.fold_in(base, k), 0)
+        (value, model_state), grads = grad_fn(params, model_state, batch, key)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        np.testing.assert_allclose(history[k]["loss"], value, rtol=1e-6)
+    got = strategy.params(state)
+    chex.assert_trees_all_close(got, {"params": params, **model_state}, atol=1e-6, rtol=0)
+    assert got["stats"]["count"] == 4 and state.model.step == 4
+
+
+def test_softsync_n_model_state_is_the_mean_of_the_workers():
+    """softsync(N), equal times: each step every worker computes on the server's (params,
+    state) with its own key and shard; the server's state becomes the workers' mean."""
+    n = 8
+    loss, variables = counting_loss(seed=3)
+    batches = regression_batches(2, 4 * n)
+    strategy = async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=n), protocol=softsync(n))
+    state, _ = run(strategy, variables, batches)
+    base = jax.random.key(3, impl="threefry2x32")
+    grad_fn = jax.jit(jax.grad(loss.fn, has_aux=True))
+    params, model_state = variables["params"], {"stats": variables["stats"]}
+    for k, batch in enumerate(batches):
+        keys = [jax.random.fold_in(jax.random.fold_in(base, k), w) for w in range(n)]
+        outs = [
+            grad_fn(params, model_state, s, key)
+            for s, key in zip(worker_shards(batch, n), keys, strict=True)
+        ]
+        means = [o[1]["stats"]["mean"] for o in outs]
+        assert not np.allclose(means[0], means[1])  # the workers' states differ
+        grads = jax.tree.map(lambda *g: sum(g) / n, *[o[0] for o in outs])
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        model_state = {"stats": {"count": jnp.int32(k + 1), "mean": sum(means) / n}}
+    chex.assert_trees_all_close(
+        strategy.params(state), {"params": params, **model_state}, atol=1e-5, rtol=0
+    )
+    # Every worker has fetched the new server state for its next task.
+    fetched = jax.tree.map(lambda x: x[3], jax.device_get(state.workers.model_state))
+    chex.assert_trees_all_equal(fetched, {"stats": strategy.params(state)["stats"]})
+
+
+def test_downpour_1_1_carries_model_state_as_async_does():
+    """The sharded server keeps the model state of the latest push, as plain async does."""
+    loss, variables = counting_loss()
+    times = compute_times(1.0, spread=0.7, seed=2)
+    batches = regression_batches(4, 32)
+    plain, sharded = (
+        async_sgd(loss, optax.sgd(0.05), ddl.make_mesh(data=8), compute_time=times, protocol=p)
+        for p in ("async", downpour(1, 1))
+    )
+    plain_state, plain_history = run(plain, variables, batches)
+    sharded_state, sharded_history = run(sharded, variables, batches)
+    assert max(h["staleness_max"] for h in plain_history) > 1
+    chex.assert_trees_all_close(
+        sharded.params(sharded_state), plain.params(plain_state), atol=1e-6, rtol=0
+    )
+    assert plain.params(plain_state)["stats"]["count"] > 1
+    chex.assert_trees_all_close(sharded_history, plain_history, atol=1e-6, rtol=0)
+
+
+def test_model_state_with_unequal_times_follows_tasks_not_steps():
+    """Async, two workers at speeds 1 and 2.5: worker w's k-th task draws key (k, w) (its
+    task count, not the step), computes on the state it fetched, and the server's state is
+    the latest push's. A hand-written event loop for plain async."""
+    loss, variables = counting_loss(seed=5)
+    batches = regression_batches(6, 8)
+    strategy = async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=2), compute_time=[1.0, 2.5])
+    state, history = run(strategy, variables, batches)
+    base = jax.random.key(5, impl="threefry2x32")
+    grad_fn = jax.jit(jax.grad(loss.fn, has_aux=True))
+    server = (variables["params"], {"stats": variables["stats"]})
+    fetched, arrival, tasks, pending = [server] * 2, [1.0, 2.5], [0, 0], [None, None]
+    for batch in batches:
+        for w, shard in enumerate(worker_shards(batch, 2)):
+            if pending[w] is None:
+                key = jax.random.fold_in(jax.random.fold_in(base, tasks[w]), w)
+                pending[w] = grad_fn(*fetched[w], shard, key)
+        while pending[w := min((0, 1), key=lambda i: (arrival[i], i))] is not None:
+            (grads, model_state), pending[w], tasks[w] = pending[w], None, tasks[w] + 1
+            params = jax.tree.map(lambda p, g: p - 0.1 * g, server[0], grads)
+            server = fetched[w] = (params, model_state)
+            arrival[w] += [1.0, 2.5][w]
+    assert tasks == [6, 2] and history[-1]["wall_clock"] == 6.0
+    chex.assert_trees_all_close(
+        strategy.params(state), {"params": server[0], **server[1]}, atol=1e-6, rtol=0
+    )

@@ -1,25 +1,76 @@
-"""Asynchronous SGD simulated exactly: a parameter server and N workers in one SPMD program."""
+"""Asynchronous SGD simulated exactly: a parameter server and N workers in one SPMD program.
+
+The schedule (who arrives, pushes, fetches, when the server applies) is the pure event
+clock of ``async_events.py``; this module replays it on the parameters and model state,
+one worker per device, the server replicated (or sharded, under Downpour).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src import async_events as ev
 from ddl_jax._src import staleness as sl
 from ddl_jax._src import strategy as st
-from ddl_jax._src.data_parallel import check_builder_args, local_value_and_grad
+from ddl_jax._src.flat import FlatView
+from ddl_jax._src.kit import Kit, one_worker, prepare, restack, unstack
+from ddl_jax._src.model_loss import ModelVars, worker_key
+
+
+class Workers(NamedTuple):
+    """Each worker's side of :class:`AsyncSGDState`, ``[N, ...]`` sharded ``P(axis)``.
+
+    Attributes:
+      params: the server parameters the worker last fetched.
+      model_state: the server model state it fetched with them (``{}`` for a plain loss).
+      gradient: the gradient of its task in flight (valid where ``clock.ready``).
+      new_model_state: the model state that task returned; it travels with the gradient.
+    """
+
+    params: Any
+    model_state: Any
+    gradient: Any
+    new_model_state: Any
+
+
+class Plain(NamedTuple):
+    """``"async"``, ``ssp`` and ``softsync(1)``: the server holds nothing between pushes."""
+
+
+class Group(NamedTuple):
+    """``softsync(n)``, n > 1: the pushes the server holds for its next update, ``P()``.
+
+    Attributes:
+      gradient: the sum of their gradients.
+      model_state: the sum of their model states' floating leaves (in at least float32),
+        the maximum of their integer leaves.
+    """
+
+    gradient: Any
+    model_state: Any
+
+
+class Accrued(NamedTuple):
+    """``downpour``: each worker's gradients since its last push, ``[N, ...]`` ``P(axis)``.
+
+    Attributes:
+      gradient: their sum (Dean et al.'s accumulated Delta w).
+    """
+
+    gradient: Any
 
 
 class AsyncSGDState(NamedTuple):
-    """State of :func:`async_sgd`: the server, the workers, and the simulated clocks.
+    """State of :func:`async_sgd`: the server, the workers, the protocol's and the clock.
 
     Attributes:
       params: the server's parameters, replicated ``P()``; under Downpour, the flattened
@@ -27,50 +78,276 @@ class AsyncSGDState(NamedTuple):
         ``P(axis)``: device i holds the server's i-th shard.
       opt_state: the server's optimizer state, replicated ``P()``; under Downpour, one
         state per shard, ``[N, ...]`` sharded ``P(axis)``.
-      fetched: each worker's last fetched parameters, ``[N, ...]`` sharded ``P(axis)``.
-      gradient: each worker's gradient of its task in flight (valid where ``ready``),
-        ``[N, ...]`` sharded ``P(axis)``.
-      accrued: Downpour only (else ``()``): each worker's sum of gradients since its
-        last push, ``[N, ...]`` sharded ``P(axis)``.
-      group: n-softsync with n > 1 only (else ``()``): the sum of the arrivals the server
-        holds for its next update, replicated ``P()``.
-      group_count: arrivals held in ``group``, int32 scalar.
-      group_staleness: the sum of their staleness, float32 scalar.
-      version: server updates applied so far, int32 scalar.
-      now: the simulated time of the last event, float32 scalar.
-      arrival: ``[N]`` float32, when each worker's task in flight completes (ignored
-        where ``waiting``).
-      fetched_version: ``[N]`` int32, the server version each worker last fetched.
-      tasks: ``[N]`` int32, gradients each worker has completed (its SSP clock).
-      ready: ``[N]`` bool, whether the gradient of a worker's task in flight is computed.
-      waiting: ``[N]`` bool, workers that finished a task and wait to start the next one
-        (for a softsync group to fill, or for the SSP bound).
-      key: the PRNG key data (``uint32[2]``) of random compute times, ``P()``.
-
-    The ``[N]`` bookkeeping is the server's view of its workers: every device runs the
-    same event loop over it, so it is replicated ``P()``.
+      model: the server's model state (``P()``), the run's dropout key and the steps taken.
+      workers: each worker's fetched parameters and model state and its task in flight.
+      protocol: ``Plain()``, a softsync ``Group`` or Downpour's ``Accrued``.
+      clock: the simulated clocks (``async_events.Clock``), replicated ``P()``: every
+        device runs the same event schedule.
     """
 
     params: Any
     opt_state: Any
-    fetched: Any
-    gradient: Any
-    accrued: Any
-    group: Any
-    group_count: jax.Array
-    group_staleness: jax.Array
-    version: jax.Array
-    now: jax.Array
-    arrival: jax.Array
-    fetched_version: jax.Array
-    tasks: jax.Array
-    ready: jax.Array
-    waiting: jax.Array
-    key: jax.Array
+    model: ModelVars
+    workers: Workers
+    protocol: Plain | Group | Accrued
+    clock: ev.Clock
+
+
+class _Local(NamedTuple):
+    """Inside ``shard_map``: the server (its shard, under Downpour) and this worker."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    workers: Workers
+    protocol: Plain | Group | Accrued
+
+
+def _blocks(tree: Any, n: int) -> jax.Array:
+    """A params-shaped tree as the sharded server's ``[n, ceil(size / n)]`` blocks."""
+    return FlatView.of(tree).blocks(tree, n)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _masked(tree: Any, keep: jax.Array) -> Any:
+    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
+
+
+def _held_empty(model_state: Any) -> Any:
+    """An empty group's model state: zero sums (at least float32), integers at their min."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.full(x.shape, jnp.iinfo(x.dtype).min, x.dtype)
+        return jnp.zeros_like(x)
+
+    return jax.tree.map(one, model_state)
+
+
+def _held_add(held: Any, model_state: Any) -> Any:
+    def one(h: jax.Array, x: jax.Array) -> jax.Array:
+        return h + x.astype(h.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.maximum(h, x)
+
+    return jax.tree.map(one, held, model_state)
+
+
+def _held_mean(held: Any, size: int, like: Any) -> Any:
+    def one(h: jax.Array, x: jax.Array) -> jax.Array:
+        return (h / size).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else h
+
+    return jax.tree.map(one, held, like)
+
+
+def _keep(local: _Local, *_: Any) -> _Local:
+    return local
+
+
+class _Program(NamedTuple):
+    """The SPMD program of :func:`async_sgd`: builds the state and replays the events."""
+
+    kit: Kit
+    rules: ev.Rules
+    times: sl.ComputeTime
+    optimizer: optax.GradientTransformationExtraArgs
+    downpour: bool
+
+    @classmethod
+    def build(
+        cls,
+        kit: Kit,
+        optimizer: optax.GradientTransformation,
+        compute_time: float | Sequence[float] | sl.ComputeTime,
+        protocol: str | sl.Protocol,
+    ) -> st.Strategy:
+        """Checks the protocol and the compute times; the ``Strategy`` of the program."""
+        times = sl.as_compute_time(compute_time, kit.n)
+        protocol = sl.as_protocol(protocol, kit.n)
+        downpour = isinstance(protocol, sl.Downpour)
+        server_opt = optax.with_extra_args_support(optimizer)
+        program = cls(kit, ev.Rules.of(protocol), times, server_opt, downpour)
+        specs = program.specs()
+        params = kit.replicated(program.variables) if downpour else program.variables
+        return st.Strategy(
+            kit.init(program.make_state, specs), kit.step(program.worker_step, specs), params
+        )
+
+    def specs(self) -> AsyncSGDState:
+        axis = self.kit.axis
+        server = P(axis) if self.downpour else P()
+        return AsyncSGDState(
+            params=server,
+            opt_state=server,
+            model=ModelVars(P(), P(), P()),
+            workers=P(axis),
+            protocol=P(axis) if self.downpour else P(),
+            clock=P(),
+        )
+
+    def make_state(self, params: st.Params, model: ModelVars) -> AsyncSGDState:
+        kit = self.kit
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        if self.downpour:
+            server = _blocks(params, kit.n)
+            opt_state = jax.vmap(self.optimizer.init)(server)
+        else:
+            server, opt_state = params, self.optimizer.init(params)
+        protocol: Plain | Group | Accrued = Plain()
+        if self.downpour:
+            protocol = Accrued(kit.stack(zeros))
+        elif self.rules.group_size > 1:
+            protocol = Group(zeros, _held_empty(model.state))
+        stacked = kit.stack((params, model.state, zeros, model.state))
+        return AsyncSGDState(
+            server,
+            opt_state,
+            model,
+            Workers(*stacked),
+            protocol,
+            ev.initial_clock(self.times, kit.n),
+        )
+
+    def compute(
+        self, state: AsyncSGDState, me: jax.Array, computes: jax.Array, batch: st.Batch
+    ) -> tuple[Workers, st.Metrics]:
+        """Phase 1 on the devices: a worker that ``computes`` takes its task's gradient and
+        model state on what it fetched, with the key ``worker_key(model, me, step=k)`` of
+        its k-th task; the others skip it. Metrics: the mean over the computing workers."""
+        workers, axis = unstack(state.workers), self.kit.axis
+        key = worker_key(state.model, me, step=state.clock.tasks[me])
+        args = (workers.params, workers.model_state, batch, key)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.kit.value_and_grad, *args))
+        out = lax.cond(computes, self.kit.value_and_grad, lambda *_: zeros, *args)
+        (loss, aux), gradient, model_state = out
+        workers = workers._replace(
+            gradient=_select(computes, gradient, workers.gradient),
+            new_model_state=_select(computes, model_state, workers.new_model_state),
+        )
+        count = lax.psum(computes.astype(jnp.float32), axis)
+        metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
+        return workers, {k: v / count for k, v in metrics.items()}
+
+    def replay(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
+        """One event on the parameters: accrue (Downpour), push, apply, fetch."""
+        if self.downpour:
+            accrue = event.happens & (me == event.worker)
+            total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
+            local = local._replace(
+                protocol=Accrued(_select(accrue, total, local.protocol.gradient))
+            )
+        local = lax.cond(event.push, functools.partial(self.push, me), _keep, local, event)
+        return self.fetch(me, local, event.fetch), None
+
+    def push(self, me: jax.Array, local: _Local, event: ev.Event) -> _Local:
+        """The arriving worker sends its gradient (Downpour: its accrued sum) and its new
+        model state: a masked all-reduce (Downpour: a reduce-scatter to the shards)."""
+        kit, mine = self.kit, me == event.worker
+        sent = local.protocol.gradient if self.downpour else local.workers.gradient
+        gradient = _masked(sent, mine)
+        model_state = lax.psum(_masked(local.workers.new_model_state, mine), kit.axis)
+        if self.downpour:  # each server shard receives its slice of the push
+            gradient = lax.psum_scatter(_blocks(gradient, kit.n), kit.axis, scatter_dimension=0)
+            local = local._replace(protocol=Accrued(_masked(local.protocol.gradient, ~mine)))
+        else:
+            gradient = lax.psum(gradient, kit.axis)
+        return self.receive(local, gradient, model_state, event)
+
+    def receive(self, local: _Local, gradient: Any, model_state: Any, event: ev.Event) -> _Local:
+        """The server takes a push into its group; applies the group's mean if it is full."""
+        if isinstance(local.protocol, Group):
+            size = self.rules.group_size
+            held = Group(
+                jax.tree.map(jnp.add, local.protocol.gradient, gradient),
+                _held_add(local.protocol.model_state, model_state),
+            )
+            gradient = jax.tree.map(lambda x: x / size, held.gradient)
+            model_state = _held_mean(held.model_state, size, model_state)
+            local = local._replace(protocol=held)
+        staleness = event.update_staleness
+        return lax.cond(event.apply, self.apply, _keep, local, gradient, model_state, staleness)
+
+    def apply(self, local: _Local, gradient: Any, model_state: Any, staleness: jax.Array) -> _Local:
+        """``theta <- theta + optimizer(g, staleness=tau)``; the model state is replaced."""
+        updates, opt_state = self.optimizer.update(
+            gradient, local.opt_state, local.params, staleness=staleness
+        )
+        protocol = local.protocol
+        if isinstance(protocol, Group):
+            protocol = Group(
+                jax.tree.map(jnp.zeros_like, protocol.gradient), _held_empty(protocol.model_state)
+            )
+        return local._replace(
+            params=optax.apply_updates(local.params, updates),
+            opt_state=opt_state,
+            model_state=model_state,
+            protocol=protocol,
+        )
+
+    def fetch(self, me: jax.Array, local: _Local, fetch: jax.Array) -> _Local:
+        """Workers in ``fetch`` take the server's parameters and model state."""
+        workers = local.workers
+        if self.downpour:  # an all-gather of the server's shards, when someone fetches
+            server = lax.cond(
+                fetch.any(),
+                lambda: FlatView.of(workers.params).from_blocks(
+                    lax.all_gather(local.params, self.kit.axis, tiled=True)
+                ),
+                lambda: workers.params,
+            )
+        else:
+            server = local.params
+        workers = workers._replace(
+            params=_select(fetch[me], server, workers.params),
+            model_state=_select(fetch[me], local.model_state, workers.model_state),
+        )
+        return local._replace(workers=workers)
+
+    def worker_step(
+        self, state: AsyncSGDState, batch: st.Batch
+    ) -> tuple[AsyncSGDState, st.Metrics]:
+        """One ``Strategy.step`` on one device (under ``shard_map``)."""
+        me = lax.axis_index(self.kit.axis)
+        clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
+        workers, metrics = self.compute(state, me, computes[me], batch)
+        local = _Local(state.params, state.opt_state, state.model.state, workers, state.protocol)
+        if self.downpour:
+            local = local._replace(
+                params=unstack(local.params),
+                opt_state=unstack(local.opt_state),
+                protocol=unstack(local.protocol),
+            )
+        local, _ = lax.scan(functools.partial(self.replay, me), local, events)
+        server, protocol = (local.params, local.opt_state), local.protocol
+        if self.downpour:
+            server, protocol = restack(server), restack(protocol)
+        model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
+        state = AsyncSGDState(*server, model, restack(local.workers), protocol, clock)
+        summary = ev.summarize(events)
+        metrics |= {
+            "staleness_mean": summary.staleness_mean,
+            "staleness_max": summary.staleness_max,
+            "pushes": summary.pushes,
+            "updates_applied": clock.version.astype(jnp.float32),
+            "wall_clock": clock.now,
+            "clock_gap_max": summary.clock_gap_max,
+        }
+        return state, metrics
+
+    def variables(self, state: AsyncSGDState) -> Any:
+        """``Strategy.params``: the server's parameters (and model state)."""
+        params = state.params
+        if self.downpour:
+            replicated = jax.sharding.reshard(params, NamedSharding(self.kit.mesh, P()))
+            params = FlatView.of(one_worker(state.workers.params)).from_blocks(replicated)
+        return self.kit.variables(params, state.model)
 
 
 def async_sgd(
-    loss_fn,
+    loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
@@ -99,45 +376,38 @@ def async_sgd(
     * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
       gradients and pushes the sum of its last n_push gradients (Dean et al.'s accumulated
       gradient Delta w) every n_push, so with SGD one push moves the server as far as those
-      n_push gradients arriving one by one would; between fetches it keeps computing on the
-      parameters it has (the client-side local update of Dean et al. is left out). The
-      server is sharded over the data axis as in DistBelief: device i holds shard i of the
-      flattened parameters and its optimizer state; a push is a reduce-scatter (each shard
-      receives its slice of the gradient), a fetch an all-gather. The optimizer sees each
-      shard as one flat vector, so elementwise optimizers (SGD, momentum, Adam, ...) act
-      exactly as on the whole model, while transforms that look across leaves (global-norm
-      clipping, masks) act per shard.
+      n_push gradients arriving one by one would; between fetches it keeps computing on
+      what it has (the client-side local update of Dean et al. is left out). The server
+      is sharded over ``axis`` as in DistBelief: device i holds shard i of the flattened
+      parameters and its optimizer state; a push is a reduce-scatter, a fetch an
+      all-gather. The optimizer sees each shard as one flat vector: elementwise ones (SGD,
+      momentum, Adam) act exactly as on the whole model, global-norm clipping per shard.
 
-    Event model. Worker i's k-th gradient takes ``compute_time`` ``d(i, k)`` simulated
-    time units (``ddl.compute_times``); it starts when the worker fetches (or is released)
-    at time t and arrives at ``t + d(i, k)``. The server processes arrivals in time order,
-    ties broken by the lower worker index. Staleness tau of a push is the number of server
-    updates applied between the worker's fetch and the push. One ``Strategy.step``:
+    Model state and dropout (a ``ddl.ModelLoss``): the server holds the model state
+    (batch statistics) with its parameters and a worker fetches both. Its k-th task
+    computes the gradient and a new model state on what it last fetched (Downpour: also
+    between fetches), drawing dropout from ``worker_key(model, w, step=k)``; the new model
+    state travels with the gradient, and an update sets the server's model state to the
+    mean of those of the pushes it applies: async, SSP and Downpour the pushing worker's
+    (its latest task's); softsync(n) the mean of the group's, integer leaves their maximum.
 
-    1. Every worker that has started a task whose gradient is not computed yet computes it,
-       in parallel on its own device, on its fetched parameters and its ``B/N`` shard of
-       the global batch ``B`` (with ``accumulate`` micro-batches).
-    2. The server processes arrivals in time order (a ``lax.scan`` of N events) while the
-       next arrival's gradient is computed; it stops at the first arrival whose gradient
-       is not (a worker that started a new task during this step). Each worker thus
-       pushes at most once per step, and the next step computes the new gradients.
-
-    So a step holds between 1 and N arrivals; equal compute times give exactly N (the
-    trajectory of synchronous data parallelism under ``softsync(N)``). Wasted work: a
-    worker whose gradient is still in flight, or that waits, leaves its shard of the
-    step's batch unused (its device skips the gradient). Communication: each push is one
-    param-sized all-reduce of the pushing worker's gradient, masked to zero elsewhere
-    (Downpour: a reduce-scatter per push and an all-gather per step with a fetch), each
-    inside a conditional branch that only pushing events take: a step of N pushes moves N
-    times the bytes of one data-parallel all-reduce, a cost of simulating N point-to-point
-    pushes in SPMD, not of the system simulated. The same ``compute_time``
-    seed gives the same trajectory: ``d(i, k)`` depends only on (seed, i, k); the seed's
-    key lives in the state, so a checkpoint resumes the same run.
+    Event model (``async_events.py``). Worker i's k-th gradient takes ``d(i, k)``
+    (``compute_time``), from its fetch (or release) at t to its arrival at ``t + d(i, k)``;
+    arrivals are processed in time order, ties to the lower worker. A push's staleness
+    tau counts the server updates since the worker's fetch. One ``Strategy.step``: (1)
+    every worker whose started task has no gradient yet computes it on its device, its
+    fetched parameters and its ``B/N`` shard of the global batch (a worker in flight or
+    waiting leaves its shard unused); (2) the server processes arrivals in time order up
+    to the first whose gradient is not computed: 1 to N arrivals, at most one per worker,
+    exactly N with equal times. Each push is a param-sized all-reduce masked to the
+    pusher (Downpour: a reduce-scatter, and an all-gather per fetching event), so N pushes
+    move N times the bytes of a data-parallel all-reduce: a cost of the SPMD simulation,
+    not of the system simulated. ``d(i, k)`` depends only on (seed, i, k), and the seed's
+    key lives in the state: a checkpoint resumes the same run.
 
     References:
       Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
-      Recht, Re, Wright, Niu, "Hogwild!: a lock-free approach to parallelizing stochastic
-      gradient descent", NeurIPS 2011, arXiv:1106.5730.
+      Recht, Re, Wright, Niu, "Hogwild!", NeurIPS 2011, arXiv:1106.5730.
       Ho et al., "More effective distributed ML via a stale synchronous parallel parameter
       server", NeurIPS 2013.
       Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
@@ -146,7 +416,8 @@ def async_sgd(
       IJCAI 2016, arXiv:1511.05950.
 
     Args:
-      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), or a
+        ``ddl.ModelLoss``.
       optimizer: the server's optax optimizer; it receives the extra argument
         ``staleness`` (float32 scalar tau), so ``ddl.scale_by_staleness`` can sit in its
         chain.
@@ -160,230 +431,31 @@ def async_sgd(
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters.
-      Metrics: ``loss`` (and aux values), the mean over the gradients computed this step;
-      ``staleness_mean`` / ``staleness_max`` over this step's pushes (0 if none);
-      ``pushes`` (gradients sent this step); ``updates_applied`` (server version);
-      ``wall_clock`` (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of
-      a worker that started a task this step over the slowest worker).
+      A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
+      (``{"params": ..., <model state>}`` for a ``ModelLoss``). Metrics: ``loss`` (and aux
+      values), the mean over this step's gradients; ``staleness_mean`` / ``_max`` over its
+      pushes (0 if none); ``pushes``; ``updates_applied`` (server version); ``wall_clock``
+      (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of a worker that
+      started a task this step over the slowest worker).
+
+    Example (four equal workers averaging their four gradients: synchronous SGD):
+
+    >>> import jax.numpy as jnp, optax, ddl_jax as ddl
+    >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+    >>> strategy = ddl.async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=4),
+    ...                          protocol=ddl.softsync(4))
+    >>> state = strategy.init({"w": jnp.zeros(())})
+    >>> state, metrics = strategy.step(state, {"x": jnp.ones(8), "y": jnp.ones(8)})
+    >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
+    (0.2, 4.0)
     """
-    check_builder_args(loss_fn, optimizer, accumulate=accumulate)
-    n = st.check_mesh_axis(mesh, axis)
-    model = sl.as_compute_time(compute_time, n)
-    protocol = sl.as_protocol(protocol, n)
-    group_size = protocol.n if isinstance(protocol, sl.SoftSync) else 1
-    bound = protocol.bound if isinstance(protocol, sl.SSP) else None
-    n_fetch, n_push = protocol if isinstance(protocol, sl.Downpour) else (1, 1)
-    accrues = sharded = isinstance(protocol, sl.Downpour)
-    server_opt = optax.with_extra_args_support(optimizer)
-    value_and_grad = local_value_and_grad(loss_fn, has_aux=has_aux, accumulate=accumulate)
-    durations = jax.vmap(lambda key, i, k: sl.duration(model, n, key, i, k), (None, 0, 0))
-    workers = jnp.arange(n)
-    scalars = dict(group_count=P(), group_staleness=P(), version=P(), now=P())
-    vectors = dict(arrival=P(), fetched_version=P(), tasks=P(), ready=P(), waiting=P(), key=P())
-    server_spec = P(axis) if sharded else P()
-    specs = AsyncSGDState(
-        params=server_spec, opt_state=server_spec, fetched=P(axis), gradient=P(axis),
-        accrued=P(axis), group=P(), **scalars, **vectors,
-    )  # fmt: skip
-
-    def shards(tree) -> jax.Array:
-        """A params-shaped tree as the sharded server's ``[N, ceil(size / N)]`` blocks."""
-        flat, _ = ravel_pytree(tree)
-        return jnp.pad(flat, (0, -flat.size % n)).reshape(n, -1)
-
-    def unshard(blocks: jax.Array, like) -> Any:
-        """The inverse of ``shards``, shaped like the params-shaped tree ``like``."""
-        flat, unravel = ravel_pytree(like)
-        return unravel(blocks.reshape(-1)[: flat.size])
-
-    def init(params) -> AsyncSGDState:
-        st.check_params(params)
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        key = jax.random.key_data(jax.random.key(model.seed, impl="threefry2x32"))
-        if sharded:
-            server = jax.jit(
-                lambda p: (shards(p), jax.vmap(server_opt.init)(shards(p))),
-                out_shardings=NamedSharding(mesh, P(axis)),
-            )(params)
-        else:
-            server = params, server_opt.init(params)
-        # One placement per sharding: each st.replicate / stack_for_workers call compiles.
-        per_worker = st.stack_for_workers((params, zeros, zeros if accrues else ()), mesh, axis)
-        replicated = st.replicate(
-            dict(
-                server=() if sharded else server,
-                group=zeros if group_size > 1 else (),
-                group_count=jnp.zeros((), jnp.int32),
-                group_staleness=jnp.zeros((), jnp.float32),
-                version=jnp.zeros((), jnp.int32),
-                now=jnp.zeros((), jnp.float32),
-                arrival=durations(key, workers, jnp.zeros(n, jnp.int32)),
-                fetched_version=jnp.zeros(n, jnp.int32),
-                tasks=jnp.zeros(n, jnp.int32),
-                ready=jnp.zeros(n, bool),
-                waiting=jnp.zeros(n, bool),
-                key=key,
-            ),
-            mesh,
-        )
-        server = server if sharded else replicated.pop("server")
-        replicated.pop("server", None)
-        fetched, gradient, accrued = per_worker
-        return AsyncSGDState(
-            params=server[0], opt_state=server[1], fetched=fetched, gradient=gradient,
-            accrued=accrued, **replicated,
-        )  # fmt: skip
-
-    def push(s: AsyncSGDState, g, w):
-        """The server receives gradient ``g`` from worker ``w``; applies it if its group is full."""
-        tau = (s.version - s.fetched_version[w]).astype(jnp.float32)
-        if group_size > 1:
-            s = s._replace(group=jax.tree.map(jnp.add, s.group, g))
-            g = jax.tree.map(lambda x: x / group_size, s.group)
-        s = s._replace(group_count=s.group_count + 1, group_staleness=s.group_staleness + tau)
-
-        def apply(s: AsyncSGDState) -> AsyncSGDState:
-            updates, opt_state = server_opt.update(
-                g, s.opt_state, s.params, staleness=s.group_staleness / group_size
-            )
-            return s._replace(
-                params=optax.apply_updates(s.params, updates), opt_state=opt_state,
-                group=jax.tree.map(jnp.zeros_like, s.group), group_count=jnp.zeros_like(
-                    s.group_count), group_staleness=jnp.zeros_like(s.group_staleness),
-                version=s.version + 1,
-            )  # fmt: skip
-
-        return lax.cond(s.group_count == group_size, apply, lambda s: s, s), tau
-
-    def worker_step(state: AsyncSGDState, batch):
-        me = lax.axis_index(axis)
-        fetched = st.unstack(state.fetched)
-        needs = ~state.ready[me] & ~state.waiting[me]
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, fetched, batch))
-        # A worker whose gradient is in flight (or that waits) computes nothing this step.
-        (loss, aux), fresh = lax.cond(needs, value_and_grad, lambda p, b: zeros, fetched, batch)
-        gradient = jax.tree.map(
-            lambda new, old: jnp.where(needs, new, old), fresh, st.unstack(state.gradient)
-        )
-        computed = lax.psum(needs.astype(jnp.float32), axis)
-        metrics = lax.psum(
-            jax.tree.map(lambda x: jnp.where(needs, x, 0.0), {"loss": loss, **aux}), axis
-        )
-        metrics = {k: v / computed for k, v in metrics.items()}
-        state = state._replace(ready=state.ready | ~state.waiting)
-        if sharded:
-            state = state._replace(
-                params=st.unstack(state.params), opt_state=st.unstack(state.opt_state)
-            )
-        stats = dict(
-            stopped=jnp.zeros((), bool), pushes=jnp.zeros((), jnp.float32),
-            tau_sum=jnp.zeros((), jnp.float32), tau_max=jnp.zeros((), jnp.float32),
-            gap_max=jnp.zeros((), jnp.float32),
-        )  # fmt: skip
-        local = (fetched, st.unstack(state.accrued))
-
-        def event(carry, _):
-            s, _, stats = carry
-            w = jnp.argmin(jnp.where(s.waiting, jnp.inf, s.arrival))
-            go = ~stats["stopped"] & s.ready[w]
-
-            def process(carry):
-                s, (fetched, accrued), stats = carry
-                mine = me == w
-                t = s.arrival[w]
-                tasks = s.tasks.at[w].add(1)
-                s = s._replace(tasks=tasks, now=t, ready=s.ready.at[w].set(False))
-                if accrues:
-                    accrued = jax.tree.map(
-                        lambda a, g: jnp.where(mine, a + g, a), accrued, gradient
-                    )
-                sent = accrued if accrues else gradient
-
-                def send(args):
-                    s, accrued, stats = args
-                    g = jax.tree.map(lambda x: jnp.where(mine, x, 0.0), sent)
-                    if sharded:  # each server shard receives its slice of the push
-                        g = lax.psum_scatter(shards(g), axis, scatter_dimension=0)
-                    else:
-                        g = lax.psum(g, axis)
-                    s, tau = push(s, g, w)
-                    if accrues:
-                        accrued = jax.tree.map(lambda a: jnp.where(mine, 0.0, a), accrued)
-                    stats = {
-                        **stats, "pushes": stats["pushes"] + 1, "tau_sum": stats["tau_sum"] + tau,
-                        "tau_max": jnp.maximum(stats["tau_max"], tau),
-                    }  # fmt: skip
-                    return s, accrued, stats
-
-                pushes = tasks[w] % n_push == 0
-                s, accrued, stats = lax.cond(pushes, send, lambda a: a, (s, accrued, stats))
-                # Worker w has finished; it and every waiting worker start a new task now
-                # unless a softsync group is still open or the SSP bound holds them back.
-                waiting = s.waiting.at[w].set(True)
-                allowed = jnp.ones(n, bool)
-                if group_size > 1:
-                    allowed &= s.group_count == 0
-                lead = tasks - tasks.min()
-                if bound is not None:
-                    allowed &= lead <= bound
-                start = waiting & allowed
-                fetch = start & (tasks % n_fetch == 0)
-                if sharded:  # an all-gather of the server's shards, when someone fetches
-                    server = lax.cond(
-                        fetch.any(),
-                        lambda: unshard(lax.all_gather(s.params, axis, tiled=True), fetched),
-                        lambda: fetched,
-                    )
-                else:
-                    server = s.params
-                fetched = jax.tree.map(lambda p, f: jnp.where(fetch[me], p, f), server, fetched)
-                s = s._replace(
-                    waiting=waiting & ~start,
-                    arrival=jnp.where(start, t + durations(s.key, workers, tasks), s.arrival),
-                    fetched_version=jnp.where(fetch, s.version, s.fetched_version),
-                )
-                gap = jnp.max(jnp.where(start, lead, 0)).astype(jnp.float32)
-                stats = {**stats, "gap_max": jnp.maximum(stats["gap_max"], gap)}
-                return s, (fetched, accrued), stats
-
-            def stop(carry):
-                s, local, stats = carry
-                return s, local, {**stats, "stopped": jnp.ones((), bool)}
-
-            return lax.cond(go, process, stop, carry), None
-
-        (state, (fetched, accrued), stats), _ = lax.scan(
-            event, (state, local, stats), None, length=n
-        )
-        state = state._replace(
-            fetched=st.restack(fetched), gradient=st.restack(gradient), accrued=st.restack(accrued)
-        )
-        if sharded:
-            state = state._replace(
-                params=st.restack(state.params), opt_state=st.restack(state.opt_state)
-            )
-        metrics |= {
-            "staleness_mean": stats["tau_sum"] / jnp.maximum(stats["pushes"], 1.0),
-            "staleness_max": stats["tau_max"],
-            "pushes": stats["pushes"],
-            "updates_applied": state.version.astype(jnp.float32),
-            "wall_clock": state.now,
-            "clock_gap_max": stats["gap_max"],
-        }
-        return state, metrics
-
-    step = st.worker_step_over_batch(
-        worker_step, mesh, axis, specs, loss_fn=loss_fn, has_aux=has_aux, accumulate=accumulate,
-        worker_params=lambda state: st.one_worker(state.fetched),
-    )  # fmt: skip
-
-    if not sharded:
-        return st.Strategy(init, step, lambda state: state.params)
-
-    @jax.jit
-    def server_params(state: AsyncSGDState):
-        like = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.fetched)
-        return unshard(jax.sharding.reshard(state.params, NamedSharding(mesh, P())), like)
-
-    return st.Strategy(init, step, server_params)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis=axis,
+        takes_reducer=False,
+        accumulate=accumulate,
+        has_aux=has_aux,
+    )
+    return _Program.build(kit, optimizer, compute_time, protocol)
