@@ -157,10 +157,11 @@ def test_downpour_fetching_and_pushing_every_gradient_is_plain_async(mlp):
     times = compute_times(1.0, spread=0.7, seed=2)
     batches = make_batches(5, 32)
     plain, sharded = (
-        async_sgd(loss_fn, optax.adam(0.05), ddl.make_mesh(data=8), compute_time=times,
-                  protocol=protocol)
+        async_sgd(
+            loss_fn, optax.adam(0.05), ddl.make_mesh(data=8), compute_time=times, protocol=protocol
+        )
         for protocol in ("async", downpour(1, 1))
-    )  # fmt: skip
+    )
     plain_state, plain_history = run(plain, params, batches)
     sharded_state, sharded_history = run(sharded, params, batches)
     assert max(h["staleness_max"] for h in plain_history) > 1
@@ -207,9 +208,12 @@ def random_times_run():
         if protocol not in cache:
             times = compute_times([1.0, 1.0, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0], spread=0.8)
             strategy = async_sgd(
-                loss_fn, optax.sgd(0.05), ddl.make_mesh(data=8), compute_time=times,
+                loss_fn,
+                optax.sgd(0.05),
+                ddl.make_mesh(data=8),
+                compute_time=times,
                 protocol=protocol,
-            )  # fmt: skip
+            )
             cache[protocol] = (strategy, jax.jit(strategy.step))
         strategy, step = cache[protocol]
         state = strategy.init(params)
@@ -247,9 +251,12 @@ def test_ssp_never_exceeds_its_bound(mlp):
     def check(bound, base, spread, seed):
         times = compute_times(base, spread=spread, seed=seed)
         strategy = async_sgd(
-            loss_fn, optax.sgd(0.05), ddl.make_mesh(data=8), compute_time=times,
+            loss_fn,
+            optax.sgd(0.05),
+            ddl.make_mesh(data=8),
+            compute_time=times,
             protocol=ssp(bound),
-        )  # fmt: skip
+        )
         step = jax.jit(strategy.step, donate_argnums=0)
         state = strategy.init(params)
         for batch in make_batches(6, 16):
