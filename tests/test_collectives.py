@@ -175,5 +175,11 @@ def test_alpha_beta_step_time():
     assert ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G) > ddl.sim.estimate_step_time(
         stats, ddl.sim.INFINIBAND_100G
     )
-    with pytest.raises(ValueError, match="bandwidth > 0"):
+    with pytest.raises(ValueError, match="network.bandwidth must be a finite real number > 0"):
         ddl.sim.estimate_step_time(stats, ddl.sim.Network(0.0, 1e-6))
+    with pytest.raises(ValueError, match="network.latency must be a finite real number >= 0"):
+        ddl.sim.estimate_step_time(stats, ddl.sim.Network(1e9, -1.0))
+    with pytest.raises(ValueError, match="compute_s must be a finite real number >= 0"):
+        ddl.sim.estimate_step_time(stats, net, compute_s=float("nan"))
+    numpy_net = ddl.sim.Network(np.float32(1e9), np.float64(1e-5))
+    assert ddl.sim.estimate_step_time(stats, numpy_net, np.float32(0.5)) == pytest.approx(expected)

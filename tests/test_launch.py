@@ -84,11 +84,10 @@ def run_launcher(tmp_path, name: str, kill_at: int, *extra: str):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"{name}.npz"
-    cmd = [
-        sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2",
-        "--devices-per-process", "4", "--heartbeat-timeout", "5", "--grace", "2", *extra,
-        "--", sys.executable, str(script), str(tmp_path / f"{name}_ckpt"), str(out), str(kill_at),
-    ]  # fmt: skip
+    launcher = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
+    options = ["--devices-per-process", "4", "--heartbeat-timeout", "5", "--grace", "2"]
+    worker = [sys.executable, str(script), str(tmp_path / f"{name}_ckpt"), str(out), str(kill_at)]
+    cmd = [*launcher, *options, *extra, "--", *worker]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     return proc, out
 
@@ -193,10 +192,9 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
     path = script(
         tmp_path, "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
     )
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2", "--", sys.executable, path],
-        env=child_env(), stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    prefix = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
+    cmd = [*prefix, "--", sys.executable, path]
+    launcher = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, text=True)
     pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
     launcher.terminate()
     assert launcher.wait(timeout=20) == 128 + 15
@@ -214,17 +212,21 @@ def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["launch", "-n", "0", "--", "true"], "argument -n/--num-processes: must be an int >= 1"),
-        (["launch", "-n", "2"], "give the command to run after --"),
-        (["launch", "--", "true"], "required: -n/--num-processes"),
-        (["launch", "-n", "2", "--grace", "-1", "--", "true"],
-         "argument --grace: must be a finite number of seconds >= 0, got -1"),
-        (["launch", "-n", "2", "--grace", "inf", "--", "true"], "argument --grace: must be"),
+        (["-n", "0", "--", "true"], "argument -n/--num-processes: value must be an int >= 1"),
+        (["-n", "two", "--", "true"], "-n/--num-processes: value must be an int >= 1, got 'two'"),
+        (["-n", "2"], "give the command to run after --"),
+        (["--", "true"], "required: -n/--num-processes"),
+        (["-n", "2", "--restarts", "-1", "--", "true"], "value must be an int >= 0, got -1"),
+        (
+            ["-n", "2", "--grace", "-1", "--", "true"],
+            "argument --grace: seconds must be a finite real number >= 0, got -1.0",
+        ),
+        (["-n", "2", "--grace", "inf", "--", "true"], "argument --grace: seconds must be"),
     ],
-)  # fmt: skip
+)
 def test_launcher_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
+        cli.main(["launch", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -232,8 +234,12 @@ def test_launcher_bad_arguments(argv, message, capsys):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("127.0.0.1:1234", 2, 2), r"process_id must be in \[0, 2\) for num_processes=2, got 2"),
-        (("127.0.0.1:1234", 2, -1), r"process_id must be in \[0, 2\)"),
+        (
+            ("127.0.0.1:1234", 2, 2),
+            r"process_id \(a rank of num_processes=2\) must be an int >= 0 and <= 1, got 2",
+        ),
+        (("127.0.0.1:1234", 2, -1), r"process_id .* must be an int >= 0 and <= 1, got -1"),
+        (("127.0.0.1:1234", 2, 1.0), r"process_id .* must be an int >= 0 and <= 1, got 1.0"),
         (("127.0.0.1:1234", 0, 0), "num_processes must be an int >= 1, got 0"),
         (("localhost", 2, 0), "coordinator_address must be 'host:port', got 'localhost'"),
         ((None, 2, 0), "need coordinator_address too"),
@@ -261,8 +267,11 @@ def test_initialize_rejects_bad_launcher_variables(monkeypatch):
     ],
 )
 def test_initialize_names_the_missing_launcher_variable(monkeypatch, present, missing):
-    values = {launch.ENV_COORDINATOR: "127.0.0.1:1234", launch.ENV_NUM_PROCESSES: "2",
-              launch.ENV_PROCESS_ID: "0"}  # fmt: skip
+    values = {
+        launch.ENV_COORDINATOR: "127.0.0.1:1234",
+        launch.ENV_NUM_PROCESSES: "2",
+        launch.ENV_PROCESS_ID: "0",
+    }
     for name, value in values.items():
         if name in present:
             monkeypatch.setenv(name, value)
@@ -336,3 +345,11 @@ def test_batches_from_start_are_the_tail_and_rows_cut_each_batch():
         ddl.data.batches(data, 6, start=-1)
     with pytest.raises(ValueError, match=r"rows must be a non-empty slice of range\(6\)"):
         ddl.data.batches(data, 6, rows=slice(4, 8))
+
+
+def test_numpy_integers_are_arguments_like_python_ints():
+    # One process: initialize checks its arguments and returns without starting a runtime.
+    args = ("127.0.0.1:1234", np.int64(1), np.int32(0))
+    options = {"initialization_timeout": np.int64(5), "heartbeat_timeout_seconds": np.int16(3)}
+    assert launch.initialize(*args, **options) is False
+    assert launch.process_rows(ddl.make_mesh(data=np.int64(8)), np.int64(32)) == slice(0, 32)

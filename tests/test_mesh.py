@@ -1,6 +1,11 @@
 """Meshes and simulated devices."""
 
+import os
+import subprocess
+import sys
+
 import jax
+import numpy as np
 import pytest
 
 import ddl_jax as ddl
@@ -29,13 +34,41 @@ def test_make_mesh_rejects_impossible_shapes():
         ddl.make_mesh(data=16)
     with pytest.raises(ValueError, match="do not split into stage=3"):
         ddl.make_mesh(stage=3)
-    with pytest.raises(ValueError, match="data must be a positive int"):
+    with pytest.raises(ValueError, match=r"make_mesh: data \(or None\) must be an int >= 1"):
         ddl.make_mesh(data=0)
+    with pytest.raises(ValueError, match="make_mesh: model must be an int >= 1, got 2.0"):
+        ddl.make_mesh(model=2.0)
+    with pytest.raises(ValueError, match="make_mesh: stage must be an int >= 1, got True"):
+        ddl.make_mesh(stage=True)
+
+
+def test_make_mesh_takes_numpy_integers():
+    mesh = ddl.make_mesh(data=np.int64(2), stage=np.int32(2), model=np.int64(2))
+    assert dict(mesh.shape) == {"data": 2, "stage": 2, "model": 2}
+    assert dict(ddl.make_mesh(stage=np.int64(4)).shape) == {"data": 2, "stage": 4}
 
 
 def test_simulate_cpu_devices_after_start():
     ddl.simulate_cpu_devices(8)  # what JAX already has: fine
     with pytest.raises(RuntimeError, match="after JAX started with 8"):
         ddl.simulate_cpu_devices(4)
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="simulate_cpu_devices: n must be an int >= 1, got 0"):
         ddl.simulate_cpu_devices(0)
+    with pytest.raises(ValueError, match="n must be an int >= 1, got 8.0"):
+        ddl.simulate_cpu_devices(8.0)
+    ddl.simulate_cpu_devices(np.int64(8))  # a NumPy int is an int: what JAX has, fine
+
+
+def test_simulate_cpu_devices_takes_a_numpy_int_before_jax_starts():
+    # This process's JAX has started: a fresh interpreter sets the count from a NumPy int.
+    code = (
+        "import numpy as np, ddl_jax as ddl; ddl.simulate_cpu_devices(np.int64(3)); "
+        "import jax; print(len(jax.devices('cpu')))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3"]

@@ -90,7 +90,7 @@ def test_bad_rules_raise_at_construction(rule, match):
 
 
 def test_bad_decay_raises():
-    with pytest.raises(ValueError, match="decay must be finite and >= 0, got -1"):
+    with pytest.raises(ValueError, match="decay must be a finite real number >= 0, got -1"):
         scale_by_staleness("exp", decay=-1.0)
 
 
@@ -115,8 +115,8 @@ def test_fixed_times_are_the_base_and_random_times_are_log_normal_around_it():
         (([1.0, float("nan")],), {}, "finite and >= 0"),
         (([1.0, float("inf")],), {}, "finite and >= 0"),
         (([],), {}, "non-empty"),
-        ((1.0,), {"spread": -0.1}, "spread must be a finite number >= 0"),
-        ((1.0,), {"spread": float("nan")}, "spread must be a finite number >= 0"),
+        ((1.0,), {"spread": -0.1}, "spread must be a finite real number >= 0"),
+        ((1.0,), {"spread": float("nan")}, "spread must be a finite real number >= 0"),
     ],
 )
 def test_bad_compute_times_raise(args, kwargs, match):
@@ -143,3 +143,14 @@ def test_protocol_values():
 def test_bad_protocols_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_numpy_scalars_are_arguments_like_python_numbers():
+    assert compute_times(np.float32(2.0), spread=np.float32(0.5), seed=np.int64(3)) == (
+        compute_times(2.0, spread=0.5, seed=3)
+    )
+    assert softsync(np.int64(2)) == SoftSync(2) and type(softsync(np.int64(2)).n) is int
+    assert ssp(np.int32(0)) == SSP(0) and downpour(np.int64(3), np.int8(2)) == Downpour(3, 2)
+    assert as_protocol(SoftSync(np.int64(4)), 4) == SoftSync(4)
+    updates, _ = scale_by_staleness("exp", decay=np.float32(0.5)).update(UPDATES, (), staleness=2.0)
+    chex.assert_trees_all_close(updates, jax.tree.map(lambda u: np.exp(-1.0) * u, UPDATES))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import queue
 import signal
@@ -13,9 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ddl_jax._src import launch
+from ddl_jax._src.strategy import check_int, check_real
 
 _POLL_S = 0.05
 
@@ -63,9 +64,12 @@ def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock):
             env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process)
         # A session of its own, so stopping a rank also stops whatever it started.
         proc = subprocess.Popen(
-            args.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            args.command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", lock))
         pump.start()
         procs.append(proc)
@@ -147,26 +151,28 @@ def run_launch(args: argparse.Namespace) -> int:
     return code if code > 0 else 128 - code
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
-    return value
+def _number(
+    check: Callable[..., Any], parse: type, name: str, **bounds: Any
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse(text)`` checked by ``check_int`` / ``check_real``."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text  # not a number: the check says what is valid
+        try:
+            return check(name, value, **bounds)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    # Not inf or nan either: the launcher would wait forever, or not at all.
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
+_positive = _number(check_int, int, "value", minimum=1)
+_non_negative = _number(check_int, int, "value", minimum=0)
+# Finite: with inf or nan the launcher would wait forever, or not at all.
+_seconds = _number(check_real, float, "seconds", minimum=0)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -186,21 +192,29 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--num-processes", type=_positive, required=True, help="ranks to start")
     p.add_argument(
-        "--devices-per-process", type=_positive, default=None,
+        "--devices-per-process",
+        type=_positive,
+        default=None,
         help="CPU devices each rank exposes (JAX_NUM_CPU_DEVICES); default: JAX's",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--restarts", type=_non_negative, default=0,
+        "--restarts",
+        type=_non_negative,
+        default=0,
         help="times to relaunch all ranks after a failure (default 0)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--heartbeat-timeout", type=_positive, default=10,
+        "--heartbeat-timeout",
+        type=_positive,
+        default=10,
         help="seconds before JAX's runtime declares a silent rank dead (default 10)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--grace", type=_seconds, default=3.0,
+        "--grace",
+        type=_seconds,
+        default=3.0,
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)",
-    )  # fmt: skip
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
     return root
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ddl_jax._src.strategy import check_int, check_real
+
 Dataset = dict[str, np.ndarray]
 
 
@@ -30,8 +32,9 @@ def digits(
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"digits: test_fraction must be in (0, 1), got {test_fraction!r}.")
+    test_fraction = check_real(
+        "digits: test_fraction", test_fraction, minimum=0, maximum=1, exclusive=True
+    )
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     if not flatten:
@@ -77,22 +80,19 @@ def batches(
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batches: data arrays disagree on the number of examples: {sizes}.")
     n = next(iter(sizes.values()))
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
-        raise ValueError(f"batches: batch_size must be an int in [1, {n}], got {batch_size!r}.")
-    rows = _check_stream("batches", batch_size, epochs, start, rows)
+    batch_size = check_int("batches: batch_size", batch_size, minimum=1, maximum=n)
+    epochs, start, rows = _check_stream("batches", batch_size, epochs, start, rows)
     return _shuffled_batches(data, n, batch_size, seed, epochs, start, rows)
 
 
 def _check_stream(
     fn: str, batch_size: int, epochs: int | None, start: int, rows: slice | None
-) -> slice:
-    """Checks ``epochs``, ``start`` and ``rows`` of a batch stream; ``rows`` made explicit."""
-    if epochs is not None and (
-        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0
-    ):
-        raise ValueError(f"{fn}: epochs must be None or an int >= 0, got {epochs!r}.")
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"{fn}: start must be an int >= 0, got {start!r}.")
+) -> tuple[int | None, int, slice]:
+    """Checks ``epochs``, ``start`` and ``rows`` of a batch stream; returns them as Python
+    ints, ``rows`` made explicit."""
+    if epochs is not None:
+        epochs = check_int(f"{fn}: epochs (or None)", epochs, minimum=0)
+    start = check_int(f"{fn}: start", start, minimum=0)
     if rows is None:
         rows = slice(0, batch_size)
     if (
@@ -106,7 +106,7 @@ def _check_stream(
             f"{fn}: rows must be a non-empty slice of range({batch_size}) with step 1, "
             f"got {rows!r}."
         )
-    return rows
+    return epochs, start, rows
 
 
 def _shuffled_batches(data, n, batch_size, seed, epochs, start, rows) -> Iterator[Dataset]:
@@ -268,20 +268,16 @@ def lm_batches(
             "lm_batches: tokens must be a 1-D integer array, like a split of "
             f"ddl.data.text(); got {tokens.dtype}{list(tokens.shape)}."
         )
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"lm_batches: context must be an int >= 1, got {context!r}.")
+    context = check_int("lm_batches: context", context, minimum=1)
     if len(tokens) < context + 1:
         raise ValueError(
             f"lm_batches: tokens has {len(tokens)} tokens, too few for one window of "
             f"context + 1 = {context + 1}."
         )
     n = (len(tokens) - 1) // context
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
-        raise ValueError(
-            f"lm_batches: batch_size must be an int in [1, {n}] (the number of windows of "
-            f"{context + 1} tokens), got {batch_size!r}."
-        )
-    rows = _check_stream("lm_batches", batch_size, epochs, start, rows)
+    name = f"lm_batches: batch_size (at most the {n} windows of {context + 1} tokens)"
+    batch_size = check_int(name, batch_size, minimum=1, maximum=n)
+    epochs, start, rows = _check_stream("lm_batches", batch_size, epochs, start, rows)
     starts = {"start": np.arange(n) * context}
     offsets = np.arange(context + 1)
     return _windows(tokens, starts, n, batch_size, seed, epochs, start, rows, offsets, targets)

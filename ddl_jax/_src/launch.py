@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import data as data_lib
-from ddl_jax._src.strategy import Batch, check_mesh_axis, check_positive_int
+from ddl_jax._src.strategy import Batch, check_int, check_mesh_axis
 
 #: Environment variables ``ddl-jax launch`` sets in every process it starts.
 ENV_COORDINATOR = "DDL_JAX_COORDINATOR"
@@ -106,15 +106,16 @@ def initialize(
         if heartbeat_timeout_seconds is None:
             heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT) or 10
     if explicit or launched:
-        _check_cluster(coordinator_address, num_processes, process_id)
+        num_processes, process_id = _check_cluster(coordinator_address, num_processes, process_id)
     if local_device_count is not None:
-        check_positive_int("local_device_count", local_device_count)
+        local_device_count = check_int("local_device_count", local_device_count, minimum=1)
         jax.config.update("jax_num_cpu_devices", local_device_count)
-    check_positive_int("initialization_timeout", initialization_timeout)
+    initialization_timeout = check_int("initialization_timeout", initialization_timeout, minimum=1)
     kwargs: dict[str, Any] = {"initialization_timeout": initialization_timeout}
     if heartbeat_timeout_seconds is not None:
-        check_positive_int("heartbeat_timeout_seconds", heartbeat_timeout_seconds)
-        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_seconds
+        kwargs["heartbeat_timeout_seconds"] = check_int(
+            "heartbeat_timeout_seconds", heartbeat_timeout_seconds, minimum=1
+        )
     if (explicit or launched) and num_processes == 1:
         return False
     if (explicit or launched) and process_id != 0:
@@ -152,18 +153,14 @@ def _wait_for_coordinator(address: str, timeout: int, process_id: int, count: in
             time.sleep(0.2)
 
 
-def _check_cluster(address: Any, num_processes: Any, process_id: Any) -> None:
+def _check_cluster(address: Any, num_processes: Any, process_id: Any) -> tuple[int, int]:
+    """Checks the cluster's description; returns ``(num_processes, process_id)`` as ints."""
     host, sep, port = str(address).rpartition(":")
     if not isinstance(address, str) or not sep or not host or not port.isdigit():
         raise ValueError(f"initialize: coordinator_address must be 'host:port', got {address!r}.")
-    check_positive_int("num_processes", num_processes)
-    if isinstance(process_id, bool) or not isinstance(process_id, int):
-        raise ValueError(f"process_id must be an int, got {process_id!r}.")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"process_id must be in [0, {num_processes}) for num_processes={num_processes}, "
-            f"got {process_id}."
-        )
+    num_processes = check_int("num_processes", num_processes, minimum=1)
+    name = f"process_id (a rank of num_processes={num_processes})"
+    return num_processes, check_int(name, process_id, minimum=0, maximum=num_processes - 1)
 
 
 def process_rows(mesh: Mesh, batch_size: int, axis: str = "data") -> slice:
@@ -183,7 +180,7 @@ def process_rows(mesh: Mesh, batch_size: int, axis: str = "data") -> slice:
         processes).
     """
     n = check_mesh_axis(mesh, axis)
-    check_positive_int("batch_size", batch_size)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
     if batch_size % n:
         raise ValueError(
             f"batch_size={batch_size} is not divisible by the {n} workers on axis {axis!r}."

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
-#: Mesh axis names the strategies understand, in the order they are laid out.
-AXIS_NAMES = ("data", "stage", "model")
+from ddl_jax._src.strategy import AXIS_NAMES, check_int
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -24,8 +24,7 @@ def simulate_cpu_devices(n: int) -> None:
       ValueError: ``n`` is not a positive integer.
       RuntimeError: JAX's backends are already initialised with a different device count.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_cpu_devices: n must be a positive int, got {n!r}.")
+    n = check_int("simulate_cpu_devices: n", n, minimum=1)
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:
@@ -38,7 +37,13 @@ def simulate_cpu_devices(n: int) -> None:
         ) from e
 
 
-def make_mesh(data: int | None = None, *, stage: int = 1, model: int = 1, devices=None) -> Mesh:
+def make_mesh(
+    data: int | None = None,
+    *,
+    stage: int = 1,
+    model: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
     """Builds a mesh with named axes ``data`` (and ``stage`` / ``model`` when > 1).
 
     Args:
@@ -53,18 +58,17 @@ def make_mesh(data: int | None = None, *, stage: int = 1, model: int = 1, device
       A ``jax.sharding.Mesh`` with axes in the order ``data, stage, model``.
     """
     devices = list(jax.devices() if devices is None else devices)
-    for name, size in (("stage", stage), ("model", model)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"make_mesh: {name} must be a positive int, got {size!r}.")
-    if data is None:
+    stage = check_int("make_mesh: stage", stage, minimum=1)
+    model = check_int("make_mesh: model", model, minimum=1)
+    if data is not None:
+        data = check_int("make_mesh: data (or None)", data, minimum=1)
+    else:
         if len(devices) % (stage * model):
             raise ValueError(
                 f"make_mesh: {len(devices)} devices do not split into stage={stage} x "
                 f"model={model}; pass data= explicitly."
             )
         data = len(devices) // (stage * model)
-    if isinstance(data, bool) or not isinstance(data, int) or data < 1:
-        raise ValueError(f"make_mesh: data must be a positive int or None, got {data!r}.")
     sizes = {"data": data, "stage": stage, "model": model}
     needed = math.prod(sizes.values())
     if needed > len(devices):

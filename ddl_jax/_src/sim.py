@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ddl_jax._src.comm import CommStats
+from ddl_jax._src.strategy import check_real
 
 
 class Network(NamedTuple):
@@ -49,10 +50,11 @@ def estimate_step_time(
     """
     if branch is not None and branch not in stats.branches:
         raise ValueError(f"branch={branch!r} is not one of stats.branches: {list(stats.branches)}.")
-    if network.bandwidth <= 0 or network.latency < 0:
-        raise ValueError(f"network needs bandwidth > 0 and latency >= 0, got {network}.")
+    bandwidth = check_real("network.bandwidth", network.bandwidth, minimum=0, exclusive=True)
+    latency = check_real("network.latency", network.latency, minimum=0)
+    compute_s = check_real("compute_s", compute_s, minimum=0)
     comm = sum(
-        op.count * (op.rounds * network.latency + max(op.sent) / network.bandwidth)
+        op.count * (op.rounds * latency + max(op.sent) / bandwidth)
         for op in stats.ops
         if op.branch in ("", branch)
     )

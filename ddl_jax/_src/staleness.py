@@ -9,7 +9,6 @@ Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ddl_jax._src.strategy import check_positive_int
+from ddl_jax._src.strategy import check_int, check_real
 
 
 class ComputeTime(NamedTuple):
@@ -67,17 +66,11 @@ def compute_times(
         raise ValueError(
             f"compute_time base must be finite and >= 0 (simulated time units), got {base!r}."
         )
-    if (
-        isinstance(spread, bool)
-        or not isinstance(spread, int | float)
-        or not (math.isfinite(spread) and spread >= 0)
-    ):
-        raise ValueError(f"compute_time spread must be a finite number >= 0, got {spread!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise TypeError(f"compute_time seed must be an int, got {seed!r}.")
+    spread = check_real("compute_time spread", spread, minimum=0)
+    seed = check_int("compute_time seed", seed)
     shared = np.ndim(base) == 0
     return ComputeTime(
-        float(values[0]) if shared else tuple(float(v) for v in values), float(spread), int(seed)
+        float(values[0]) if shared else tuple(float(v) for v in values), spread, seed
     )
 
 
@@ -169,8 +162,7 @@ def softsync(n: int) -> SoftSync:
     Args:
       n: gradients per server update, an int >= 1 (and <= N, checked by ``async_sgd``).
     """
-    check_positive_int("softsync n", n)
-    return SoftSync(n)
+    return SoftSync(check_int("softsync n", n, minimum=1))
 
 
 def ssp(bound: int) -> SSP:
@@ -184,8 +176,7 @@ def ssp(bound: int) -> SSP:
       bound: s >= 0, the largest allowed gap between a worker's clock (gradients pushed)
         and the slowest worker's clock when it starts a gradient.
     """
-    check_positive_int("ssp bound", bound, minimum=0)
-    return SSP(bound)
+    return SSP(check_int("ssp bound", bound, minimum=0))
 
 
 def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
@@ -198,9 +189,10 @@ def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
       n_fetch: gradients between parameter fetches, >= 1.
       n_push: gradients accumulated (summed) per push, >= 1.
     """
-    check_positive_int("downpour n_fetch", n_fetch)
-    check_positive_int("downpour n_push", n_push)
-    return Downpour(n_fetch, n_push)
+    return Downpour(
+        check_int("downpour n_fetch", n_fetch, minimum=1),
+        check_int("downpour n_push", n_push, minimum=1),
+    )
 
 
 def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
@@ -217,18 +209,18 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
             "protocol must be 'async', ddl.softsync(n), ddl.ssp(bound) or "
             f"ddl.downpour(n_fetch, n_push); got {protocol!r}."
         )
+    # Built again by their checked constructors: a SoftSync(...) made by hand is checked too.
     if isinstance(protocol, SoftSync):
-        check_positive_int("softsync n", protocol.n)
+        protocol = softsync(protocol.n)
         if protocol.n > n:
             raise ValueError(
                 f"softsync n={protocol.n} is outside [1, N] for N={n} workers; n=N is "
                 "synchronous SGD, n=1 is plain async."
             )
     if isinstance(protocol, SSP):
-        check_positive_int("ssp bound", protocol.bound, minimum=0)
+        protocol = ssp(protocol.bound)
     if isinstance(protocol, Downpour):
-        check_positive_int("downpour n_fetch", protocol.n_fetch)
-        check_positive_int("downpour n_push", protocol.n_push)
+        protocol = downpour(protocol.n_fetch, protocol.n_push)
     return protocol
 
 
@@ -285,12 +277,7 @@ def scale_by_staleness(
     if rule == "inverse":
         scale_fn = lambda tau: 1.0 / jnp.maximum(tau, 1.0)  # noqa: E731
     elif rule == "exp":
-        if (
-            isinstance(decay, bool)
-            or not isinstance(decay, int | float)
-            or not (math.isfinite(decay) and decay >= 0)
-        ):
-            raise ValueError(f"scale_by_staleness decay must be finite and >= 0, got {decay!r}.")
+        decay = check_real("scale_by_staleness decay", decay, minimum=0)
         scale_fn = lambda tau: jnp.exp(-decay * tau)  # noqa: E731
     elif callable(rule):
         scale_fn = rule
