@@ -1,11 +1,13 @@
 """Checkpoints and resume in ``fit``: exact resume, corrupt steps, other models and meshes,
-and the non-finite step guard."""
+the non-finite step guard, and the variables read back without the strategy."""
 
 import functools
 import os
+import re
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -64,12 +66,17 @@ def test_keep_bounds_the_steps_on_disk(tmp_path):
     assert steps_in(tmp_path) == ["4", "5"]
 
 
-def largest_data_file(step_dir) -> str:
+def largest_data_file(step_dir, item="state") -> str:
     files = [
-        os.path.join(root, f) for root, _, names in os.walk(step_dir / "default" / "d")
+        os.path.join(root, f) for root, _, names in os.walk(step_dir / item / "d")
         for f in names
     ]  # fmt: skip
     return max(files, key=os.path.getsize)
+
+
+def truncate(path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
 
 
 # orbax closes its event loop when the first read of a broken step fails; tensorstore's
@@ -77,7 +84,7 @@ def largest_data_file(step_dir) -> str:
 # the test checks that the previous step is restored whole.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
-    "target", [largest_data_file, lambda step_dir: step_dir / "default" / "_METADATA"]
+    "target", [largest_data_file, lambda step_dir: step_dir / "state" / "_METADATA"]
 )
 def test_a_truncated_latest_step_is_reported_set_aside_and_the_previous_used(tmp_path, target):
     strategy = strategy_for("local_sgd")
@@ -179,3 +186,128 @@ def test_a_cloud_directory_stays_a_url_and_a_local_one_becomes_absolute(monkeypa
     assert str(cloud) == "gs://bucket/run"
     assert str(cloud / f"{checkpoint.CORRUPT_PREFIX}4") == "gs://bucket/run/corrupt-4"
     assert str(checkpoint.checkpoint_manager("run")) == os.path.abspath("run")
+
+
+class BNDropoutMLP(nnx.Module):
+    def __init__(self, *, rngs):
+        self.up = nnx.Linear(12, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.out = nnx.Linear(16, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.up(x)))))
+
+
+BN_LOSS, BN_VARIABLES = ddl.flax.loss_from_module(
+    BNDropoutMLP(rngs=nnx.Rngs(params=0, dropout=1)), mlp_loss
+)
+
+
+@functools.cache
+def bn_strategy() -> ddl.Strategy:
+    return ddl.local_sgd(BN_LOSS, optax.adam(1e-2), ddl.make_mesh(data=8), period=3)
+
+
+def test_a_model_with_batch_norm_and_dropout_resumes_bitwise_and_loads_without_a_strategy(
+    tmp_path, capsys
+):
+    strategy = bn_strategy()
+    batches = make_batches(6, 32)
+
+    def run(steps, **kwargs):
+        return fit(strategy, BN_VARIABLES, batches, steps=steps, progress=False, **kwargs)
+
+    whole, _ = run(6)
+    four, _ = run(4, checkpoint_dir=tmp_path, checkpoint_every=2)
+    state, history = run(6, checkpoint_dir=tmp_path, checkpoint_every=2)
+    assert "fit: resumed from step 4" in capsys.readouterr().out
+    assert [r["step"] for r in history] == [5, 6]
+    # Bitwise, dropout masks and batch statistics included.
+    chex.assert_trees_all_equal(state, whole)
+    assert sorted(os.listdir(tmp_path / "6")) == sorted(
+        ["_CHECKPOINT_METADATA", "commit_success.txt", "state", "variables"]
+    )
+
+    # No strategy, no mesh: NumPy arrays on the host, the latest step by default.
+    variables = ddl.checkpoint.load_variables(tmp_path)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(variables))
+    trained = strategy.params(whole)
+    chex.assert_trees_all_equal(variables, jax.device_get(trained))
+    assert not np.allclose(variables["batch_stats"]["norm"]["mean"], 0.0)
+    chex.assert_trees_all_equal(
+        ddl.checkpoint.load_variables(tmp_path, step=np.int64(4)),
+        jax.device_get(strategy.params(four)),
+    )
+
+    # Into a fresh module (other initial values) for inference.
+    model = BNDropoutMLP(rngs=nnx.Rngs(params=7, dropout=8))
+    ddl.flax.update_module(model, variables)
+    model.eval()
+    apply, _ = ddl.flax.split(model)
+    x = make_batches(1, 8, seed=1)[0]["x"]
+    np.testing.assert_allclose(model(x), apply(trained, x), rtol=1e-6)
+
+
+# See the test above on orbax's closed-loop noise.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    "target",
+    [
+        functools.partial(largest_data_file, item="variables"),
+        lambda step_dir: step_dir / "variables" / "_METADATA",
+    ],
+)
+def test_unreadable_latest_variables_fall_back_and_leave_the_state_usable(tmp_path, target):
+    strategy = strategy_for("local_sgd")
+    batches = make_batches(4, 32)
+    two, _ = train(strategy, batches, 2)
+    whole, _ = train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    truncate(target(tmp_path / "4"))
+    with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be read") as got:
+        variables = ddl.checkpoint.load_variables(tmp_path)
+    assert {w.filename for w in got if "could not be read" in str(w.message)} == {__file__}
+    chex.assert_trees_all_equal(variables, jax.device_get(strategy.params(two)))
+    assert steps_in(tmp_path) == ["2", "4"]  # loading changes nothing on disk
+    with pytest.raises(ValueError, match="checkpoint step 4 in .* could not be read"):
+        ddl.checkpoint.load_variables(tmp_path, step=4)
+    # Resuming reads the state alone, which is intact.
+    state, history = train(strategy, batches, 4, tmp_path)
+    assert history == []
+    chex.assert_trees_all_equal(state, whole)
+
+
+def test_load_variables_names_the_directory_when_there_is_nothing_to_load(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{missing} does not exist")):
+        ddl.checkpoint.load_variables(missing)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path} holds no checkpoint step")):
+        ddl.checkpoint.load_variables(tmp_path)
+    train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path / "run")
+    with pytest.raises(
+        FileNotFoundError, match=r"holds no checkpoint step 3; it holds steps \[2\]"
+    ):
+        ddl.checkpoint.load_variables(tmp_path / "run", step=3)
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        ddl.checkpoint.load_variables(tmp_path / "run", step=-1)
+    # A step saved without variables says so.
+    with checkpoint.checkpoint_manager(tmp_path / "bare") as manager:
+        checkpoint.save(manager, 1, {"w": jnp.ones(3)})
+    with pytest.raises(ValueError, match="checkpoint step 1 in .* holds no 'variables' item"):
+        ddl.checkpoint.load_variables(tmp_path / "bare")
+
+
+def test_export_writes_variables_that_load_without_a_strategy(tmp_path):
+    variables = {**BN_VARIABLES, "params": jax.tree.map(np.asarray, BN_VARIABLES["params"])}
+    ddl.checkpoint.export(tmp_path, variables)
+    assert steps_in(tmp_path) == ["0"]
+    chex.assert_trees_all_equal(ddl.checkpoint.load_variables(tmp_path), jax.device_get(variables))
+    with pytest.raises(ValueError, match="already holds step 0"):
+        ddl.checkpoint.export(tmp_path, variables)
+    ddl.checkpoint.export(tmp_path, jax.tree.map(lambda x: x + 1, variables), step=1)
+    chex.assert_trees_all_equal(
+        ddl.checkpoint.load_variables(tmp_path, step=0), jax.device_get(variables)
+    )
+    # No strategy state in an export: fit says so rather than resuming from it.
+    with pytest.raises(ValueError, match=r"checkpoint step 1 in .* holds no strategy state"):
+        train(strategy_for("data_parallel"), make_batches(1, 32), 1, tmp_path)

@@ -1,4 +1,16 @@
-"""Whole-strategy checkpoints with orbax: asynchronous saves, the last k kept, safe resume."""
+"""Whole-strategy checkpoints with orbax: asynchronous saves, the last k kept, safe resume.
+
+Layout: every step is a directory ``<directory>/<step>/`` holding two orbax items,
+
+* ``state/``: the whole strategy state (what ``Strategy.init`` returns), from which ``fit``
+  resumes onto a mesh;
+* ``variables/``: what ``Strategy.params(state)`` returns (the params, or
+  ``{"params": ..., "batch_stats": ...}`` for a ``ddl.ModelLoss``), replicated, so that
+  :func:`load_variables` reads the trained model back with neither the strategy nor a
+  mesh, for inference or fine-tuning.
+
+:func:`export` writes a step holding ``variables/`` alone.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +24,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from ddl_jax._src.strategy import State, check_positive_int
+from ddl_jax._src.model_loss import Variables
+from ddl_jax._src.strategy import State, check_int
 
 #: Prefix of the name a step directory that failed to restore is moved to (kept, not deleted).
 CORRUPT_PREFIX = "corrupt-"
+#: The orbax items of a step: the strategy state, and the variables ``Strategy.params`` gives.
+STATE, VARIABLES = "state", "variables"
+_INT_KEYS = "ddl_jax_int_keys"
 
 
 def _directory(directory: str | os.PathLike) -> epath.Path:
@@ -44,33 +60,114 @@ def checkpoint_manager(directory: str | os.PathLike, *, keep: int = 3) -> ocp.Ch
       A manager for ``save`` and ``restore_latest``; close it (or use it as a context
       manager) to wait for the last save.
     """
-    check_positive_int("keep", keep)
+    keep = check_int("keep", keep, minimum=1)
+    return _manager(directory, keep=keep)
+
+
+def _manager(directory: str | os.PathLike, *, keep: int | None) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True
     )
-    return ocp.CheckpointManager(
-        _directory(directory), options=options, item_handlers=ocp.StandardCheckpointHandler()
-    )
+    handlers = {STATE: ocp.StandardCheckpointHandler(), VARIABLES: ocp.StandardCheckpointHandler()}
+    return ocp.CheckpointManager(_directory(directory), options=options, item_handlers=handlers)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: State) -> None:
-    """Starts saving ``state`` as step ``step`` (the number of steps trained); returns early.
+def save(
+    manager: ocp.CheckpointManager,
+    step: int,
+    state: State | None,
+    variables: Variables | None = None,
+) -> None:
+    """Starts saving step ``step`` (the number of steps trained); returns early.
 
     Every process must call it with the same step; each writes the shards it holds.
+
+    Args:
+      manager: from ``checkpoint_manager``.
+      step: the step number, >= 0.
+      state: the strategy state (item ``state``), or ``None`` to save ``variables`` alone.
+      variables: ``strategy.params(state)`` (item ``variables``), which
+        :func:`load_variables` reads back without the strategy; ``None`` leaves it out
+        (such a step resumes training but cannot be loaded by :func:`load_variables`).
     """
-    manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    step = check_int("step", step, minimum=0)
+    items = {}
+    if state is not None:
+        items[STATE] = ocp.args.StandardSave(state)
+    if variables is not None:
+        # orbax names dict keys by strings; the int ones (NNX lists) are restored from this.
+        metadata = {_INT_KEYS: _int_keys(variables)}
+        items[VARIABLES] = ocp.args.StandardSave(variables, custom_metadata=metadata)
+    if not items:
+        raise ValueError("save: nothing to save; pass state, variables, or both.")
+    manager.save(step, args=ocp.args.Composite(**items), force=True)
 
 
-def _name(path: tuple) -> str:
-    # orbax names a leaf by its key path joined with dots (NamedTuple fields, dict keys,
-    # sequence indices): the same spelling its metadata reports.
+def export(directory: str | os.PathLike, variables: Variables, *, step: int = 0) -> None:
+    """Writes ``variables`` alone as step ``step`` of ``directory``, for :func:`load_variables`.
+
+    For a model trained outside ``fit`` (``fit``'s checkpoints already hold the
+    variables). Returns once the files are complete. In a multi-process job every process
+    calls it with the same (global) arrays.
+
+    Args:
+      directory: where the step goes (created if missing); a local path or a URL.
+      variables: a pytree of arrays, e.g. ``strategy.params(state)``, or the variables of
+        ``ddl.flax.split(module)``.
+      step: the step number, >= 0; it must not exist yet.
+
+    Raises:
+      ValueError: ``directory`` already holds step ``step``.
+    """
+    step = check_int("step", step, minimum=0)
+    with _manager(directory, keep=None) as manager:
+        if step in manager.all_steps():
+            raise ValueError(
+                f"export: {manager.directory} already holds step {step}; pass another step= "
+                "or another directory."
+            )
+        save(manager, step, None, variables)
+
+
+def _int_keys(tree: Any) -> list[list[Any]]:
+    """``[path, keys]`` for each dict of ``tree`` with int keys (an NNX list's pure dict):
+    ``path`` its key path as orbax names it (strings), ``keys`` those int keys."""
+    found: dict[tuple[str, ...], list[int]] = {}
+    for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+        for i, key in enumerate(path):
+            if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, int | np.integer):
+                keys = found.setdefault(tuple(_parts(path[:i])), [])
+                if int(key.key) not in keys:
+                    keys.append(int(key.key))
+    return [[list(path), keys] for path, keys in sorted(found.items())]
+
+
+def _restore_int_keys(tree: Any, int_keys: list[list[Any]]) -> Any:
+    """Gives back the int keys :func:`_int_keys` recorded (orbax restores them as strings)."""
+    for path, keys in int_keys:  # parents before children
+        node = tree
+        for part in path:
+            node = node[int(part)] if isinstance(node, list) or part not in node else node[part]
+        for key in keys:
+            node[key] = node.pop(str(key))
+    return tree
+
+
+def _parts(path: tuple) -> list[str]:
+    # orbax names a leaf by its key path (NamedTuple fields, dict keys, sequence indices)
+    # as strings.
     parts = []
     for key in path:
         for attr in ("name", "key", "idx"):
             if hasattr(key, attr):
                 parts.append(str(getattr(key, attr)))
                 break
-    return ".".join(parts)
+    return parts
+
+
+def _name(path: tuple) -> str:
+    # Joined with dots: the spelling orbax's metadata reports.
+    return ".".join(_parts(path))
 
 
 def _stored(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -97,7 +194,7 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
     """
     saved = {
         md.name: md
-        for md in jax.tree.leaves(manager.item_metadata(step).tree)
+        for md in jax.tree.leaves(_state_metadata(manager, step).tree)
         if getattr(md, "name", None) is not None
     }
     wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(like)}
@@ -130,6 +227,35 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
             )
 
 
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    return manager.directory / str(step)
+
+
+def _check_has_state(manager: ocp.CheckpointManager, step: int) -> None:
+    if not (_step_dir(manager, step) / STATE).exists():
+        raise ValueError(
+            f"checkpoint step {step} in {manager.directory} holds no strategy state (no "
+            f"{STATE!r} item): it holds variables alone (ddl.checkpoint.export) or was "
+            "written by an older ddl_jax. Resume from a directory of fit's checkpoints, or "
+            "read it with ddl.checkpoint.load_variables."
+        )
+
+
+def _item_metadata(manager: ocp.CheckpointManager, step: int, item: str) -> Any:
+    # One item's alone: unreadable variables must not make a step's state unusable, nor
+    # the other way round.
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        return handler.metadata(_step_dir(manager, step) / item)
+    finally:
+        handler.close()
+
+
+def _state_metadata(manager: ocp.CheckpointManager, step: int) -> Any:
+    _check_has_state(manager, step)
+    return _item_metadata(manager, step, STATE)
+
+
 def _all_ok(ok: bool) -> bool:
     # Every process must fall back to the same step, or their collectives would not match.
     if jax.process_count() == 1:
@@ -138,7 +264,7 @@ def _all_ok(ok: bool) -> bool:
 
 
 def _set_aside(manager: ocp.CheckpointManager, step: int) -> epath.Path:
-    src = manager.directory / str(step)
+    src = _step_dir(manager, step)
     dst = manager.directory / f"{CORRUPT_PREFIX}{step}"
     suffix = 0
     while dst.exists():
@@ -156,10 +282,10 @@ def _set_aside(manager: ocp.CheckpointManager, step: int) -> epath.Path:
 def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, int] | None:
     """Restores the newest readable step onto the shardings of ``like``.
 
-    Steps are tried newest first. One that fails to read (truncated or corrupted files,
-    missing metadata) is reported with a ``UserWarning`` naming the step and the error,
-    moved aside to ``corrupt-<step>`` (kept for inspection, never deleted), and the
-    previous step is tried.
+    Steps are tried newest first. One whose state fails to read (truncated or corrupted
+    files, missing metadata) is reported with a ``UserWarning`` naming the step and the
+    error, moved aside to ``corrupt-<step>`` (kept for inspection, never deleted), and the
+    previous step is tried. Only the step's ``state`` item is read.
 
     Args:
       manager: from ``checkpoint_manager``.
@@ -172,7 +298,8 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
 
     Raises:
       ValueError: the checkpoint holds a differently structured state (see
-        ``check_compatible``); this is not treated as corruption.
+        ``check_compatible``), or no state (a step of ``export``); this is not treated as
+        corruption.
     """
     return _restore_latest(manager, like)
 
@@ -182,15 +309,17 @@ def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State,
     # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     for step in sorted(manager.all_steps(), reverse=True):
+        _check_has_state(manager, step)  # not corruption: no fallback
         try:
-            manager.item_metadata(step)
+            _item_metadata(manager, step, STATE)
             ok = True
         except Exception as e:  # any unreadable metadata is corruption
             ok, error = False, e
         if _all_ok(ok):
             check_compatible(manager, step, like)
             try:
-                state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+                args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+                state = manager.restore(step, args=args)[STATE]
                 ok = True
             except Exception as e:  # any unreadable array is corruption
                 ok, error = False, e
@@ -204,3 +333,100 @@ def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State,
             stacklevel=3,
         )
     return None
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def _read_variables(manager: ocp.CheckpointManager, step: int) -> Variables:
+    metadata = _item_metadata(manager, step, VARIABLES)
+    # No template to give: NumPy leaves (zero-stride views, no memory) of the stored shapes
+    # and dtypes restore as NumPy arrays, whatever mesh wrote them.
+    like = jax.tree.map(lambda m: np.broadcast_to(np.zeros((), m.dtype), m.shape), metadata.tree)
+    like = _restore_int_keys(like, (metadata.custom_metadata or {}).get(_INT_KEYS, []))
+    args = ocp.args.Composite(**{VARIABLES: ocp.args.StandardRestore(like)})
+    return manager.restore(step, args=args)[VARIABLES]
+
+
+def load_variables(directory: str | os.PathLike, step: int | None = None) -> Variables:
+    """Reads a checkpoint's variables back as NumPy arrays, without the strategy or a mesh.
+
+    The variables are what ``strategy.params(state)`` returned when ``fit`` saved the step
+    (the params, or ``{"params": ..., "batch_stats": ...}`` for a ``ddl.ModelLoss``), or
+    what :func:`export` wrote. Put them into a model with ``ddl.flax.update_module(model,
+    variables)`` (``model.eval()`` for inference), pass them to ``ddl.flax.split``'s
+    ``apply``, or start a new run with ``strategy.init(variables)``. Only the step's
+    ``variables`` item is read; nothing in ``directory`` is changed.
+
+    By default the newest step is read; one that fails to read (truncated or corrupted
+    files) is reported with a ``UserWarning`` naming the step and the error, and the
+    previous step is tried (the step is not moved: ``fit`` sets it aside when it resumes).
+    In a multi-process job every process calls it and gets the whole variables.
+
+    Args:
+      directory: the ``checkpoint_dir`` of ``fit``, or the directory of :func:`export`; a
+        local path or a URL.
+      step: the step to read (no fallback), or ``None`` for the newest readable one.
+
+    Returns:
+      The variables, a pytree of ``np.ndarray`` (sequences come back as lists).
+
+    Raises:
+      FileNotFoundError: ``directory`` does not exist, holds no step (or not ``step``), or
+        no step that can be read; the message names the directory.
+      ValueError: the step holds no variables (saved without them, or by an older
+        ddl_jax), or ``step`` is not an int >= 0.
+    """
+    if step is not None:
+        step = check_int("step", step, minimum=0)
+    path = _directory(directory)
+    if not path.exists():
+        raise FileNotFoundError(f"load_variables: checkpoint directory {path} does not exist.")
+    # A manager that never saves: it creates, cleans up and deletes nothing.
+    options = ocp.CheckpointManagerOptions(
+        create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+    )
+    handlers = {STATE: ocp.StandardCheckpointHandler(), VARIABLES: ocp.StandardCheckpointHandler()}
+    with ocp.CheckpointManager(path, options=options, item_handlers=handlers) as manager:
+        steps = sorted(manager.all_steps(), reverse=True)
+        if step is not None and step not in steps:
+            raise FileNotFoundError(
+                f"load_variables: {path} holds no checkpoint step {step}; it holds steps "
+                f"{sorted(steps)}."
+            )
+        if not steps:
+            raise FileNotFoundError(
+                f"load_variables: {path} holds no checkpoint step; write one with "
+                "ddl.fit(checkpoint_dir=...) or ddl.checkpoint.export."
+            )
+        failed = []
+        for s in steps if step is None else [step]:
+            if not (_step_dir(manager, s) / VARIABLES).exists():
+                raise ValueError(
+                    f"load_variables: checkpoint step {s} in {path} holds no {VARIABLES!r} "
+                    "item: it was saved without them (ddl.checkpoint.save(..., variables="
+                    "None)) or by an older ddl_jax."
+                )
+            error: Exception | None = None
+            try:
+                variables = _read_variables(manager, s)
+            except Exception as e:  # any unreadable file is corruption
+                error = e
+            if _all_ok(error is None):
+                return variables
+            reason = "unreadable on another process" if error is None else _reason(error)
+            if step is not None:
+                raise ValueError(
+                    f"load_variables: checkpoint step {s} in {path} could not be read ({reason})."
+                ) from error
+            failed.append(s)
+            warnings.warn(
+                f"checkpoint step {s} in {path} could not be read ({reason}); trying the "
+                "previous step.",
+                stacklevel=2,
+            )
+        raise FileNotFoundError(
+            f"load_variables: {path} holds no readable step; steps {sorted(failed)} could not "
+            "be read (see the warnings)."
+        )

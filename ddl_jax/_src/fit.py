@@ -76,12 +76,15 @@ def fit(
     pipeline; every ``log_every`` steps they are fetched, checked for NaN/inf, and shown on
     a progress bar with examples per second (on process 0 only).
 
-    With ``checkpoint_dir``, the whole strategy state is saved there asynchronously
-    (orbax) every ``checkpoint_every`` steps and after the last step, keeping the last
-    ``keep``; if the directory already holds a readable step ``s``, training resumes from
-    it and runs steps ``s + 1 .. steps`` on batches ``s, s + 1, ...`` of the stream, so
-    a restarted command ends where an uninterrupted one would. A step that fails to
-    restore is reported and the previous one used (see ``ddl.checkpoint.restore_latest``).
+    With ``checkpoint_dir``, the whole strategy state (item ``state``) and
+    ``strategy.params(state)`` (item ``variables``, which
+    ``ddl.checkpoint.load_variables`` reads back without the strategy) are saved there
+    asynchronously (orbax) every ``checkpoint_every`` steps and after the last step,
+    keeping the last ``keep``; if the directory already holds a readable step ``s``,
+    training resumes from its state and runs steps ``s + 1 .. steps`` on batches
+    ``s, s + 1, ...`` of the stream, so a restarted command ends where an uninterrupted
+    one would. A step that fails to restore is reported and the previous one used (see
+    ``ddl.checkpoint.restore_latest``).
 
     Args:
       strategy: what ``ddl.data_parallel`` and the other builders return.
@@ -211,7 +214,7 @@ def fit(
             if manager is not None and (
                 i == steps or (checkpoint_every is not None and i % checkpoint_every == 0)
             ):
-                checkpoint.save(manager, i, state)
+                checkpoint.save(manager, i, state, strategy.params(state))
         flush()
         if start >= steps:
             if jax.process_index() == 0:
@@ -225,7 +228,7 @@ def fit(
                 stacklevel=2,
             )
             if manager is not None and manager.latest_step() != start + len(history):
-                checkpoint.save(manager, start + len(history), state)
+                checkpoint.save(manager, start + len(history), state, strategy.params(state))
         if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
             evaluate()
         return state, history
