@@ -1,13 +1,18 @@
 """The training loop."""
 
+import re
+import warnings
+
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, reference_sgd
+from conftest import make_batches, mlp_pair, reference_sgd
 
 import ddl_jax as ddl
+from ddl_jax._src import fit as fit_module
 
 
 def test_fit_trains_like_the_reference_and_records_every_step(mlp):
@@ -87,6 +92,8 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
         ({"keep": 2}, ValueError, "keep=2 needs checkpoint_dir, got checkpoint_dir=None"),
         ({"eval_every": 1}, ValueError, "eval_every=1 needs eval_fn, got eval_fn=None"),
         ({"skip_nonfinite": "no"}, TypeError, "skip_nonfinite must be a bool, got 'no'"),
+        ({"progress": 1}, TypeError, "progress must be a bool, got 1"),
+        ({"eval_every": np.int64(0), "eval_fn": len}, ValueError, "eval_every must be an int >= 1"),
     ],
 )
 def test_bad_arguments(mlp, kwargs, error, match):
@@ -100,3 +107,69 @@ def test_bad_arguments(mlp, kwargs, error, match):
     }
     with pytest.raises(error, match=match):
         ddl.fit(**{**args, **kwargs})
+
+
+def sgd_run(capsys, **kwargs):
+    loss_fn, params = mlp_pair()
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    args = {"steps": 4, "log_every": 2, "eval_fn": lambda p: 1.0, "eval_every": 4, **kwargs}
+    ddl.fit(strategy, params, make_batches(4, 8), **args)
+    return capsys.readouterr()
+
+
+def test_progress_false_prints_nothing_evaluations_included(capsys):
+    captured = sgd_run(capsys, progress=False)
+    assert captured.out == "" and captured.err == ""
+
+
+def test_without_a_terminal_progress_is_plain_lines_from_process_0(capsys):
+    # Under pytest (as under a launcher, or redirected to a file) stdout is no terminal.
+    captured = sgd_run(capsys)
+    lines = captured.out.splitlines()
+    assert len(lines) == 3, lines
+    for line, step in zip(lines[:2], (2, 4), strict=True):
+        assert re.fullmatch(rf"step {step}/4: loss=\d+\.\d{{4}}, ex_per_s=\d+", line), line
+    assert lines[2] == "step 4: eval=1.0000"
+    assert "\r" not in captured.out + captured.err
+
+
+def test_on_a_terminal_progress_is_a_bar(capsys, monkeypatch):
+    monkeypatch.setattr(fit_module, "_interactive", lambda: True)
+    captured = sgd_run(capsys)
+    assert "\r" in captured.out and "4/4" in captured.out
+    assert "step 2/4:" not in captured.out
+    assert "step 4: eval=1.0000" in captured.out.splitlines()
+
+
+def test_a_growing_loss_warns_once_naming_the_learning_rate():
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - 1.0) ** 2)
+
+    params = {"w": np.zeros(12, np.float32)}
+    # A negative learning rate ascends: the loss grows about 4x a step.
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(-0.5), ddl.make_mesh(data=2))
+    with pytest.warns(UserWarning, match="the loss grew from") as got:
+        _, history = ddl.fit(
+            strategy, params, make_batches(20, 8), steps=20, log_every=5, progress=False
+        )
+    growth = [w for w in got if "the loss grew" in str(w.message)]
+    assert len(growth) == 1 and growth[0].filename == __file__  # once, at the user's line
+    message = str(growth[0].message)
+    assert "learning rate is likely too high, or negative" in message
+    assert history[-1]["loss"] > 1e4 * history[0]["loss"]
+
+
+def test_a_loss_that_falls_or_grows_less_than_100x_does_not_warn(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=2))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ddl.fit(strategy, params, make_batches(5, 8), steps=5, log_every=1, progress=False)
+    assert not [w for w in got if "loss grew" in str(w.message)]
+    first = {"step": 1, "loss": 2.0}
+    assert fit_module._growth_warning(first, [{"step": 2, "loss": 150.0}]) is None  # 75x
+    message = fit_module._growth_warning(first, [{"step": 3, "loss": 201.0}])
+    assert "from 2 at step 1 to 201 at step 3" in message
+    # A negative loss (a log-likelihood) that keeps falling is not growth.
+    first = {"step": 1, "loss": -0.5}
+    assert fit_module._growth_warning(first, [{"step": 2, "loss": -90.0}]) is None
