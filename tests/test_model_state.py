@@ -11,62 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches
+from conftest import (
+    BNDropoutMLP,
+    first_stream_key,
+    make_batches,
+    nnx_loss,
+    nnx_reference,
+    step_key,
+)
 from flax import linen, nnx
 
 import ddl_jax as ddl
-
-
-class BNDropoutMLP(nnx.Module):
-    def __init__(self, *, rate=0.3, axis_name=None, rngs):
-        self.up = nnx.Linear(12, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, axis_name=axis_name, momentum=0.8, rngs=rngs)
-        self.drop = nnx.Dropout(rate, rngs=rngs)
-        self.out = nnx.Linear(16, 5, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(nnx.relu(self.norm(self.up(x)))))
-
-
-def nnx_loss(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def step_key(base, step, worker=0):
-    key = jax.random.wrap_key_data(base, impl="threefry2x32")
-    return jax.random.fold_in(jax.random.fold_in(key, step), worker)
-
-
-def nnx_reference(model, optimizer, batches, base):
-    """Single-device NNX training, reseeding each stream i with fold_in(step key, i)."""
-    graphdef, params, stats, keys, counts = nnx.split(
-        model, nnx.Param, nnx.BatchStat, nnx.RngKey, nnx.RngCount
-    )
-    params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
-    keys, counts = nnx.to_pure_dict(keys), nnx.to_pure_dict(counts)
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def train_step(params, stats, opt_state, batch, key):
-        leaves, treedef = jax.tree.flatten(keys)
-        fresh = treedef.unflatten([jax.random.fold_in(key, i) for i in range(len(leaves))])
-
-        def loss(p):
-            m = nnx.merge(graphdef, p, stats, fresh, counts)
-            return nnx_loss(m, batch), nnx.to_pure_dict(nnx.state(m, nnx.BatchStat))
-
-        grads, stats = jax.grad(loss, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state
-
-    for t, batch in enumerate(batches):
-        params, stats, opt_state = train_step(params, stats, opt_state, batch, step_key(base, t))
-    return {"params": params, "batch_stats": stats}
-
-
-def first_stream_key(model):
-    return jax.random.key_data(jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))[0])
 
 
 def test_nnx_module_with_batch_norm_and_dropout_on_one_device_equals_a_flax_loop():

@@ -488,3 +488,14 @@ def test_pipeline_docstring_example_runs():
     finder = doctest.DocTestFinder()
     [example] = finder.find(pipeline, "pipeline", globs={})
     assert doctest.DocTestRunner().run(example) == (0, 7)  # (failed, attempted)
+
+
+def test_stages_with_batch_norm_or_dropout_are_refused_clearly():
+    from conftest import BNDropoutMLP
+
+    with pytest.raises(ValueError, match=r"modules\[1\] \(BNDropoutMLP\).*BatchNorm/Dropout"):
+        ddl.pipeline_stages([nnx.Linear(12, 12, rngs=nnx.Rngs(0)), BNDropoutMLP(rngs=nnx.Rngs(0))])
+    loss_fn, _ = ddl.flax.loss_from_module(BNDropoutMLP(rngs=nnx.Rngs(0)), lambda m, b: 0.0)
+    stages, _ = ddl.pipeline_stages([nnx.Linear(12, 5, rngs=nnx.Rngs(0))])
+    with pytest.raises(ValueError, match="cannot be pipelined yet"):
+        ddl.pipeline(stages, loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1), microbatches=1)

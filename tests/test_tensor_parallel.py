@@ -170,3 +170,41 @@ def test_bad_input_fails_with_clear_errors():
     )
     with pytest.raises(ValueError, match="specs must have the structure of params"):
         strategy.init(params)
+
+
+class DigitsTP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = ddl.layers.ColumnParallelLinear(64, 64, rngs=rngs)
+        self.down = ddl.layers.RowParallelLinear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_a_trained_tensor_parallel_model_evaluates_in_fit_and_on_one_device_after_export():
+    train, test = ddl.data.digits()
+    model = DigitsTP(nnx.Rngs(0))
+
+    def loss(model, batch):
+        logits = model(batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss_fn, params = ddl.flax.loss_from_module(model, loss)
+    apply, _ = ddl.flax.split(model)
+
+    def accuracy(params):
+        return jnp.mean(jnp.argmax(apply(params, test["image"]), -1) == test["label"])
+
+    strategy = ddl.tensor_parallel(
+        loss_fn, optax.adam(3e-3), ddl.make_mesh(data=2, model=4), specs=param_specs(model)
+    )
+    batches = ddl.data.batches(train, 64)
+    state, history = ddl.fit(
+        strategy, params, batches, steps=60, eval_fn=accuracy, eval_every=30, progress=False
+    )
+    assert history[-1]["eval"] > 0.85
+    trained = jax.device_get(strategy.params(state))  # gathered: whole arrays on the host
+    chex.assert_trees_all_equal_shapes(trained, params)
+    ddl.flax.update_module(model, trained)
+    exported = jnp.mean(jnp.argmax(model(test["image"]), -1) == test["label"])
+    np.testing.assert_allclose(exported, history[-1]["eval"], rtol=1e-6)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.kit import prepare, restack, unstack
-from ddl_jax._src.model_loss import ModelVars, mean_over, worker_key
+from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.strategy import Strategy
 
 
@@ -34,7 +34,7 @@ class DataParallelState(NamedTuple):
 
 
 def data_parallel(
-    loss_fn,
+    loss_fn: AnyLoss,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
@@ -68,6 +68,18 @@ def data_parallel(
       A ``Strategy`` whose state is a ``DataParallelState`` and whose metrics hold
       ``loss`` (mean over the global batch), the aux values, and the reducer's metrics
       (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> round(float(strategy.params(state)["w"]), 6), float(metrics["loss"])
+      (0.2, 1.0)
     """
     kit = prepare(
         loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
@@ -75,12 +87,14 @@ def data_parallel(
     reducer = kit.reducer
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 
-    def make_state(params, model: ModelVars) -> DataParallelState:
+    def make_state(params: Any, model: ModelVars) -> DataParallelState:
         return DataParallelState(
             params, optimizer.init(params), kit.stack(reducer.init(params)), model
         )
 
-    def worker_step(state: DataParallelState, batch):
+    def worker_step(
+        state: DataParallelState, batch: Any
+    ) -> tuple[DataParallelState, dict[str, jax.Array]]:
         # Differentiate a worker-varying view of the replicated params: under check_vma the
         # gradient of an invariant input is already psum'd, and the reducer must see g_i.
         local_params = jax.lax.pcast(state.params, axis, to="varying")

@@ -150,8 +150,9 @@ def split(module: Any, *, variables: Any = None) -> tuple[Callable[..., Any], An
 
     Returns:
       ``(apply, variables)``: ``apply(v, *args, **kwargs)`` calls the module with ``v`` in
-      place of its own: the params dict for a module with only parameters, else
-      ``{"params": ..., "batch_stats": ...}`` as ``Strategy.params`` returns it.
+      place of its own, ``v`` laid out as ``loss_from_module`` and ``Strategy.params`` lay
+      it out: the params dict for a module with only parameters, else
+      ``{"params": ..., "batch_stats": ...}`` (``"batch_stats"`` only with batch norm).
     """
     _check_module(module, variables)
     if isinstance(module, linen.Module):
@@ -161,18 +162,14 @@ def split(module: Any, *, variables: Any = None) -> tuple[Callable[..., Any], An
             return (lambda p, *a, **k: module.apply({"params": p}, *a, **k)), variables["params"]
         return (lambda v, *a, **k: module.apply(v, *a, **k)), dict(variables)
     graphdef, params, batch_stats, rng_keys, rng_counts = _split_nnx(module)
-    if not batch_stats:
+    if not batch_stats and not rng_keys:
+        return (lambda p, *a, **k: nnx.merge(graphdef, p, {}, {}, {})(*a, **k)), params
 
-        def apply(p, *args, **kwargs):
-            return nnx.merge(graphdef, p, {}, rng_keys, rng_counts)(*args, **kwargs)
+    def apply(v, *args, **kwargs):
+        stats = v.get("batch_stats", {})
+        return nnx.merge(graphdef, v["params"], stats, rng_keys, rng_counts)(*args, **kwargs)
 
-        return apply, params
-
-    def apply_variables(v, *args, **kwargs):
-        model = nnx.merge(graphdef, v["params"], v["batch_stats"], rng_keys, rng_counts)
-        return model(*args, **kwargs)
-
-    return apply_variables, {"params": params, "batch_stats": batch_stats}
+    return apply, {"params": params, **({"batch_stats": batch_stats} if batch_stats else {})}
 
 
 def loss_from_module(

@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.kit import prepare, replica_mean, restack, unstack
-from ddl_jax._src.model_loss import ModelVars, worker_key
+from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -116,7 +116,7 @@ class GossipState(NamedTuple):
 
 
 def gossip(
-    loss_fn,
+    loss_fn: AnyLoss,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
@@ -157,6 +157,19 @@ def gossip(
       A ``Strategy`` with ``GossipState``; metrics ``loss``, aux values and (unless
       ``consensus_every=0``) ``consensus_distance`` as last measured. ``params(state)`` is
       the mean of the replicas.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), topology="ring")
+      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> w, distance = strategy.params(state)["w"], metrics["consensus_distance"]
+      >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
+      (0.2, 0.0)
     """
     kit = prepare(
         loss_fn,
@@ -179,7 +192,7 @@ def gossip(
     sources = [np.argsort(perm) for perm in perms]
     specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
-    def make_state(params, model: ModelVars) -> GossipState:
+    def make_state(params: Any, model: ModelVars) -> GossipState:
         return GossipState(
             params=kit.stack(params),
             opt_state=kit.stack(optimizer.init(params)),
@@ -203,7 +216,7 @@ def gossip(
         sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
         return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)
 
-    def worker_step(state: GossipState, batch):
+    def worker_step(state: GossipState, batch: Any) -> tuple[GossipState, dict[str, jax.Array]]:
         params, opt_state = unstack(state.params), unstack(state.opt_state)
         key = worker_key(state.model, lax.axis_index(axis))
         (loss, aux), grads, model_state = kit.value_and_grad(
@@ -224,10 +237,6 @@ def gossip(
         model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
         return GossipState(restack(params), restack(opt_state), distance, model), metrics
 
-    def variables(state: GossipState):
-        model_state = replica_mean(state.model.state)
-        return kit.variables(replica_mean(state.params), state.model._replace(state=model_state))
-
     return Strategy(
-        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replicated(variables)
+        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replica_variables()
     )

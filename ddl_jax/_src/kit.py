@@ -48,6 +48,17 @@ def explicit_mesh(mesh: Mesh, axes: tuple[str, ...] = ()) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Explicit,) * len(names))
 
 
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Inside ``shard_map``: ``tree`` cast to varying over ``axes`` (where it is not yet)."""
+
+    def one(leaf: jax.Array) -> jax.Array:
+        varying = jax.typeof(leaf).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(one, tree)
+
+
 def unstack(tree: Any) -> Any:
     """Inside ``shard_map``: this worker's entry of leaves stacked over the worker axis."""
     return jax.tree.map(lambda x: x[0], tree)
@@ -180,6 +191,16 @@ class Kit(NamedTuple):
         """``fn`` jitted once (not per call), its output replicated on the mesh."""
         return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))
 
+    def replica_variables(self) -> Callable[[st.State], Any]:
+        """``Strategy.params`` of a state whose ``params`` and ``model.state`` are stacked
+        per worker: the mean of the replicas, jitted once."""
+
+        def mean(state: st.State) -> Any:
+            model = state.model._replace(state=replica_mean(state.model.state))
+            return self.variables(replica_mean(state.params), model)
+
+        return self.replicated(mean)
+
     def variables(self, params: st.Params, model: ml.ModelVars) -> Any:
         """What ``Strategy.params`` returns: the params, with the model state if any."""
         return ml.join_variables(self.loss_fn, params, model.state)
@@ -207,7 +228,7 @@ class Kit(NamedTuple):
             (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
             return (value, aux), grads, new_state
 
-        accumulate = self.accumulate
+        accumulate, axis = self.accumulate, self.axis
         if accumulate == 1:
             return one
 
@@ -223,7 +244,9 @@ class Kit(NamedTuple):
                 (value, aux), grads, state = one(params, state, mb, jax.random.fold_in(key, j))
                 return (jax.tree.map(jnp.add, total, ((value, aux), grads)), state), None
 
-            (total, state), _ = lax.scan(add, (zeros, model_state), (jnp.arange(accumulate), micro))
+            # The state a worker's micro-batches update is its own until the strategy merges it.
+            carry = (zeros, vary(model_state, (axis,)))
+            (total, state), _ = lax.scan(add, carry, (jnp.arange(accumulate), micro))
             total = jax.tree.map(lambda x: x / accumulate, total)
             return (*total, state)
 

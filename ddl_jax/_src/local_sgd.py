@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -12,8 +13,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.kit import prepare, replica_mean, restack, unstack
-from ddl_jax._src.model_loss import ModelVars, worker_key
+from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
 
 
@@ -39,7 +40,7 @@ class LocalSGDState(NamedTuple):
 
 
 def local_sgd(
-    loss_fn,
+    loss_fn: AnyLoss,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
@@ -94,6 +95,21 @@ def local_sgd(
       ``synchronised`` (1.0 on steps that ended with a synchronisation) and the reducer's
       metrics (``compression_ratio`` of the last exchange for a compressing reducer).
       ``params(state)`` is the mean of the replicas.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> mesh = ddl.make_mesh(data=8)
+      >>> strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
+      >>> state = strategy.init({"w": jnp.zeros(())})
+      >>> for _ in range(2):
+      ...     state, metrics = strategy.step(state, batch)
+      >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
+      (1.0, 0.36)
     """
     kit = prepare(
         loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
@@ -107,7 +123,7 @@ def local_sgd(
     reducer, outer = kit.reducer, outer_optimizer
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
 
-    def make_state(params, model: ModelVars) -> LocalSGDState:
+    def make_state(params: Any, model: ModelVars) -> LocalSGDState:
         return LocalSGDState(
             params=kit.stack(params),
             opt_state=kit.stack(optimizer.init(params)),
@@ -117,41 +133,17 @@ def local_sgd(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    def average(tree):
-        return jax.tree.map(
-            lambda x: (
-                lax.pcast(lax.pmean(x, axis), axis, to="varying")
-                if jnp.issubdtype(x.dtype, jnp.inexact)
-                else x
-            ),
-            tree,
-        )
+    sync = functools.partial(
+        _synchronise,
+        axis=axis,
+        reducer=reducer,
+        outer=outer,
+        average_optimizer_state=average_optimizer_state,
+    )
+    average = functools.partial(_average, axis=axis)
+    catch_up = functools.partial(_catch_up, axis=axis)
 
-    def keep(carry):
-        return carry
-
-    def catch_up(carry):
-        # The warm-up kept the replicas equal through exact averages: the anchor takes
-        # them as they are, not through the reducer (which may be lossy).
-        params, opt_state, _, outer_state, reducer_state, model_state = carry
-        anchor = jax.tree.map(lambda x: lax.pmean(x, axis), params)
-        return params, opt_state, anchor, outer_state, reducer_state, model_state
-
-    def synchronise(carry):
-        params, opt_state, anchor, outer_state, reducer_state, model_state = carry
-        delta = jax.tree.map(jnp.subtract, anchor, params)
-        delta, reducer_state = reducer.update(delta, reducer_state, anchor)
-        if outer is not None:
-            updates, outer_state = outer.update(delta, outer_state, anchor)
-            anchor = optax.apply_updates(anchor, updates)
-        else:
-            anchor = jax.tree.map(jnp.subtract, anchor, delta)
-        if average_optimizer_state:
-            opt_state = average(opt_state)
-        params = lax.pcast(anchor, axis, to="varying")
-        return params, opt_state, anchor, outer_state, reducer_state, average(model_state)
-
-    def worker_step(state: LocalSGDState, batch):
+    def worker_step(state: LocalSGDState, batch: Any) -> tuple[LocalSGDState, dict[str, jax.Array]]:
         params, opt_state = unstack(state.params), unstack(state.opt_state)
         step = state.model.step
         key = worker_key(state.model, lax.axis_index(axis))
@@ -160,7 +152,7 @@ def local_sgd(
         )
         warm = step < warmup_sync_steps
         if warmup_sync_steps:
-            grads, model_state = lax.cond(warm, average, keep, (grads, model_state))
+            grads, model_state = lax.cond(warm, average, _keep, (grads, model_state))
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
@@ -169,7 +161,7 @@ def local_sgd(
         branch = jnp.where(outer_sync, 2, jnp.where(step == warmup_sync_steps - 1, 1, 0))
         carry = (params, opt_state, state.anchor, state.outer_opt_state)
         carry = (*carry, unstack(state.reducer_state), model_state)
-        carry = lax.switch(branch, [keep, catch_up, synchronise], carry)
+        carry = lax.switch(branch, [_keep, catch_up, sync], carry)
         params, opt_state, anchor, outer_state, reducer_state, model_state = carry
         metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
         metrics["synchronised"] = (branch == 2).astype(jnp.float32)
@@ -179,10 +171,54 @@ def local_sgd(
         )
         return new, metrics
 
-    def variables(state: LocalSGDState):
-        model_state = replica_mean(state.model.state)
-        return kit.variables(replica_mean(state.params), state.model._replace(state=model_state))
-
     return Strategy(
-        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replicated(variables)
+        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replica_variables()
     )
+
+
+Carry = tuple[Any, Any, Any, Any, Any, Any]  # params, opt, anchor, outer, reducer, model state
+
+
+def _average(tree: Any, axis: str) -> Any:
+    """Every worker's floating leaves replaced by their mean over ``axis`` (still varying)."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        return lax.pcast(lax.pmean(x, axis), axis, to="varying")
+
+    return jax.tree.map(one, tree)
+
+
+def _keep(carry: Any) -> Any:
+    return carry
+
+
+def _catch_up(carry: Carry, axis: str) -> Carry:
+    # The warm-up kept the replicas equal through exact averages: the anchor takes them as
+    # they are, not through the reducer (which may be lossy).
+    params, opt_state, _, outer_state, reducer_state, model_state = carry
+    anchor = jax.tree.map(lambda x: lax.pmean(x, axis), params)
+    return params, opt_state, anchor, outer_state, reducer_state, model_state
+
+
+def _synchronise(
+    carry: Carry,
+    axis: str,
+    reducer: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None,
+    average_optimizer_state: bool,
+) -> Carry:
+    """The outer step: the reduced pseudo-gradient moves the anchor; replicas restart there."""
+    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
+    delta = jax.tree.map(jnp.subtract, anchor, params)
+    delta, reducer_state = reducer.update(delta, reducer_state, anchor)
+    if outer is not None:
+        updates, outer_state = outer.update(delta, outer_state, anchor)
+        anchor = optax.apply_updates(anchor, updates)
+    else:
+        anchor = jax.tree.map(jnp.subtract, anchor, delta)
+    if average_optimizer_state:
+        opt_state = _average(opt_state, axis)
+    params = lax.pcast(anchor, axis, to="varying")
+    return params, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis)

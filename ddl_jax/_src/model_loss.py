@@ -40,6 +40,10 @@ class ModelLoss(NamedTuple):
     seed: int | Any = 0
 
 
+#: What a builder's ``loss_fn`` may be: ``(params, batch) -> loss`` or a ModelLoss.
+AnyLoss = Callable[..., Any] | ModelLoss
+
+
 class ModelVars(NamedTuple):
     """The model side of every strategy's state.
 

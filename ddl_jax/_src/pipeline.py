@@ -31,7 +31,7 @@ from ddl_jax._src.compression_lowrank import PowerSGDState
 from ddl_jax._src.flat import FlatView
 from ddl_jax._src.flax_bridge import split
 from ddl_jax._src.kit import Kit, explicit_mesh, prepare
-from ddl_jax._src.model_loss import ModelVars
+from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline_programs import (
     DATA,
     STAGE,
@@ -60,6 +60,13 @@ def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[
     modules' parameter pytrees, which ``Strategy.init`` takes and ``Strategy.params``
     returns (write them back with ``ddl.flax.update_module``).
     """
+    for i, module in enumerate(modules):
+        if nnx.state(module, nnx.BatchStat) or nnx.state(module, nnx.RngKey):
+            raise ValueError(
+                f"modules[{i}] ({type(module).__name__}) holds batch statistics or an RNG "
+                "stream; pipeline stages carry neither model state nor dropout keys yet. Use "
+                "stages without BatchNorm/Dropout (e.g. LayerNorm), or another strategy."
+            )
     pairs = [split(m) for m in modules]
     return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
 
@@ -207,6 +214,11 @@ def _setup(
     reducer: optax.GradientTransformation | None,
 ) -> tuple[Kit, PipelineConfig]:
     """What both builders share: the checked arguments, the kit and the config."""
+    if isinstance(loss_fn, ModelLoss):
+        raise ValueError(
+            "ddl.pipeline's loss_fn is (last stage's output, batch) -> loss; a ddl.ModelLoss "
+            "(model state, dropout) cannot be pipelined yet."
+        )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
     kit = prepare(loss_fn, optimizer, mesh, axis=DATA, add_axes=(DATA, STAGE), reducer=reducer)

@@ -19,6 +19,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.flat import FlatView
+from ddl_jax._src.kit import vary
 from ddl_jax._src.pipeline_schedules import Schedule, gradient_wait, peak_stash
 
 DATA, STAGE = "data", "stage"
@@ -140,17 +141,6 @@ class DDGState(NamedTuple):
     inbox: Any
     history: Any
     tick: jax.Array
-
-
-def vary(x: Any, axes: tuple[str, ...]) -> Any:
-    """Casts ``x`` to varying over ``axes`` (those it is not varying over yet)."""
-
-    def one(leaf: jax.Array) -> jax.Array:
-        varying = jax.typeof(leaf).manual_axis_type.varying
-        missing = tuple(a for a in axes if a not in varying)
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree.map(one, x)
 
 
 def _shift(x: jax.Array, k_: int, direction: int) -> jax.Array:

@@ -9,7 +9,6 @@ parameter by its spec over ``model`` and running data parallelism over ``data``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
 from ddl_jax._src.kit import prepare, restack, unstack
-from ddl_jax._src.model_loss import ModelVars, mean_over, worker_key
+from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.reducers import checks_vma
 from ddl_jax._src.strategy import DATA, MODEL
 
@@ -44,13 +43,20 @@ class TensorParallelState(NamedTuple):
     model: ModelVars
 
 
-def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
-    if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=_is_spec):
+def _full_specs(params: Any, specs: Any) -> Any:
+    """One spec per parameter: ``specs`` broadcast from a prefix of params' structure."""
+    try:
+        return jax.tree.broadcast(specs, params, is_leaf=_is_spec)
+    except ValueError:
         raise ValueError(
-            "specs must have the structure of params (see param_specs(module)); got "
-            f"{jax.tree.structure(specs, is_leaf=_is_spec)} for params "
-            f"{jax.tree.structure(params)}."
-        )
+            "specs must have the structure of params, or a prefix of it (see "
+            f"param_specs(module)); got {jax.tree.structure(specs, is_leaf=_is_spec)} for "
+            f"params {jax.tree.structure(params)}."
+        ) from None
+
+
+def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
+    specs = _full_specs(params, specs)
     flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
     for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
@@ -75,7 +81,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def tensor_parallel(
-    loss_fn: Callable[..., Any],
+    loss_fn: AnyLoss,
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
@@ -99,7 +105,8 @@ def tensor_parallel(
       optimizer: an element-wise optax transform (each device updates its shard).
       mesh: a mesh with axes ``data`` and ``model``, e.g. ``ddl.make_mesh(data=2, model=4)``;
         a missing axis counts as size 1.
-      specs: ``PartitionSpec`` per parameter over ``"model"`` (``param_specs(module)``).
+      specs: ``PartitionSpec`` per parameter over ``"model"`` (``ddl.layers.param_specs``),
+        or a prefix of the params' structure (``P()`` replicates every parameter).
       reducer: reduces gradients over ``data`` (default ``ddl.allreduce_mean("data")``).
         Reducers built from ``ppermute`` are not supported: they need ``check_vma=False``,
         under which JAX does not sum the gradients of ``model``-replicated parameters.
@@ -110,6 +117,20 @@ def tensor_parallel(
       A ``Strategy`` with a ``TensorParallelState``; metrics: ``loss`` and aux values.
       ``params(state)`` gathers the parameters (replicated), so the model built from
       ``ddl.layers`` evaluates them on one device.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = ddl.make_mesh(data=2, model=4)
+      >>> strategy = ddl.tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=P())
+      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> round(float(strategy.params(state)["w"]), 6)
+      0.2
     """
     kit = prepare(
         loss_fn,
@@ -131,25 +152,29 @@ def tensor_parallel(
     def state_specs(state: TensorParallelState) -> TensorParallelState:
         """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
 
+        full = _full_specs(state.params, specs)
+
         def like_params(transform, tree, worker):
             return optax.tree_map_params(
-                transform, lambda _, spec: P(*worker, *spec), tree, specs,
+                transform, lambda _, spec: P(*worker, *spec), tree, full,
                 transform_non_params=lambda _: P(*worker), is_leaf=_is_spec,
             )  # fmt: skip
 
         return TensorParallelState(
-            specs,
+            full,
             like_params(optimizer, state.opt_state, ()),
             like_params(reducer, state.reducer_state, (DATA,)),
             ModelVars(P(), P(), P()),
         )
 
-    def make_state(params, model: ModelVars) -> TensorParallelState:
+    def make_state(params: Any, model: ModelVars) -> TensorParallelState:
         _check_specs(params, specs, kit.mesh)
         reducer_state = kit.stack(reducer.init(params))
         return TensorParallelState(params, optimizer.init(params), reducer_state, model)
 
-    def worker_step(state: TensorParallelState, batch):
+    def worker_step(
+        state: TensorParallelState, batch: Any
+    ) -> tuple[TensorParallelState, dict[str, jax.Array]]:
         # A data-varying view, so the reducer sees each data worker's own gradient.
         local = lax.pcast(state.params, DATA, to="varying")
         key = worker_key(state.model, lax.axis_index(DATA))
