@@ -61,16 +61,16 @@ def test_resumed_fit_ends_bitwise_where_an_uninterrupted_one_does(name, tmp_path
 
 
 def test_keep_bounds_the_steps_on_disk(tmp_path):
-    train(strategy_for("data_parallel"), make_batches(5, 32), 5, tmp_path, checkpoint_every=1,
-          keep=2)  # fmt: skip
+    train(
+        strategy_for("data_parallel"), make_batches(5, 32), 5, tmp_path, checkpoint_every=1, keep=2
+    )
     assert steps_in(tmp_path) == ["4", "5"]
 
 
 def largest_data_file(step_dir, item="state") -> str:
     files = [
-        os.path.join(root, f) for root, _, names in os.walk(step_dir / item / "d")
-        for f in names
-    ]  # fmt: skip
+        os.path.join(root, f) for root, _, names in os.walk(step_dir / item / "d") for f in names
+    ]
     return max(files, key=os.path.getsize)
 
 
@@ -171,9 +171,11 @@ def test_skip_nonfinite_skips_the_step_on_every_worker():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"checkpoint_every": 0}, "checkpoint_every must be an int >= 1, got 0"),
-     ({"keep": 0}, "keep must be an int >= 1, got 0")],
-)  # fmt: skip
+    [
+        ({"checkpoint_every": 0}, "checkpoint_every must be an int >= 1, got 0"),
+        ({"keep": 0}, "keep must be an int >= 1, got 0"),
+    ],
+)
 def test_bad_checkpoint_arguments(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path, **kwargs)

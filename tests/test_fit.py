@@ -46,15 +46,21 @@ def test_eval_runs_every_eval_every_steps_and_at_the_end(mlp):
 
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
     state, history = ddl.fit(
-        strategy, params, make_batches(5, 8), steps=5, eval_fn=eval_fn, eval_every=2,
+        strategy,
+        params,
+        make_batches(5, 8),
+        steps=5,
+        eval_fn=eval_fn,
+        eval_every=2,
         progress=False,
-    )  # fmt: skip
+    )
     assert [r["step"] for r in history if "eval_loss0" in r] == [2, 4, 5]
     assert len(seen) == 3
     np.testing.assert_allclose(
-        history[-1]["eval_loss0"], loss_fn(strategy.params(state), make_batches(1, 8)[0]),
+        history[-1]["eval_loss0"],
+        loss_fn(strategy.params(state), make_batches(1, 8)[0]),
         rtol=1e-6,
-    )  # fmt: skip
+    )
 
 
 def test_nan_loss_stops_training_naming_the_step(mlp):
