@@ -87,12 +87,22 @@ def main() -> None:
                 curve.append((clock, float(accuracy(strategy.params(state)))))
         accs = [a for _, a in curve]
         rows.append(
-            {"lr": lr, "protocol": name, "final_accuracy": accs[-1], "best_accuracy": max(accs),
-             "simulated_time": clock, "steps": steps, "pushes": pushes,
-             "updates_applied": float(m["updates_applied"]), "staleness_mean": tau_sum / pushes,
-             "staleness_max": tau_max, "final_loss": float(m["loss"]), "finite": finite,
-             "diverged": not finite or accs[-1] < 0.2}
-        )  # fmt: skip
+            {
+                "lr": lr,
+                "protocol": name,
+                "final_accuracy": accs[-1],
+                "best_accuracy": max(accs),
+                "simulated_time": clock,
+                "steps": steps,
+                "pushes": pushes,
+                "updates_applied": float(m["updates_applied"]),
+                "staleness_mean": tau_sum / pushes,
+                "staleness_max": tau_max,
+                "final_loss": float(m["loss"]),
+                "finite": finite,
+                "diverged": not finite or accs[-1] < 0.2,
+            }
+        )
         curves[lr][name] = curve
         print(f"lr {lr:g}, {name}: accuracy {accs[-1]:.4f} at t={clock:.0f}, {steps} steps")
 

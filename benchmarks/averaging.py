@@ -78,24 +78,43 @@ def main() -> None:
     mesh = ddl.make_mesh(data=8)
     batch_size = 8 * args.per_worker_batch
     names = [
-        "data_parallel", "local_sgd H=4", "local_sgd H=16", "local_sgd H=64", "diloco H=16",
-        "gossip ring", "gossip exponential",
-    ]  # fmt: skip
+        "data_parallel",
+        "local_sgd H=4",
+        "local_sgd H=16",
+        "local_sgd H=64",
+        "diloco H=16",
+        "gossip ring",
+        "gossip exponential",
+    ]
     rows = []
     for name in names:
         strategy, period = build(name, loss_fn, mesh)
         _, history = ddl.fit(
-            strategy, params, ddl.data.batches(train, batch_size, seed=0), steps=args.steps,
-            eval_fn=accuracy, log_every=50, progress=False,
-        )  # fmt: skip
+            strategy,
+            params,
+            ddl.data.batches(train, batch_size, seed=0),
+            steps=args.steps,
+            eval_fn=accuracy,
+            log_every=50,
+            progress=False,
+        )
         sent, seconds = communication(
-            strategy, params, next(ddl.data.batches(train, batch_size)), period, args.steps,
+            strategy,
+            params,
+            next(ddl.data.batches(train, batch_size)),
+            period,
+            args.steps,
             ddl.sim.ETHERNET_1G,
-        )  # fmt: skip
+        )
         rows.append(
-            {"strategy": name, "accuracy": history[-1]["eval"], "final_loss": history[-1]["loss"],
-             "bytes_per_device": sent, "seconds_1gbps": seconds}
-        )  # fmt: skip
+            {
+                "strategy": name,
+                "accuracy": history[-1]["eval"],
+                "final_loss": history[-1]["loss"],
+                "bytes_per_device": sent,
+                "seconds_1gbps": seconds,
+            }
+        )
         print(f"{name}: accuracy {rows[-1]['accuracy']:.4f}, {sent / 1e6:.1f} MB per device")
 
     base = rows[0]

@@ -106,9 +106,13 @@ def main() -> None:
         sent = bytes_per_step(strategy, params, example)
         reached = next((step for step, acc in curve if acc >= 0.9), None)
         rows.append(
-            {"reducer": name, "bytes_per_step": sent, "accuracy": curve[-1][1],
-             "steps_to_90": reached}
-        )  # fmt: skip
+            {
+                "reducer": name,
+                "bytes_per_step": sent,
+                "accuracy": curve[-1][1],
+                "steps_to_90": reached,
+            }
+        )
         print(f"{name}: accuracy {curve[-1][1]:.4f}, {sent:,.0f} bytes per step, 90% at {reached}")
 
     base = rows[0]

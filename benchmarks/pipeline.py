@@ -90,9 +90,15 @@ def main() -> None:
         rate = samples / statistics.median(seconds)
         m = 1 if name == "sequential" else args.microbatches
         rows.append(
-            {"mode": name, "microbatches": m, "samples_per_s": rate, "vs_sequential": rate / base,
-             "schedule_idle_fraction": idle[name], "round_seconds": seconds}
-        )  # fmt: skip
+            {
+                "mode": name,
+                "microbatches": m,
+                "samples_per_s": rate,
+                "vs_sequential": rate / base,
+                "schedule_idle_fraction": idle[name],
+                "round_seconds": seconds,
+            }
+        )
     lines = [
         f"2 processes x 1 core (gloo), K=2 stages, MLP {args.features} -> {args.width} x "
         f"{2 * args.layers_per_stage} -> 10, global batch {args.batch}, SGD; median of "

@@ -50,11 +50,14 @@ def main() -> None:
         return (apply(p, test["image"]).argmax(-1) == test["label"]).mean()
 
     _state, history = ddl.fit(
-        strategy, params,
+        strategy,
+        params,
         lambda start: ddl.launch.process_batches(train, args.batch_size, mesh, start=start),
-        steps=args.steps, eval_fn=accuracy, checkpoint_dir=args.checkpoint_dir,
+        steps=args.steps,
+        eval_fn=accuracy,
+        checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
-    )  # fmt: skip
+    )
     if jax.process_index() == 0 and history:
         print(
             f"{jax.process_count()} process(es), {len(jax.devices())} devices: "

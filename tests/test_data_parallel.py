@@ -168,15 +168,20 @@ def test_non_scalar_loss_is_rejected_at_the_call(mlp):
 
 
 @pytest.mark.parametrize(
-    ("aux", "match"), [(jnp.ones(3), r"aux\['acc'\] must be a floating-point scalar"),
-                       (jnp.int32(3), r"aux\['acc'\] must be a floating-point scalar")],
-)  # fmt: skip
+    ("aux", "match"),
+    [
+        (jnp.ones(3), r"aux\['acc'\] must be a floating-point scalar"),
+        (jnp.int32(3), r"aux\['acc'\] must be a floating-point scalar"),
+    ],
+)
 def test_aux_values_must_be_float_scalars(mlp, aux, match):
     loss_fn, params = mlp
     strategy = ddl.data_parallel(
-        lambda p, b: (loss_fn(p, b), {"acc": aux}), optax.sgd(0.1), ddl.make_mesh(data=8),
+        lambda p, b: (loss_fn(p, b), {"acc": aux}),
+        optax.sgd(0.1),
+        ddl.make_mesh(data=8),
         has_aux=True,
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match=match):
         strategy.step(strategy.init(params), make_batches(1, 8)[0])
 
@@ -278,5 +283,6 @@ def test_a_hand_built_mesh_with_auto_axes_works(mlp, build):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))  # Auto axis types
     state, _ = run(build(loss_fn, optax.sgd(0.1), mesh), params, batches)
     expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
-    chex.assert_trees_all_close(build(loss_fn, optax.sgd(0.1), mesh).params(state), expected,
-                                atol=1e-5)  # fmt: skip
+    chex.assert_trees_all_close(
+        build(loss_fn, optax.sgd(0.1), mesh).params(state), expected, atol=1e-5
+    )

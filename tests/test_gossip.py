@@ -95,16 +95,20 @@ def test_complete_graph_is_data_parallel(mlp):
 
 @pytest.mark.parametrize(("topology", "degree"), [("ring", 2), ("exponential", 3), ("torus", 3)])
 @pytest.mark.parametrize("consensus_every", [0, 10])
-def test_sends_degree_times_the_parameters_and_no_all_reduce(mlp, topology, degree,
-                                                             consensus_every):  # fmt: skip
+def test_sends_degree_times_the_parameters_and_no_all_reduce(
+    mlp, topology, degree, consensus_every
+):
     """Torus on 8 = 2x4: the two vertical neighbours coincide, so degree 3."""
     loss_fn, params = mlp
     n = 8
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
     strategy = ddl.gossip(
-        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), topology=topology,
+        loss_fn,
+        optax.sgd(0.1),
+        ddl.make_mesh(data=n),
+        topology=topology,
         consensus_every=consensus_every,
-    )  # fmt: skip
+    )
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
     assert stats.bytes_sent == (degree * param_bytes + 2 * (n - 1) / n * 4,) * n
     assert stats.bytes_by_kind == {

@@ -15,8 +15,9 @@ def mean_tree(trees):
     return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
 
 
-def reference_local_sgd(loss_fn, opt, params, batches, *, n, period, warmup=0,
-                        average_opt_state=False):  # fmt: skip
+def reference_local_sgd(
+    loss_fn, opt, params, batches, *, n, period, warmup=0, average_opt_state=False
+):
     """Each worker trains on its rows of every batch; replicas averaged every `period` steps."""
     replicas, states = [params] * n, [opt.init(params)] * n
     for t, batch in enumerate(batches):
@@ -50,8 +51,9 @@ def test_period_one_with_sgd_is_data_parallel(mlp):
     dp_state, _ = run(dp, params, batches)
     chex.assert_trees_all_close(
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1).params(state),
-        dp.params(dp_state), atol=1e-5,
-    )  # fmt: skip
+        dp.params(dp_state),
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize(
@@ -61,14 +63,24 @@ def test_matches_workers_simulated_on_one_device(mlp, period, warmup, average_op
     loss_fn, params = mlp
     n, batches = 4, make_batches(10, 32)  # the last step is local: replicas differ at the end
     strategy = ddl.local_sgd(
-        loss_fn, optax.adam(1e-2), ddl.make_mesh(data=n), period=period,
-        warmup_sync_steps=warmup, average_optimizer_state=average_opt_state,
-    )  # fmt: skip
+        loss_fn,
+        optax.adam(1e-2),
+        ddl.make_mesh(data=n),
+        period=period,
+        warmup_sync_steps=warmup,
+        average_optimizer_state=average_opt_state,
+    )
     state, _ = run(strategy, params, batches)
     expected = reference_local_sgd(
-        loss_fn, optax.adam(1e-2), params, batches, n=n, period=period, warmup=warmup,
+        loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches,
+        n=n,
+        period=period,
+        warmup=warmup,
         average_opt_state=average_opt_state,
-    )  # fmt: skip
+    )
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
 
@@ -77,9 +89,13 @@ def test_warmup_is_synchronous_sgd_whatever_the_reducer(mlp):
     loss_fn, params = mlp
     batches = make_batches(3, 32)
     strategy = ddl.local_sgd(
-        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), period=100, warmup_sync_steps=3,
+        loss_fn,
+        optax.sgd(0.1),
+        ddl.make_mesh(data=4),
+        period=100,
+        warmup_sync_steps=3,
         reducer=ddl.compression.top_k(0.1),
-    )  # fmt: skip
+    )
     state, _ = run(strategy, params, batches)
     expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)

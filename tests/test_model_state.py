@@ -89,10 +89,12 @@ def test_linen_module_with_batch_norm_and_dropout_on_one_device_equals_a_flax_lo
 
         def f(p, stats=stats, batch=batch, t=t):
             logits, new = module.apply(
-                {"params": p, "batch_stats": stats}, batch["x"], train=True,
+                {"params": p, "batch_stats": stats},
+                batch["x"],
+                train=True,
                 rngs={"dropout": jax.random.fold_in(step_key(base, t), 0)},
                 mutable=["batch_stats"],
-            )  # fmt: skip
+            )
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
             return ce, new["batch_stats"]
 

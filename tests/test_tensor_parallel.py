@@ -153,9 +153,12 @@ def test_bad_input_fails_with_clear_errors():
     specs = param_specs(module)
     with pytest.raises(ValueError, match="ppermute-based"):
         tensor_parallel(
-            loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2, model=4), specs=specs,
+            loss_fn,
+            optax.sgd(0.1),
+            ddl.make_mesh(data=2, model=4),
+            specs=specs,
             reducer=ddl.allreduce_mean(algorithm="ring"),
-        )  # fmt: skip
+        )
     # 12 output features do not split 8 ways.
     odd = Classifier(nnx.Rngs(0))
     odd.mlp = ParallelMLP(12, 12, rngs=nnx.Rngs(1))

@@ -178,11 +178,6 @@ def check_real(
     )
 
 
-def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> None:
-    """Raises ``ValueError`` unless ``value`` is an integer >= ``minimum``."""
-    check_int(name, value, minimum=minimum)
-
-
 def check_transform(name: str, value: Any, example: str) -> None:
     """Raises ``TypeError`` unless ``value`` is an optax ``GradientTransformation``."""
     if not all(callable(getattr(value, f, None)) for f in ("init", "update")):

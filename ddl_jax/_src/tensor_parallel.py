@@ -156,9 +156,13 @@ def tensor_parallel(
 
         def like_params(transform, tree, worker):
             return optax.tree_map_params(
-                transform, lambda _, spec: P(*worker, *spec), tree, full,
-                transform_non_params=lambda _: P(*worker), is_leaf=_is_spec,
-            )  # fmt: skip
+                transform,
+                lambda _, spec: P(*worker, *spec),
+                tree,
+                full,
+                transform_non_params=lambda _: P(*worker),
+                is_leaf=_is_spec,
+            )
 
         return TensorParallelState(
             full,
