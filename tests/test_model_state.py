@@ -216,3 +216,19 @@ def test_a_missing_dropout_stream_is_a_clear_error():
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
     with pytest.raises(ValueError, match=r"rngs=\('dropout'"):
         strategy.step(strategy.init(v), make_batches(1, 4)[0])
+
+
+class DropoutWithoutStream(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+        self.drop = nnx.Dropout(0.5)  # no rngs: nothing to draw masks from
+
+    def __call__(self, x):
+        return self.drop(x * self.w[...]).sum()
+
+
+def test_an_nnx_dropout_without_a_stream_is_a_clear_error():
+    loss_fn, v = ddl.flax.loss_from_module(DropoutWithoutStream(), lambda m, b: m(b["x"]))
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
+    with pytest.raises(ValueError, match=r"nnx.Rngs\(params=0, dropout=1\)"):
+        strategy.step(strategy.init(v), {"x": np.ones((2, 3), np.float32)})

@@ -52,20 +52,24 @@ def _missing_stream(e: Exception) -> ValueError:
     )
 
 
+def _run(loss: Callable[..., Any], model: nnx.Module, batch: Any) -> Any:
+    try:
+        return loss(model, batch)
+    except (errors.FlaxError, ValueError) as e:
+        if "rngs" not in str(e):
+            raise
+        raise _missing_stream(e) from e
+
+
 def _nnx_loss(module: nnx.Module, loss: Callable[..., Any], seed: int | None):
     graphdef, params, batch_stats, rng_keys, rng_counts = _split_nnx(module)
     if not batch_stats and not rng_keys:
-        return (lambda p, batch: loss(nnx.merge(graphdef, p, {}, {}, {}), batch)), params
+        return (lambda p, batch: _run(loss, nnx.merge(graphdef, p, {}, {}, {}), batch)), params
 
     def fn(p, model_state, batch, key):
         stats = model_state.get("batch_stats", {})
         model = nnx.merge(graphdef, p, stats, _reseed(rng_keys, key), rng_counts)
-        try:
-            out = loss(model, batch)
-        except (errors.FlaxError, ValueError) as e:
-            if "rng" not in str(e).lower():
-                raise
-            raise _missing_stream(e) from e
+        out = _run(loss, model, batch)
         new = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
         return out, ({"batch_stats": new} if stats else {})
 
