@@ -147,10 +147,9 @@ def test_comm_stats_of_a_data_parallel_step_matches_the_parameter_count(mlp):
     grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
     batch = {"x": np.zeros((32, 12), np.float32), "y": np.zeros(32, np.int32)}
     for algorithm in ("psum", "ring"):
-        strategy = ddl.data_parallel(
-            loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n),
-            reducer=ddl.allreduce_mean(algorithm=algorithm),
-        )  # fmt: skip
+        reducer = ddl.allreduce_mean(algorithm=algorithm)
+        mesh = ddl.make_mesh(data=n)
+        strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
         stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
         loss_bytes = 4
         if algorithm == "psum":  # one all-reduce of the gradient with the loss riding along

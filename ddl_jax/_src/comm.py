@@ -28,15 +28,20 @@ from typing import Any, NamedTuple
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
-# Bits per element of every array type of XLA's PrimitiveType (xla_data.proto); sub-byte
-# types travel packed. token[] carries no data.
-_DTYPE_BITS = {
-    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4,
-    "s8": 8, "u8": 8, "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8,
-    "f8e3m4": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "f8e8m0fnu": 8,
-    "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32,
-    "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0,
-}  # fmt: skip
+# Bits per element of every array type of XLA's PrimitiveType (xla_data.proto), by width;
+# sub-byte types travel packed. token[] carries no data.
+_TYPES_BY_BITS = {
+    0: "token",
+    1: "s1 u1",
+    2: "s2 u2",
+    4: "s4 u4 f4e2m1fn",
+    8: "pred s8 u8 f8e5m2 f8e4m3 f8e4m3fn f8e4m3b11fnuz f8e3m4 f8e5m2fnuz f8e4m3fnuz f8e8m0fnu",
+    16: "s16 u16 f16 bf16",
+    32: "s32 u32 f32",
+    64: "s64 u64 f64 c64",
+    128: "c128",
+}
+_DTYPE_BITS = {name: bits for bits, names in _TYPES_BY_BITS.items() for name in names.split()}
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 # One instruction. Async ops print as ``<op>-start``, ``-update``s and ``-done`` (GPU, TPU),
