@@ -18,6 +18,7 @@ from ddl_jax._src.comm import collectives
 from ddl_jax._src.compression import _dequantise, _quantise, cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import power_sgd
 from ddl_jax._src.compression_sparse import threshold, top_k
+from ddl_jax._src.reducers import PermuteReducer, checks_vma
 
 SHAPES = {"w": (6, 20), "b": (13,)}  # a matrix and a vector; neither divides by 8 x workers
 
@@ -50,10 +51,9 @@ def reducer_program(reducer, grads: dict, n: int):
         state, outs = jax.lax.scan(one, kit.unstack(state), mine)
         return kit.restack(state), jax.tree.map(lambda x: x[:, None], outs)
 
-    program = jax.shard_map(
-        worker, mesh=mesh, in_specs=(P("data"), P(None, "data")),
-        out_specs=(P("data"), P(None, "data")), check_vma=False,
-    )  # fmt: skip
+    # check_vma: the outputs must be typed as agreeing across workers, as a strategy needs.
+    specs = (P("data"), P(None, "data"))
+    program = jax.shard_map(worker, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=True)
     grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P(None, "data")))
     return jax.jit(program), state, grads
 
@@ -399,30 +399,111 @@ def test_a_compressor_reduces_local_sgds_pseudo_gradient(mlp):
     assert state.reducer_state.residual.shape[0] == 8  # one residual per worker
 
 
+@pytest.mark.parametrize("reducer", [lambda: power_sgd(16), lambda: cast(jnp.float32)])
+def test_a_shared_state_survives_local_sgds_synchronisation_branch(mlp, reducer):
+    # PowerSGD's Q and every compression ratio come out of a collective the same on every
+    # worker; as per-worker state they must keep the type they came in with.
+    loss_fn, params = mlp
+    batches = make_batches(3, 32)
+    strategy = ddl.local_sgd(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=1, reducer=reducer()
+    )
+    state, _ = train(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+# -- plain optax transforms --------------------------------------------------------------------
+
+COMPRESSORS = {
+    "cast": lambda: cast(jnp.bfloat16),
+    "sign": sign,
+    "qsgd": lambda: qsgd(4),
+    "threshold": lambda: threshold(0.01),
+    "top_k": lambda: top_k(0.5),
+    "top_k_dgc": lambda: top_k(0.1, momentum=0.5, clip_norm=1.0, warmup_steps=2),
+    "power_sgd": lambda: power_sgd(2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_a_compressor_in_optax_chain_trains_like_the_unchecked_program(mlp, name):
+    """``optax.chain(clip, compressor)`` runs with shard_map's replication check, and equals
+    the same chain run unchecked (``check_vma=False``, as a ``PermuteReducer``)."""
+    loss_fn, params = mlp
+    batches = make_batches(3, 32)
+    mesh = ddl.make_mesh(data=8)
+    assert type(COMPRESSORS[name]()) is optax.GradientTransformation  # no mark
+
+    def trained(reducer):
+        strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+        state, metrics = train(strategy, params, batches)
+        return strategy.params(state), metrics
+
+    chained = optax.chain(optax.clip_by_global_norm(1.0), COMPRESSORS[name]())
+    assert checks_vma(chained)
+    got, metrics = trained(chained)
+    unchecked = PermuteReducer(*optax.chain(optax.clip_by_global_norm(1.0), COMPRESSORS[name]()))
+    want, want_metrics = trained(unchecked)
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal(metrics, want_metrics)
+    assert set(metrics) == {"loss", "compression_ratio"}
+
+
+def test_optax_chain_of_top_k_equals_ddl_chain(mlp):
+    loss_fn, params = mlp
+    batches = make_batches(3, 32)
+    mesh = ddl.make_mesh(data=8)
+    results = []
+    for chain in (optax.chain, ddl.chain):
+        reducer = chain(optax.clip_by_global_norm(1.0), ddl.compression.top_k(0.5))
+        strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+        state, metrics = train(strategy, params, batches)
+        results.append((strategy.params(state), metrics))
+    chex.assert_trees_all_equal(*results)
+    assert np.isfinite(float(results[0][1]["loss"]))
+
+
+def test_power_sgd_refuses_a_tree_without_a_matrix():
+    vectors = {"b": jnp.zeros(4), "scale": jnp.ones(())}
+    with pytest.raises(ValueError, match=r"power_sgd: no parameter is a matrix .*\(4,\), \(\)"):
+        power_sgd(2).init(vectors)
+    with pytest.raises(ValueError, match="power_sgd: no parameter is a matrix"):
+        optax.chain(optax.clip(1.0), power_sgd(2)).init(vectors)
+    power_sgd(2).init({**vectors, "w": jnp.zeros((3, 4))})  # one matrix is enough
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "build, match",
     [
-        (lambda: top_k(0.0), "ratio must be a number in \\(0, 1\\], got 0.0"),
-        (lambda: top_k(1.5), "ratio must be a number in \\(0, 1\\], got 1.5"),
-        (lambda: top_k(0.1, momentum=1.0), "momentum must be a number in \\[0, 1\\)"),
+        (lambda: top_k(0.0), "top_k: ratio must be a finite real number > 0, got 0.0"),
+        (lambda: top_k(1.5), "top_k: ratio must be a finite real number <= 1, got 1.5"),
+        (lambda: top_k(0.1, momentum=1.0), "momentum must be a finite real number < 1, got 1.0"),
+        (lambda: top_k(0.1, momentum=-0.5), "momentum must be a finite real number >= 0"),
         (lambda: top_k(0.1, warmup_steps=-1), "warmup_steps must be an int >= 0, got -1"),
-        (lambda: top_k(0.1, clip_norm=0), "clip_norm must be None or a number > 0, got 0"),
-        (lambda: top_k(float("nan")), "ratio must be a number in \\(0, 1\\], got nan"),
-        (lambda: top_k(True), "ratio must be a number in \\(0, 1\\], got True"),
-        (lambda: threshold(-0.1), "tau must be a finite number > 0, got -0.1"),
-        (lambda: threshold(float("inf")), "tau must be a finite number > 0, got inf"),
-        (lambda: threshold(float("nan")), "tau must be a finite number > 0, got nan"),
-        (lambda: threshold(0.1, capacity=2), "capacity must be a number in \\(0, 1\\]"),
+        (lambda: top_k(0.1, warmup_steps=2.0), "warmup_steps must be an int >= 0, got 2.0"),
+        (
+            lambda: top_k(0.1, clip_norm=0),
+            r"clip_norm \(or None\) must be a finite real number > 0, got 0",
+        ),
+        (lambda: top_k(float("nan")), "ratio must be a finite real number > 0, got nan"),
+        (lambda: top_k(True), "ratio must be a finite real number > 0, got True"),
+        (lambda: threshold(-0.1), "threshold: tau must be a finite real number > 0, got -0.1"),
+        (lambda: threshold(float("inf")), "tau must be a finite real number > 0, got inf"),
+        (lambda: threshold(float("nan")), "tau must be a finite real number > 0, got nan"),
+        (lambda: threshold(0.1, capacity=2), "capacity must be a finite real number <= 1, got 2"),
         (lambda: power_sgd(0), "power_sgd: rank must be an int >= 1, got 0"),
         (lambda: power_sgd(2.0), "power_sgd: rank must be an int >= 1, got 2.0"),
         (lambda: power_sgd(np.int64(0)), "power_sgd: rank must be an int >= 1"),
-        (lambda: qsgd(0), "qsgd: levels must be an int >= 1, got 0"),
-        (lambda: qsgd(4.0), "qsgd: levels must be an int >= 1, got 4.0"),
-        (lambda: qsgd(200), "levels must be an int in \\[1, 127\\]"),
+        (lambda: power_sgd(2, seed=1.5), "power_sgd: seed must be an int, got 1.5"),
+        (lambda: qsgd(0), r"qsgd: levels \(int8 on the wire\) must be an int >= 1 and <= 127"),
+        (lambda: qsgd(4.0), "qsgd: levels .* must be an int >= 1 and <= 127, got 4.0"),
+        (lambda: qsgd(200), "levels .* must be an int >= 1 and <= 127, got 200"),
         (lambda: qsgd(4, bucket_size=0), "qsgd: bucket_size must be an int >= 1, got 0"),
+        (lambda: qsgd(4, seed=True), "qsgd: seed must be an int, got True"),
         (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),
         (lambda: cast(jnp.float64), "dtype must be a floating dtype of at most 4 bytes"),
     ],
@@ -434,14 +515,14 @@ def test_bad_arguments_raise_clear_errors(build, match):
 
 def test_numpy_scalars_are_arguments_like_python_numbers():
     grads = random_grads(1, 2, seed=7)
+    numpy_top_k = top_k(np.float32(0.25), momentum=np.float64(0.5), warmup_steps=np.int64(4))
+    numpy_qsgd = qsgd(np.int32(4), bucket_size=np.int64(16), seed=np.int64(2))
     pairs = [
-        (top_k(np.float32(0.25), momentum=np.float64(0.5), warmup_steps=np.int64(4)),
-         top_k(float(np.float32(0.25)), momentum=0.5, warmup_steps=4)),
+        (numpy_top_k, top_k(float(np.float32(0.25)), momentum=0.5, warmup_steps=4)),
         (threshold(np.float32(0.5), capacity=np.float64(0.25)), threshold(0.5, capacity=0.25)),
         (power_sgd(np.int64(4), seed=np.int32(1)), power_sgd(4, seed=1)),
-        (qsgd(np.int32(4), bucket_size=np.int64(16), seed=np.int64(2)),
-         qsgd(4, bucket_size=16, seed=2)),
-    ]  # fmt: skip
+        (numpy_qsgd, qsgd(4, bucket_size=16, seed=2)),
+    ]
     for numpy_args, python_args in pairs:  # the same program, constants included
         program, state, placed = reducer_program(numpy_args, grads, 2)
         expected, state_py, _ = reducer_program(python_args, grads, 2)
@@ -459,3 +540,8 @@ def test_reducer_metrics_finds_the_compressor_in_a_chain():
     chained = optax.chain(optax.clip_by_global_norm(1.0), top_k(0.1))
     assert set(wire.reducer_metrics(chained.init(params))) == {"compression_ratio"}
     assert wire.reducer_metrics(ddl.allreduce_mean().init(params)) == {}
+    assert wire.reducer_metrics(optax.chain(optax.clip(1.0), sign()).init(params)) == {
+        "compression_ratio": 1.0
+    }
+    with pytest.raises(ValueError, match="several compression_ratio fields"):
+        wire.reducer_metrics(optax.chain(cast(), top_k(0.1)).init(params))

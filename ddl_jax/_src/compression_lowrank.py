@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from jax import lax
 from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.compression import check_axis_name
-from ddl_jax._src.strategy import check_positive_int
+from ddl_jax._src.strategy import check_int
 
 
 class PowerSGDState(NamedTuple):
@@ -72,15 +71,45 @@ def power_sgd(rank: int, *, seed: int = 0, axis: str = "data") -> optax.Gradient
     Returns:
       A reducer (``psum``-based, so ``shard_map`` can check replication) whose per-worker
       state is a ``PowerSGDState``.
+
+    Raises:
+      ValueError: at ``init``, for parameters with no matrix (every leaf 0- or 1-D).
+
+    Example:
+      A rank-1 exchange of a 16 x 4 kernel sends ``P`` (4) and ``Q`` (16), not 64 entries:
+
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> params = {"w": jnp.zeros((16, 4))}
+      >>> batch = {"x": np.ones((8, 16), np.float32), "y": np.ones((8, 4), np.float32)}
+      >>> reducer = ddl.compression.power_sgd(1)
+      >>> mesh = ddl.make_mesh(data=4)
+      >>> strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init(params), batch)
+      >>> print(metrics["compression_ratio"])  # 64 / (4 + 16)
+      3.2
+      >>> reducer.init({"b": jnp.zeros(4)})  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: power_sgd: no parameter is a matrix (leaf shapes [(4,)]), ...
     """
     check_axis_name("power_sgd", axis)
-    check_positive_int("power_sgd: rank", rank)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"power_sgd: seed must be an int, got {seed!r}.")
-    rank, seed = int(rank), int(seed)
+    rank = check_int("power_sgd: rank", rank, minimum=1)
+    seed = check_int("power_sgd: seed", seed)
 
-    def init(params) -> PowerSGDState:
-        matrices = [p for p in jax.tree.leaves(params) if p.ndim >= 2]
+    def init(params: Any) -> PowerSGDState:
+        leaves = jax.tree.leaves(params)
+        matrices = [p for p in leaves if p.ndim >= 2]
+        # No leaves at all is optax.tree_map_params's placeholder, not a model.
+        if leaves and not matrices:
+            raise ValueError(
+                "power_sgd: no parameter is a matrix (leaf shapes "
+                f"{[tuple(p.shape) for p in leaves]}), so PowerSGD would compress nothing "
+                "and run a dense all-reduce; use ddl.allreduce_mean() for such a model. "
+                "power_sgd therefore cannot be used with ddl.pipeline either, whose "
+                "reducer sees each stage's parameters as one flat vector."
+            )
         key = jax.random.key(seed)
         qs = []
         for i, p in enumerate(matrices):
@@ -119,7 +148,7 @@ def power_sgd(rank: int, *, seed: int = 0, axis: str = "data") -> optax.Gradient
         wire_bytes = 2 * (n - 1) / n * 4 * sent
         dense = sum(g.size for g in leaves)
         new_state = PowerSGDState(residual, tuple(qs), wire.ratio(dense, wire_bytes, n))
-        return treedef.unflatten(out), new_state
+        return treedef.unflatten(out), wire.typed_like(new_state, state)
 
     return optax.GradientTransformation(init, update)
 

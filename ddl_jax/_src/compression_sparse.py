@@ -3,14 +3,13 @@
 Both keep an error-feedback residual per worker and all-gather a fixed-size payload
 (``all_gather``, so each device sends ``(N-1) x`` its payload): a static shape is what an
 SPMD program can compile, so the payload has a capacity of k entries and whatever does not
-fit waits in the residual. Their gathered values are typed as varying over the axis, so
-they are ``PermuteReducer``s (strategies run them with ``check_vma=False``).
+fit waits in the residual. The gathered payloads are typed invariant over the axis, so
+both are plain optax transforms (``optax.chain`` composes them).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -22,22 +21,26 @@ from ddl_jax._src import compression_wire as wire
 from ddl_jax._src.collectives import check_axis_in_scope
 from ddl_jax._src.compression import check_axis_name
 from ddl_jax._src.flat import FlatView
-from ddl_jax._src.reducers import PermuteReducer
-from ddl_jax._src.strategy import check_positive_int
+from ddl_jax._src.strategy import check_int, check_real
 
 # DGC's warm-up: the density falls exponentially, 25% -> 6.25% -> 1.56% -> 0.39%, in four
 # equal phases, before the target density.
 WARMUP_DENSITIES = (0.25, 0.25**2, 0.25**3, 0.25**4)
 
 
-def _is_real(value: Any) -> bool:
-    # numbers.Real takes NumPy scalars (np.float32(0.01)); bool is a Real we refuse.
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _check_fraction(name: str, value: Any) -> float:
+    """``value`` in (0, 1]: ``check_real`` bounds are all open or all closed, so two calls."""
+    return check_real(name, check_real(name, value, minimum=0, exclusive=True), maximum=1)
 
 
-def _check_fraction(fn: str, name: str, value: Any) -> None:
-    if not _is_real(value) or not 0 < value <= 1:
-        raise ValueError(f"{fn}: {name} must be a number in (0, 1], got {value!r}.")
+def _check_size(fn: str, view: FlatView, residual: jax.Array) -> None:
+    if view.size != residual.size:
+        raise ValueError(
+            f"{fn}: the updates have {view.size} entries but reducer.init built the state for "
+            f"{residual.size}: update must see the parameters init saw. (A gradient sharded "
+            "over another mesh axis, as in ddl.tensor_parallel, is not supported: use "
+            "ddl.allreduce_mean() there.)"
+        )
 
 
 def _capacity(fraction: float, size: int) -> int:
@@ -84,10 +87,8 @@ def threshold(
       A reducer whose per-worker state is a ``ThresholdState``.
     """
     check_axis_name("threshold", axis)
-    if not _is_real(tau) or not 0 < tau < math.inf:
-        raise ValueError(f"threshold: tau must be a finite number > 0, got {tau!r}.")
-    _check_fraction("threshold", "capacity", capacity)
-    tau, capacity = float(tau), float(capacity)
+    tau = check_real("threshold: tau", tau, minimum=0, exclusive=True)
+    capacity = _check_fraction("threshold: capacity", capacity)
 
     def init(params) -> ThresholdState:
         zeros = jnp.zeros(FlatView.of(params).size, jnp.float32)
@@ -97,6 +98,7 @@ def threshold(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
+        _check_size("threshold", view, state.residual)
         if 2 * view.size >= 2**31:
             raise ValueError(f"threshold: {view.size} entries do not fit 31-bit codes.")
         k = _capacity(capacity, view.size)
@@ -113,9 +115,9 @@ def threshold(
         values = jnp.where(valid, jnp.where(codes & 1, -tau, tau), 0.0)
         out = jnp.zeros(view.size, jnp.float32).at[jnp.where(valid, codes >> 1, 0)].add(values)
         new_state = ThresholdState(r, wire.ratio(view.size, (n - 1) * 4 * k, n))
-        return wire.unravel_updates(view, out / n), new_state
+        return wire.unravel_updates(view, out / n), wire.typed_like(new_state, state)
 
-    return PermuteReducer(init, update)
+    return optax.GradientTransformation(init, update)
 
 
 class TopKState(NamedTuple):
@@ -174,16 +176,31 @@ def top_k(
 
     Returns:
       A reducer whose per-worker state is a ``TopKState``.
+
+    Example:
+      A strategy's ``reducer=``, here after clipping each worker's gradient, with plain
+      ``optax.chain``; 8 of the 64 entries leave each of the 4 workers:
+
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> params = {"w": jnp.zeros((16, 4))}
+      >>> batch = {"x": np.ones((8, 16), np.float32), "y": np.ones((8, 4), np.float32)}
+      >>> reducer = optax.chain(optax.clip_by_global_norm(1.0), ddl.compression.top_k(0.125))
+      >>> mesh = ddl.make_mesh(data=4)
+      >>> strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init(params), batch)
+      >>> print(metrics["compression_ratio"])  # a dense float32 ring's bytes / bytes sent
+      2.0
     """
     check_axis_name("top_k", axis)
-    _check_fraction("top_k", "ratio", ratio)
-    if not _is_real(momentum) or not 0 <= momentum < 1:
-        raise ValueError(f"top_k: momentum must be a number in [0, 1), got {momentum!r}.")
-    if clip_norm is not None and (not _is_real(clip_norm) or not clip_norm > 0):
-        raise ValueError(f"top_k: clip_norm must be None or a number > 0, got {clip_norm!r}.")
-    check_positive_int("top_k: warmup_steps", warmup_steps, minimum=0)
-    ratio, momentum, warmup_steps = float(ratio), float(momentum), int(warmup_steps)
-    clip_norm = None if clip_norm is None else float(clip_norm)
+    ratio = _check_fraction("top_k: ratio", ratio)
+    # [0, 1): momentum 1 would never forget a gradient.
+    momentum = check_real("top_k: momentum", momentum, minimum=0)
+    momentum = check_real("top_k: momentum", momentum, maximum=1, exclusive=True)
+    if clip_norm is not None:
+        clip_norm = check_real("top_k: clip_norm (or None)", clip_norm, minimum=0, exclusive=True)
+    warmup_steps = check_int("top_k: warmup_steps", warmup_steps, minimum=0)
     densities = [max(ratio, d) for d in WARMUP_DENSITIES] if warmup_steps else []
     densities.append(ratio)
 
@@ -200,6 +217,7 @@ def top_k(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
+        _check_size("top_k", view, state.residual)
         g = view.ravel(updates, dtype=jnp.float32)
         if clip_norm is not None:
             g = g * jnp.minimum(1.0, clip_norm / jnp.maximum(jnp.linalg.norm(g), 1e-30))
@@ -230,6 +248,6 @@ def top_k(
             step=state.step + 1,
             compression_ratio=compression,
         )
-        return wire.unravel_updates(view, out), new_state
+        return wire.unravel_updates(view, out), wire.typed_like(new_state, state)
 
-    return PermuteReducer(init, update)
+    return optax.GradientTransformation(init, update)

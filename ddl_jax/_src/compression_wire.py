@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 from ddl_jax._src.flat import FlatView
@@ -36,11 +37,45 @@ def reducer_metrics(reducer_state: Any) -> dict[str, jax.Array]:
 
     Args:
       reducer_state: one worker's reducer state (any pytree, ``optax.chain`` states
-        included); a NamedTuple node with a ``compression_ratio`` field holds the metric.
+        included); a NamedTuple field ``compression_ratio`` holds the metric.
+
+    Raises:
+      ValueError: the state holds several ``compression_ratio`` fields (a chain of several
+        compressors), so which one the metric is would be a guess.
     """
-    nodes = jax.tree.leaves(reducer_state, is_leaf=lambda x: hasattr(x, "compression_ratio"))
-    ratios = [node.compression_ratio for node in nodes if hasattr(node, "compression_ratio")]
-    return {"compression_ratio": ratios[0]} if ratios else {}
+    try:
+        found = optax.tree.get(reducer_state, "compression_ratio")
+    except KeyError:
+        raise ValueError(
+            "reducer_metrics: the reducer state holds several compression_ratio fields (a "
+            "chain of several ddl.compression reducers?); chain at most one compressor, "
+            "which averages over the workers, per reducer."
+        ) from None
+    return {} if found is None else {"compression_ratio": found}
+
+
+def typed_like(new_state: Any, state: Any) -> Any:
+    """``new_state`` with each leaf typed varying over the axes its ``state`` leaf varies over.
+
+    A reducer's state is a worker's own (strategies stack one per worker), so it comes in
+    typed varying; parts computed from gathered or summed values (a shared factor, the
+    compression ratio) come out invariant. Typing them back keeps the state one type
+    through ``lax.scan`` and ``lax.cond`` (local SGD's synchronisation branch). Under
+    ``check_vma=False`` nothing is typed varying and this does nothing.
+    """
+
+    def one(new: Any, old: Any) -> Any:
+        missing = tuple(sorted(_varying(old) - _varying(new)))
+        return lax.pcast(new, missing, to="varying") if missing else new
+
+    return jax.tree.map(one, new_state, state)
+
+
+def _varying(x: Any) -> frozenset[str]:
+    """The mesh axes ``x`` is typed varying over (``aval.mat.varying``; ``vma`` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def ratio(dense_elements: int, wire_bytes: float, n: int) -> jax.Array:
@@ -97,8 +132,13 @@ def scatter_to_owners(chunks: jax.Array, axis: str) -> jax.Array:
 
 
 def gather_from_owners(chunk: jax.Array, axis: str) -> jax.Array:
-    """Every owner's ``chunk [...]``, stacked ``[n, ...]`` in worker order (one ``all_gather``)."""
-    return lax.all_gather(chunk, axis)
+    """Every owner's ``chunk [...]``, stacked ``[n, ...]`` in worker order (one ``all_gather``).
+
+    The result is typed invariant over ``axis`` (the same on every worker), so a reducer
+    whose output is computed from gathered values only passes ``shard_map``'s
+    replication check, inside ``optax.chain`` too: the compiled all-gather is the same.
+    """
+    return lax.all_gather(chunk, axis, to="invarying")
 
 
 def owner_slice(full: jax.Array, owner: jax.Array, size: int) -> jax.Array:

@@ -5,6 +5,12 @@ strategy's ``shard_map``: it receives this worker's gradient (varying over the d
 axis) and returns an update that every worker agrees on. Its ``init`` builds the state of
 *one* worker; strategies give each worker its own copy (a leading axis sharded over the
 data axis), so error-feedback residuals and similar per-worker memories stay local.
+
+A reducer built from ``psum`` or from ``all_gather(..., to="invarying")`` (every
+``ddl.compression`` reducer) returns an update JAX types as invariant over the axis: it is
+a plain optax transform, and ``optax.chain`` composes it with any other. Only the explicit
+``ppermute`` algorithms (``allreduce_mean(algorithm="ring" | "tree" | "ps")``) return
+values typed as varying; they carry the ``PermuteReducer`` mark, which ``ddl.chain`` keeps.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ ALGORITHMS = {
 
 
 class PermuteReducer(optax.GradientTransformation):
-    """A reducer whose output JAX types as varying over the axis (built from ``ppermute``,
-    ``all_gather`` or ``all_to_all``).
+    """A reducer whose output JAX types as varying over the axis: the explicit ring, tree
+    and parameter-server all-reduces, built from ``ppermute``.
 
     Its output agrees across workers, but there is no cast from varying to invariant, so a
     strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
@@ -40,11 +46,20 @@ class PermuteReducer(optax.GradientTransformation):
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``optax.chain`` for reducers: keeps the mark of a ``ddl.compression`` or explicit
-    ring / tree / ps reducer among ``transforms``, so a strategy can run the chain.
+    """``optax.chain`` that keeps the mark of an explicit ring / tree / ps all-reduce among
+    ``transforms``, so a strategy can run the chain.
 
-    Example: ``ddl.chain(optax.clip_by_global_norm(1.0), ddl.compression.top_k(0.01))``
-    clips each worker's gradient before it is compressed and averaged.
+    Without such a reducer it is ``optax.chain`` itself: ``psum``-based and
+    ``ddl.compression`` reducers compose with plain ``optax.chain`` too.
+
+    Example:
+      Clip each worker's gradient, then average with the ring algorithm:
+
+      >>> import optax, ddl_jax as ddl
+      >>> ring = ddl.allreduce_mean(algorithm="ring")
+      >>> reducer = ddl.chain(optax.clip_by_global_norm(1.0), ring)
+      >>> type(reducer).__name__  # the mark: strategies run it without the replication check
+      'PermuteReducer'
     """
     chained = optax.chain(*transforms)
     if all(checks_vma(t) for t in transforms):
@@ -69,6 +84,23 @@ def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.Gradien
 
     Returns:
       A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.
+
+    Example:
+      Inside ``shard_map`` each worker passes its own gradient and gets the mean:
+
+      >>> import jax, jax.numpy as jnp, ddl_jax as ddl
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = ddl.make_mesh(data=4)
+      >>> reducer = ddl.allreduce_mean()
+      >>> def worker(g):  # g: this worker's row of the [4, 2] gradients
+      ...     mean, _ = reducer.update(g[0], reducer.init(g[0]))
+      ...     return mean
+      >>> grads = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("data")))
+      >>> print(jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P())(grads))
+      [3. 4.]
+
+      A strategy takes it as ``reducer=`` (it is the default):
+      ``ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=ddl.allreduce_mean())``.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(
