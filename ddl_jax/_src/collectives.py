@@ -81,6 +81,23 @@ def ring_allreduce(x: Any, axis_name: str) -> Any:
 
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
+
+    Example:
+      The result agrees across devices but is typed varying, hence ``check_vma=False``:
+
+      >>> import jax, jax.numpy as jnp, ddl_jax as ddl
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = ddl.make_mesh(data=4)
+      >>> x = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("data")))
+      >>> total = jax.shard_map(
+      ...     lambda x: ddl.collectives.ring_allreduce(x, "data"),
+      ...     mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False,
+      ... )
+      >>> print(total(x))  # every device's row is the sum of the four rows
+      [[12. 16.]
+       [12. 16.]
+       [12. 16.]
+       [12. 16.]]
     """
     return _allreduce(x, axis_name, _ring)
 

@@ -56,6 +56,13 @@ def make_mesh(
 
     Returns:
       A ``jax.sharding.Mesh`` with axes in the order ``data, stage, model``.
+
+    Example:
+      >>> import ddl_jax as ddl
+      >>> dict(ddl.make_mesh(data=2, model=4).shape)
+      {'data': 2, 'model': 4}
+      >>> dict(ddl.make_mesh(stage=2).shape)  # data takes the devices left: 8 / 2
+      {'data': 4, 'stage': 2}
     """
     devices = list(jax.devices() if devices is None else devices)
     stage = check_int("make_mesh: stage", stage, minimum=1)
