@@ -238,6 +238,8 @@ def top_k(
 
         branches = [exchange(_capacity(d, view.size)) for d in densities]
         if warmup_steps:
+            # The step counts the same exchanges on every worker, so all take one branch;
+            # JAX types a switch's outputs by its branches' (invariant) outputs.
             phase = jnp.minimum(state.step * 4 // warmup_steps, 4)
             out, v, u, compression = lax.switch(phase, branches, v, u)
         else:
