@@ -84,9 +84,14 @@ class WithBatchNorm(nnx.Module):
         return self.norm(self.dense(x))
 
 
-def test_state_a_pure_loss_would_freeze_is_rejected():
-    with pytest.raises(ValueError, match="BatchStat"):
-        ddl.flax.loss_from_module(WithBatchNorm(nnx.Rngs(0)), mlp_loss)
+def test_a_batch_norm_module_gives_a_model_loss_and_its_statistics():
+    model = WithBatchNorm(nnx.Rngs(0))
+    loss_fn, variables = ddl.flax.loss_from_module(model, mlp_loss)
+    assert isinstance(loss_fn, ddl.ModelLoss)
+    assert set(variables) == {"params", "batch_stats"}
+    chex.assert_trees_all_equal(
+        variables["batch_stats"], nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    )
 
 
 def test_bad_arguments():

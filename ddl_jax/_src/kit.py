@@ -179,10 +179,10 @@ class Kit(NamedTuple):
                     raise
                 raise ValueError(
                     "the reducer's output is not provably the same on every worker. A "
-                    "reducer must average over the workers (e.g. ddl.allreduce_mean()); a "
-                    "ddl.compression reducer or allreduce_mean(algorithm='ring'|'tree'|'ps') "
-                    "inside optax.chain loses the mark that lets strategies run it: chain it "
-                    "with ddl.chain instead."
+                    "reducer must average over the workers (e.g. ddl.allreduce_mean()); "
+                    "allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain loses the "
+                    "mark that lets strategies run its ppermute rounds: chain it with "
+                    "ddl.chain instead."
                 ) from e
 
         return step
