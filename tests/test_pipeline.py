@@ -9,8 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from conftest import make_batches, replica_groups
+from conftest import (
+    BNDropoutMLP,
+    bn_dropout_pair,
+    first_stream_key,
+    make_batches,
+    nnx_reference,
+    replica_groups,
+    step_key,
+    worker_shards,
+)
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -490,12 +500,242 @@ def test_pipeline_docstring_example_runs():
     assert doctest.DocTestRunner().run(example) == (0, 7)  # (failed, attempted)
 
 
-def test_stages_with_batch_norm_or_dropout_are_refused_clearly():
-    from conftest import BNDropoutMLP
+# --- model state and randomness: BatchNorm and Dropout in the stages ---------------------
 
-    with pytest.raises(ValueError, match=r"modules\[1\] \(BNDropoutMLP\).*BatchNorm/Dropout"):
-        ddl.pipeline_stages([nnx.Linear(12, 12, rngs=nnx.Rngs(0)), BNDropoutMLP(rngs=nnx.Rngs(0))])
-    loss_fn, _ = ddl.flax.loss_from_module(BNDropoutMLP(rngs=nnx.Rngs(0)), lambda m, b: 0.0)
-    stages, _ = ddl.pipeline_stages([nnx.Linear(12, 5, rngs=nnx.Rngs(0))])
-    with pytest.raises(ValueError, match="cannot be pipelined yet"):
-        ddl.pipeline(stages, loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1), microbatches=1)
+
+class BNBlock(nnx.Module):
+    """Linear, BatchNorm, ReLU and Dropout: a stage with model state and randomness."""
+
+    def __init__(self, n_in: int, n_out: int, *, rate: float, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(n_in, n_out, rngs=rngs)
+        self.norm = nnx.BatchNorm(n_out, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        x = x["x"] if isinstance(x, dict) else x
+        return self.drop(nnx.relu(self.norm(self.lin(x))))
+
+
+def bn_modules(rate: float = 0.3) -> list[BNBlock]:
+    """Two stages, 12 -> 16 -> 5, each with BatchNorm and Dropout; the same on every call."""
+    return [
+        BNBlock(12, 16, rate=rate, rngs=nnx.Rngs(params=0, dropout=1)),
+        BNBlock(16, 5, rate=rate, rngs=nnx.Rngs(params=1, dropout=2)),
+    ]
+
+
+def test_pipeline_stages_of_stateful_modules_are_model_losses_with_their_variables():
+    modules = [nnx.Linear(12, 12, rngs=nnx.Rngs(0)), *bn_modules()]
+    stages, variables = pipeline_stages(modules)
+    assert callable(stages[0][0]) and not isinstance(stages[0][0], ddl.ModelLoss)
+    assert all(isinstance(apply, ddl.ModelLoss) for apply, _ in stages[1:])
+    assert set(variables[0]) == {"kernel", "bias"}
+    assert all(set(v) == {"params", "batch_stats"} for v in variables[1:])
+    # One seed for the run: the first stream of the first module with one.
+    first = first_stream_key(modules[1])
+    for apply, _ in stages[1:]:
+        np.testing.assert_array_equal(apply.seed, first)
+    assert [v for _, v in stages] == variables
+
+
+def micro_batch_loop(modules, optimizer, batches, n, m):
+    """Single-device training of the stages composed: each step runs every worker's M
+    micro-batches through the stages in order (each forward updating the running
+    statistics, micro-batch j of stage k on worker w at step t drawing the documented key
+    ``fold_in(fold_in(fold_in(fold_in(seed, t), w), k), j)``), averages the gradients over
+    all micro-batches and the statistics over the workers, and takes one optimizer step."""
+    parts = [nnx.split(x, nnx.Param, nnx.BatchStat, nnx.RngKey, nnx.RngCount) for x in modules]
+    graphs = [g for g, *_ in parts]
+    params, stats, keys, counts = (
+        [nnx.to_pure_dict(part[i]) for part in parts] for i in range(1, 5)
+    )
+    base = first_stream_key(modules[0])
+
+    @jax.jit
+    def grad(params, stats, micro, key, j):
+        def loss(params):
+            x, new = micro, []
+            stages = zip(graphs, params, stats, keys, counts, strict=True)
+            for k, (g, p, s, r, c) in enumerate(stages):
+                leaves, treedef = jax.tree.flatten(r)
+                stage = jax.random.fold_in(key, k)
+                stage = jax.random.fold_in(stage, j) if m > 1 else stage
+                fresh = treedef.unflatten(
+                    [jax.random.fold_in(stage, i) for i in range(len(leaves))]
+                )
+                module = nnx.merge(g, p, s, fresh, c)
+                x = module(x)
+                new.append(nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)))
+            return xent(x, micro), new
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    def mean(trees):
+        return jax.tree.map(lambda *x: sum(x) / len(x), *trees)
+
+    opt_state = optimizer.init(params)
+    for t, batch in enumerate(batches):
+        grads, ends = [], []
+        for w, shard in enumerate(worker_shards(batch, n)):
+            s = stats
+            for j in range(m):
+                micro = jax.tree.map(lambda v, j=j: np.split(v, m)[j], shard)
+                g, s = grad(params, s, micro, step_key(base, t, w), j)
+                grads.append(g)
+            ends.append(s)
+        stats = mean(ends)
+        updates, opt_state = optimizer.update(mean(grads), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return [{"params": p, "batch_stats": s} for p, s in zip(params, stats, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "n", "m", "rate"),
+    [("gpipe", 2, 2, 0.0), ("1f1b", 1, 4, 0.0), ("gpipe", 2, 2, 0.3), ("1f1b", 2, 3, 0.3)],
+)
+def test_exact_schedules_with_batch_norm_and_dropout_equal_a_loop_over_micro_batches(
+    schedule, n, m, rate
+):
+    """Running statistics updated by each micro-batch's forward in order, gradients averaged;
+    with dropout, each (stage, micro-batch) draws its documented key in its forward and in
+    its backward's recomputation alike, so the gradient is exact for the mask used."""
+    stages, variables = pipeline_stages(bn_modules(rate))
+    batches = make_batches(2, 12 * n)
+    mesh = ddl.make_mesh(data=n, stage=2)
+    strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule)
+    got, _ = train(strategy, variables, batches)
+    expected = micro_batch_loop(bn_modules(rate), optax.sgd(0.1), batches, n, m)
+    chex.assert_trees_all_close(got, expected, atol=1e-5, rtol=0)
+    assert not np.allclose(got[1]["batch_stats"]["norm"]["mean"], 0.0)
+
+
+def test_ddg_with_one_stage_and_batch_norm_is_a_flax_loop_over_micro_batches():
+    """K=1: each tick is a step on one micro-batch, drawing the key of its global index."""
+    loss_fn, variables = bn_dropout_pair()
+    batches = make_batches(2, 16)
+    mesh = ddl.make_mesh(data=1)
+    options = {"microbatches": 2, "schedule": "ddg"}
+    strategy = pipeline(
+        [(loss_fn, variables)], lambda loss, b: loss, optax.sgd(0.1), mesh, **options
+    )
+    [got], _ = train(strategy, [variables], batches)
+    micro = [jax.tree.map(lambda v, j=j: v[8 * j : 8 * j + 8], b) for b in batches for j in (0, 1)]
+    model = BNDropoutMLP(rngs=nnx.Rngs(params=0, dropout=1))
+    expected = nnx_reference(model, optax.sgd(0.1), micro, first_stream_key(model))
+    chex.assert_trees_all_close(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ddg"])
+def test_two_stages_with_batch_norm_and_dropout_compile_once_and_resume_bitwise(schedule, tmp_path):
+    modules = bn_modules()
+    stages, variables = pipeline_stages(modules)
+    batches = make_batches(6, 16)
+    options = {"schedule": schedule, "example_batch": batches[0]}
+    mesh = ddl.make_mesh(data=2, stage=2)
+    strategy = pipeline(stages, xent, optax.adam(1e-2), mesh, microbatches=2, **options)
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return strategy.step(state, batch)
+
+    step = jax.jit(counted)
+    state = strategy.init(variables)
+    for batch in batches[:3]:
+        state, _ = step(state, batch)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(3, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+        like = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = manager.restore(3, args=ocp.args.StandardRestore(like))
+    for batch in batches[3:]:
+        state, _ = step(state, batch)
+        restored, _ = step(restored, batch)
+    chex.assert_trees_all_equal(restored, state)
+    assert len(traces) == 1
+    trained = strategy.params(state)
+    for stage in trained:
+        assert set(stage) == {"params", "batch_stats"}
+        assert not np.allclose(stage["batch_stats"]["norm"]["mean"], 0.0)
+    ddl.flax.update_module(modules, jax.device_get(trained))
+    chex.assert_trees_all_equal(pipeline_stages(modules)[1], jax.device_get(trained))
+
+
+class MaskStage(nnx.Module):
+    """Passes a one-hot row selector ``sel`` on and adds ``dropout(1) * (sel @ w)`` to the
+    signal: with a loss summing the signal, row r of w's gradient is the mask of example r."""
+
+    def __init__(self, rows: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(jnp.zeros((rows, 64)))
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.rows = rows
+
+    def __call__(self, z):
+        z = z["z"] if isinstance(z, dict) else z
+        sel, h = z[:, : self.rows], z[:, self.rows :]
+        return jnp.concatenate([sel, h + self.drop(jnp.ones_like(h)) * (sel @ self.w[...])], 1)
+
+
+@pytest.mark.parametrize(("schedule", "steps"), [("gpipe", 1), ("1f1b", 1), ("ddg", 2)])
+def test_dropout_masks_differ_across_stages_micro_batches_and_workers(schedule, steps):
+    """data=2, stage=2, M=2, one example per micro-batch: every (stage, worker, micro-batch)
+    draws its own mask, from the documented key (DDG: the micro-batch's global index)."""
+    n, m, rows = 2, 2, 4 * steps
+    modules = [MaskStage(rows, rngs=nnx.Rngs(dropout=5)), MaskStage(rows, rngs=nnx.Rngs(dropout=6))]
+    stages, variables = pipeline_stages(modules)
+    eye = np.eye(rows, dtype=np.float32)
+    batches = [{"z": np.pad(eye[4 * t : 4 * t + 4], ((0, 0), (0, 64)))} for t in range(steps)]
+    options = {"schedule": schedule, "example_batch": batches[0]}
+    mesh = ddl.make_mesh(data=n, stage=2)
+    loss = lambda y, batch: y[:, rows:].sum()  # noqa: E731
+    strategy = pipeline(stages, loss, optax.sgd(1.0), mesh, microbatches=m, **options)
+    got, _ = train(strategy, variables, batches)
+    base = first_stream_key(modules[0])
+    seen, checked = set(), 0
+    for k, t, w, j in itertools.product(range(2), range(steps), range(n), range(m)):
+        row = 4 * t + m * w + j  # worker w's micro-batch j of step t
+        if schedule == "ddg":  # tick 2 * steps - 1 backpropagated up to 2 * steps - 3 + k
+            step, stage_key = t * m + j, jax.random.fold_in(step_key(base, t * m + j, w), k)
+            if step > 2 * steps - 3 + k:
+                assert not np.asarray(got[k]["params"]["w"])[row].any()
+                continue
+        else:
+            stage_key = jax.random.fold_in(jax.random.fold_in(step_key(base, t, w), k), j)
+        stream = jax.random.fold_in(stage_key, 0)  # the stage's only stream
+        mask = jax.random.bernoulli(jax.random.fold_in(stream, 0), 0.5, (1, 64))[0]
+        np.testing.assert_array_equal(np.asarray(got[k]["params"]["w"])[row] != 0, mask)
+        seen.add(mask.tobytes())
+        checked += 1
+    assert len(seen) == checked >= 2 * n * m
+
+
+def test_what_pipelines_cannot_carry_fails_clearly():
+    loss_fn, variables = bn_dropout_pair()
+    stages, _ = pipeline_stages([nnx.Linear(12, 5, rngs=nnx.Rngs(0))])
+    mesh = ddl.make_mesh(data=1)
+    with pytest.raises(ValueError, match="ModelLoss is not supported there.*in a stage"):
+        pipeline(stages, loss_fn, optax.sgd(0.1), mesh, microbatches=1)
+    with pytest.raises(TypeError, match=r"stages\[0\] is a stateful stage.*'batch_stats'"):
+        pipeline([(loss_fn, variables["params"])], xent, optax.sgd(0.1), mesh, microbatches=1)
+    strategy = pipeline(
+        [(loss_fn, variables)], lambda y, b: y, optax.sgd(0.1), mesh, microbatches=1
+    )
+    with pytest.raises(TypeError, match=r"params\[0\]: stage 0 is stateful.*'batch_stats'"):
+        strategy.init([variables["params"]])
+
+    def wrong_state(params, model_state, batch, key):
+        return jnp.sum(params["w"]), {"batch_stats": {"other": jnp.zeros(3)}}
+
+    bad = (
+        ddl.ModelLoss(wrong_state),
+        {"params": {"w": jnp.ones(3)}, "batch_stats": {"m": jnp.ones(3)}},
+    )
+    with pytest.raises(ValueError, match="model state stage 0 returned has shapes"):
+        pipeline(
+            [bad],
+            lambda y, b: y,
+            optax.sgd(0.1),
+            mesh,
+            microbatches=1,
+            example_batch=make_batches(1, 4)[0],
+        )

@@ -39,14 +39,13 @@ import ddl_jax as ddl
 
 def one_stage_pipeline(schedule: str, microbatches: int):
     """The whole model as a pipeline's single stage, behind the (loss_fn, opt, mesh) signature:
-    GPipe and 1F1B average M micro-batch gradients, DDG with M=1 steps on the whole batch."""
+    GPipe and 1F1B average M micro-batch gradients, DDG with M=1 steps on the whole batch. A
+    ddl.ModelLoss (the BatchNorm and Dropout model) is a stateful stage of its variables."""
 
     def build(loss_fn, opt, mesh):
-        _, template = mlp_pair()
-        strategy = ddl.pipeline(
-            [(loss_fn, template)], lambda loss, batch: loss, opt, mesh,
-            microbatches=microbatches, schedule=schedule,
-        )  # fmt: skip
+        _, template = bn_dropout_pair() if isinstance(loss_fn, ddl.ModelLoss) else mlp_pair()
+        options = {"microbatches": microbatches, "schedule": schedule}
+        strategy = ddl.pipeline([(loss_fn, template)], lambda loss, b: loss, opt, mesh, **options)
         return ddl.Strategy(
             init=lambda params: strategy.init([params]),
             step=strategy.step,
@@ -207,20 +206,26 @@ def test_a_hand_built_auto_mesh_trains_as_make_mesh_does(mlp, name):
     assert not np.allclose(results[0]["layers"][0]["kernel"], params["layers"][0]["kernel"])
 
 
-# Pipelines take stages, not a model loss: they refuse model state (test_pipeline.py).
-WITH_MODEL_STATE = {k: v for k, v in STRATEGIES.items() if not k.startswith("pipeline")}
+# A pipeline's stage is the model loss; with one micro-batch its forward sees the whole batch.
+WITH_MODEL_STATE = {
+    **STRATEGIES,
+    "pipeline_gpipe_one_micro_batch": one_stage_pipeline("gpipe", 1),
+    "pipeline_1f1b_one_micro_batch": one_stage_pipeline("1f1b", 1),
+}
 
 
-# Accumulation normalises each micro-batch by its own statistics and updates them once per
-# micro-batch, as k smaller steps' forward passes would: not one pass over the whole batch.
-WHOLE_BATCH = sorted(k for k in WITH_MODEL_STATE if k != "data_parallel_accumulate")
+# Accumulation (and a pipeline's M micro-batches) normalises each micro-batch by its own
+# statistics and updates them once per micro-batch, as k smaller steps' forward passes
+# would: not one pass over the whole batch.
+MICRO_BATCHED = ("data_parallel_accumulate", "pipeline_gpipe", "pipeline_1f1b")
+WHOLE_BATCH = sorted(k for k in WITH_MODEL_STATE if k not in MICRO_BATCHED)
 
 
 @pytest.mark.parametrize("name", WHOLE_BATCH)
 def test_one_worker_with_batch_norm_and_dropout_is_a_flax_training_loop(name):
     loss_fn, variables = bn_dropout_pair()
     batches = make_batches(4, 16)
-    strategy = STRATEGIES[name](loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
+    strategy = WITH_MODEL_STATE[name](loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
     state = run(jax.jit(strategy.step), strategy.init(variables), batches)
     reference = BNDropoutMLP(rngs=nnx.Rngs(params=0, dropout=1))
     expected = nnx_reference(reference, optax.sgd(0.1), batches, first_stream_key(reference))
@@ -231,7 +236,7 @@ def test_one_worker_with_batch_norm_and_dropout_is_a_flax_training_loop(name):
 def test_batch_norm_and_dropout_compile_once_and_resume_bitwise(name, tmp_path):
     loss_fn, variables = bn_dropout_pair()
     batches = make_batches(6, 32)
-    strategy = STRATEGIES[name](loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
+    strategy = WITH_MODEL_STATE[name](loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8))
     traces = []
 
     def counted(state, batch):

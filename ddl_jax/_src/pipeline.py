@@ -5,7 +5,9 @@ stage and error gradients to the previous one by ``ppermute``, inside a ``lax.sc
 the ticks of a schedule computed in numpy (``pipeline_schedules``). Stages may differ in
 parameters and in activation shapes: each stage's parameters are one flat vector (padded
 to the largest stage, so they stack over the ``stage`` axis) and activations travel as flat
-buffers padded to the largest boundary, unpacked by the receiving stage.
+buffers padded to the largest boundary, unpacked by the receiving stage. A stage may carry
+model state (batch statistics) and draw dropout keys: its state is one flat vector too,
+stacked over ``stage`` like the parameters.
 
 :func:`pipeline` checks its arguments once into a ``PipelineConfig`` (:func:`_setup`) and
 hands it to one of two builders on the kit: :func:`_exact_pipeline` (GPipe, 1F1B) and
@@ -26,10 +28,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src import model_loss as ml
 from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_lowrank import PowerSGDState
 from ddl_jax._src.flat import FlatView
-from ddl_jax._src.flax_bridge import split
+from ddl_jax._src.flax_bridge import loss_from_module
 from ddl_jax._src.kit import Kit, explicit_mesh, prepare
 from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline_programs import (
@@ -53,28 +56,61 @@ def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
     return explicit_mesh(mesh, axes)
 
 
-def pipeline_stages(modules: Sequence[nnx.Module]) -> tuple[list[StageFn], list[Any]]:
-    """Flax NNX modules -> ``(stages, params)`` for :func:`pipeline` and its ``init``.
+def pipeline_stages(
+    modules: Sequence[nnx.Module],
+) -> tuple[list[tuple[StageFn, Any]], list[Any]]:
+    """Flax NNX modules -> ``(stages, variables)`` for :func:`pipeline` and its ``init``.
 
-    ``stages[k]`` is the pair ``(apply, params_k)`` of module k; ``params`` the list of the
-    modules' parameter pytrees, which ``Strategy.init`` takes and ``Strategy.params``
-    returns (write them back with ``ddl.flax.update_module``).
+    ``stages[k]`` is the pair ``(apply, variables_k)`` of module k, as
+    ``ddl.flax.loss_from_module(module, lambda model, x: model(x))`` makes it:
+
+    * a module with only parameters: ``apply(params_k, x) -> y`` and its params pytree;
+    * a module with batch norm (``nnx.BatchStat``) or dropout (RNG streams): a stateful
+      stage, ``apply`` a ``ddl.ModelLoss`` whose ``fn(params_k, model_state_k, x, key) ->
+      (y, new_model_state_k)``, and its variables ``{"params": ..., "batch_stats": ...}``
+      (``"batch_stats"`` only with batch norm). Stream i of the module draws
+      ``fold_in(key, i)``; the module runs in the mode it is in (``train()`` / ``eval()``).
+
+    ``variables`` is the list of the ``variables_k``, which ``Strategy.init`` takes and
+    ``Strategy.params`` returns (write them back with
+    ``ddl.flax.update_module(modules, variables)``). Every stateful stage carries the same
+    seed, the first RNG stream of the first module that has one: the run's base key.
     """
-    for i, module in enumerate(modules):
-        if nnx.state(module, nnx.BatchStat) or nnx.state(module, nnx.RngKey):
-            raise ValueError(
-                f"modules[{i}] ({type(module).__name__}) holds batch statistics or an RNG "
-                "stream; pipeline stages carry neither model state nor dropout keys yet. Use "
-                "stages without BatchNorm/Dropout (e.g. LayerNorm), or another strategy."
-            )
-    pairs = [split(m) for m in modules]
-    return [(apply, params) for apply, params in pairs], [params for _, params in pairs]
+    pairs = [loss_from_module(m, _call) for m in modules]
+    seeds = [apply.seed for apply, _ in pairs if isinstance(apply, ModelLoss)]
+    stages = [
+        (apply._replace(seed=seeds[0]) if isinstance(apply, ModelLoss) else apply, variables)
+        for apply, variables in pairs
+    ]
+    return stages, [variables for _, variables in pairs]
+
+
+def _call(model: nnx.Module, x: Any) -> Any:
+    return model(x)
+
+
+def _apply(apply: StageFn, params: Any, model_state: Any, x: Any, key: jax.Array) -> Any:
+    """Runs a stage: ``(y, new_model_state)``; a plain stage returns its state as it is."""
+    if isinstance(apply, ModelLoss):
+        return apply.fn(params, model_state, x, key)
+    return apply(params, x), model_state
+
+
+def _check_like(what: str, tree: Any, view: FlatView) -> None:
+    """Raises ``ValueError`` unless ``tree`` has ``view``'s structure and shapes."""
+    got = FlatView.of(tree)
+    if got.treedef != view.treedef or got.shapes != view.shapes:
+        raise ValueError(
+            f"{what} has shapes {jax.tree.map(np.shape, tree)} but the stage was built with "
+            f"{jax.tree.map(np.shape, view.treedef.unflatten(view.shapes))}."
+        )
 
 
 def _check_stages(
     stages: Any, k: int, mesh_axes: Sequence[str]
-) -> tuple[list[StageFn], list[FlatView]]:
-    """The stages' apply functions and the flat views of their parameter templates."""
+) -> tuple[list[StageFn], list[FlatView], list[FlatView]]:
+    """The stages' apply functions and the flat views of their parameter and model-state
+    templates."""
     if not isinstance(stages, Sequence) or not stages:
         raise TypeError(
             "stages must be a non-empty list of (apply, params) pairs, got "
@@ -90,16 +126,26 @@ def _check_stages(
             f"len(stages)={len(stages)} but {axis}; build the mesh with "
             f"ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
         )
-    applies, views = [], []
+    applies, views, state_views = [], [], []
     for i, stage in enumerate(stages):
-        if not (isinstance(stage, tuple) and len(stage) == 2 and callable(stage[0])):
+        if not (
+            isinstance(stage, tuple)
+            and len(stage) == 2
+            and (callable(stage[0]) or isinstance(stage[0], ModelLoss))
+        ):
             raise TypeError(
-                f"stages[{i}] must be a pair (apply(params, x) -> y, params), e.g. from "
-                f"ddl.pipeline_stages(modules); got {type(stage).__name__}."
+                f"stages[{i}] must be a pair (apply(params, x) -> y, params) or "
+                "(ddl.ModelLoss, variables), e.g. from ddl.pipeline_stages(modules); got "
+                f"{type(stage).__name__}."
             )
+        try:
+            params, model_state = ml.split_variables(stage[0], stage[1])
+        except TypeError as e:
+            raise TypeError(f"stages[{i}] is a stateful stage (a ddl.ModelLoss): {e}") from None
         applies.append(stage[0])
-        views.append(FlatView.of(stage[1]))
-    return applies, views
+        views.append(FlatView.of(params))
+        state_views.append(FlatView.of(model_state))
+    return applies, views, state_views
 
 
 def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
@@ -108,9 +154,20 @@ def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
     scalar."""
     inputs, x = [micro], micro
     p = jax.ShapeDtypeStruct((cfg.param_len,), cfg.param_dtype)
-    for i, (apply, view) in enumerate(zip(cfg.applies, cfg.views, strict=True)):
+    s = jax.ShapeDtypeStruct((cfg.state_len,), cfg.state_dtype)
+    key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
+    for i, (apply, view, sview) in enumerate(
+        zip(cfg.applies, cfg.views, cfg.state_views, strict=True)
+    ):
+
+        def run(
+            p: jax.Array, s: jax.Array, x: Any, key: Any, stage: tuple = (apply, view, sview)
+        ) -> Any:
+            a, v, sv = stage
+            return _apply(a, v.unravel(p), sv.unravel(s), x, key)
+
         try:
-            x = jax.eval_shape(lambda p, x, a=apply, v=view: a(v.unravel(p), x), p, x)
+            x, new_state = jax.eval_shape(run, p, s, x, key)
         except (TypeError, ValueError) as e:
             got = jax.tree.map(lambda s: s.shape, x)
             raise ValueError(
@@ -119,6 +176,7 @@ def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
                 if i
                 else f"stage 0 does not accept a micro-batch of shape {got}: {e}"
             ) from e
+        _check_like(f"the model state stage {i} returned", new_state, sview)
         if i < cfg.k - 1:
             if not (isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)):
                 raise ValueError(
@@ -144,32 +202,45 @@ def _build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
         return buf[: math.prod(like.shape)].reshape(like.shape).astype(like.dtype)
 
     def stage_fn(i: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        apply, view, last = cfg.applies[i], cfg.views[i], i == cfg.k - 1
+        apply, view, sview, last = cfg.applies[i], cfg.views[i], cfg.state_views[i], i == cfg.k - 1
 
-        def run(params: Any, x_buf: jax.Array, micro: Any) -> jax.Array:
+        def run(params: Any, s: jax.Array, x_buf: jax.Array, micro: Any, key: Any) -> Any:
             x = micro if i == 0 else unpack(x_buf, inputs[i])
-            y = apply(params, x)
-            return cfg.loss_fn(y, micro) if last else y
+            y, new_state = _apply(apply, params, sview.unravel(s), x, key)
+            new = sview.ravel(new_state, cfg.state_len, cfg.state_dtype)
+            return (cfg.loss_fn(y, micro) if last else y), new
 
-        def forward(p: jax.Array, x_buf: jax.Array, micro: Any) -> jax.Array:
+        def forward(
+            p: jax.Array, s: jax.Array, x_buf: jax.Array, micro: Any, key: Any
+        ) -> tuple[jax.Array, jax.Array]:
             # The last stage sends nothing on: its loss is computed by its backward.
-            return jnp.zeros((width,), dtype) if last else pack(run(view.unravel(p), x_buf, micro))
+            if last:
+                return jnp.zeros((width,), dtype), s
+            y, s = run(view.unravel(p), s, x_buf, micro, key)
+            return pack(y), s
 
         def backward(
             p: jax.Array,
+            s: jax.Array,
             x_buf: jax.Array,
             ct_buf: jax.Array,
             micro: Any,
+            key: Any,
             acc: jax.Array,
             scale: float,
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
             # Differentiate the unravelled tree and add leaf by leaf: a gradient of the flat
             # vector would build a zero-padded copy of every stage's size on every tick.
-            y, vjp = jax.vjp(lambda q, x_buf: run(q, x_buf, micro), view.unravel(p), x_buf)
+            y, vjp, new = jax.vjp(
+                lambda q, x_buf: run(q, s, x_buf, micro, key),
+                view.unravel(p),
+                x_buf,
+                has_aux=True,
+            )
             ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
             grad_p, grad_x = vjp(ct)
             loss = y if last else jnp.zeros((), jnp.float32)
-            return view.add_into(acc, grad_p, scale), grad_x, loss
+            return view.add_into(acc, grad_p, scale), grad_x, loss, new
 
         return forward, backward
 
@@ -207,7 +278,6 @@ def _setup(
     loss_fn: Callable[[Any, Any], jax.Array],
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
-    *,
     microbatches: int,
     schedule: str,
     example_batch: Any,
@@ -216,8 +286,10 @@ def _setup(
     """What both builders share: the checked arguments, the kit and the config."""
     if isinstance(loss_fn, ModelLoss):
         raise ValueError(
-            "ddl.pipeline's loss_fn is (last stage's output, batch) -> loss; a ddl.ModelLoss "
-            "(model state, dropout) cannot be pipelined yet."
+            "ddl.pipeline's loss_fn is (last stage's output, micro-batch) -> loss, without "
+            "model state or a key; a ddl.ModelLoss is not supported there. Put the layers "
+            "with batch norm or dropout in a stage instead: ddl.pipeline_stages(modules) "
+            "makes stateful stages, or pass (ddl.ModelLoss(fn, seed), variables) as a stage."
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
@@ -226,9 +298,11 @@ def _setup(
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     m_ = st.check_int("microbatches", microbatches, minimum=1)
     k_ = kit.mesh.shape[STAGE]
-    applies, views = _check_stages(stages, k_, tuple(mesh.axis_names))
+    applies, views, state_views = _check_stages(stages, k_, tuple(mesh.axis_names))
     param_len = max(v.size for v in views)
     param_dtype = jnp.result_type(*[d for v in views for d in v.dtypes])
+    state_dtypes = [d for v in state_views for d in v.dtypes]
+    state_dtype = jnp.result_type(*state_dtypes) if state_dtypes else jnp.dtype(jnp.float32)
     _check_reducer(kit.reducer, jax.ShapeDtypeStruct((param_len,), param_dtype))
     if schedule == "ddg" and k_ > 1 and example_batch is None:
         raise ValueError(
@@ -238,11 +312,14 @@ def _setup(
     cfg = PipelineConfig(
         applies=tuple(applies),
         views=tuple(views),
+        state_views=tuple(state_views),
         loss_fn=loss_fn,
         optimizer=optimizer,
         reducer=kit.reducer,
         param_len=param_len,
         param_dtype=param_dtype,
+        state_len=max(v.size for v in state_views),
+        state_dtype=state_dtype,
         k=k_,
         n=kit.n,
         m=m_,
@@ -255,29 +332,38 @@ def _setup(
     return kit, cfg
 
 
-def _stage_vectors(kit: Kit, cfg: PipelineConfig, params: Any) -> tuple[jax.Array, Any, Any]:
+def _stage_vectors(
+    kit: Kit, cfg: PipelineConfig, variables: Any
+) -> tuple[jax.Array, Any, Any, ModelVars]:
     """Inside ``make_state``: the stages' flat parameters ``[K, P]``, each stage's optimizer
-    state, and each (data worker, stage)'s reducer state ``[N, K, ...]``."""
-    if not isinstance(params, Sequence) or len(params) != cfg.k:
+    state, each (data worker, stage)'s reducer state ``[N, K, ...]``, and the model side
+    (the stages' flat model states ``[K, S]``, the key from the stateful stages' seed)."""
+    if not isinstance(variables, Sequence) or len(variables) != cfg.k:
         raise ValueError(
-            f"params must be a sequence of {cfg.k} stage parameter pytrees (one per stage), "
-            f"got {type(params).__name__}"
-            + (f" of length {len(params)}." if isinstance(params, Sequence) else ".")
+            f"params must be a sequence of {cfg.k} stage parameter pytrees (one per stage; "
+            "{'params': ..., 'batch_stats': ...} for a stateful one), got "
+            f"{type(variables).__name__}"
+            + (f" of length {len(variables)}." if isinstance(variables, Sequence) else ".")
         )
-    for i, (p, view) in enumerate(zip(params, cfg.views, strict=True)):
+    flat, states = [], []
+    for i, (v, apply, view, sview) in enumerate(
+        zip(variables, cfg.applies, cfg.views, cfg.state_views, strict=True)
+    ):
+        try:
+            p, s = ml.split_variables(apply, v)
+        except TypeError as e:
+            raise TypeError(f"params[{i}]: stage {i} is stateful: {e}") from None
         st.check_params(p)
-        got = FlatView.of(p)
-        if got.treedef != view.treedef or got.shapes != view.shapes:
-            raise ValueError(
-                f"params[{i}] has shapes {got.shapes} but stage {i} was built with {view.shapes}."
-            )
-    stacked = jnp.stack(
-        [v.ravel(p, cfg.param_len, cfg.param_dtype) for p, v in zip(params, cfg.views, strict=True)]
-    )
+        _check_like(f"params[{i}]", p, view)
+        _check_like(f"params[{i}]'s model state", s, sview)
+        flat.append(view.ravel(p, cfg.param_len, cfg.param_dtype))
+        states.append(sview.ravel(s, cfg.state_len, cfg.state_dtype))
+    stacked = jnp.stack(flat)
     # Each stage's reducer starts from reducer.init of its own (flat) parameters, and each
     # of its data workers from a copy of that state.
     reducer_state = kit.stack(jax.vmap(cfg.reducer.init)(stacked))
-    return stacked, jax.vmap(cfg.optimizer.init)(stacked), reducer_state
+    model = ml.init_vars(cfg.seed_stage, jnp.stack(states) if cfg.state_len else {})
+    return stacked, jax.vmap(cfg.optimizer.init)(stacked), reducer_state, model
 
 
 def _local_stages(cfg: PipelineConfig, batch: Any) -> Stages:
@@ -296,24 +382,37 @@ def _local_stages(cfg: PipelineConfig, batch: Any) -> Stages:
 
 
 def _stage_params(kit: Kit, cfg: PipelineConfig) -> Callable[[Any], list[Any]]:
-    """``Strategy.params``: the K stages' parameter pytrees, as a list."""
+    """``Strategy.params``: the K stages' variables, as a list in ``init``'s layout."""
     replicated = NamedSharding(kit.mesh, P())
 
     def stage_params(state: PipelineState | DDGState) -> list[Any]:
         stacked = jax.sharding.reshard(state.params, replicated)
-        return [view.unravel(stacked[i]) for i, view in enumerate(cfg.views)]
+        states = jax.sharding.reshard(state.model.state, replicated) if cfg.state_len else None
+        out = []
+        for i, (apply, view, sview) in enumerate(
+            zip(cfg.applies, cfg.views, cfg.state_views, strict=True)
+        ):
+            model_state = sview.unravel(states[i]) if cfg.state_len else {}
+            out.append(ml.join_variables(apply, view.unravel(stacked[i]), model_state))
+        return out
 
     return kit.replicated(stage_params)
+
+
+# Each stage's model state lives with its stage; the key and the step count are replicated.
+MODEL_SPECS = ModelVars(state=P(STAGE), key=P(), step=P())
 
 
 def _exact_pipeline(kit: Kit, cfg: PipelineConfig, schedule: str) -> st.Strategy:
     """GPipe or 1F1B: each step runs the schedule's ticks, then updates every stage once
     with the exact gradient of the global batch."""
     plan = make_schedule(cfg.k, cfg.m, schedule)
-    specs = PipelineState(params=P(STAGE), opt_state=P(STAGE), reducer_state=P(DATA, STAGE))
+    specs = PipelineState(
+        params=P(STAGE), opt_state=P(STAGE), reducer_state=P(DATA, STAGE), model=MODEL_SPECS
+    )
 
-    def make_state(params: Sequence[Any], model: ModelVars) -> PipelineState:
-        return PipelineState(*_stage_vectors(kit, cfg, params))
+    def make_state(variables: Sequence[Any], _: ModelVars) -> PipelineState:
+        return PipelineState(*_stage_vectors(kit, cfg, variables))
 
     def worker_step(state: PipelineState, batch: Any) -> tuple[PipelineState, Metrics]:
         return synchronous_step(cfg, plan, _local_stages(cfg, batch), state, batch)
@@ -337,12 +436,13 @@ def _ddg_pipeline(kit: Kit, cfg: PipelineConfig) -> st.Strategy:
         inbox=cells,
         history=P(DATA),
         tick=P(),
+        model=MODEL_SPECS,
     )
     # The stashed activations' shapes: those of example_batch's micro-batches.
     micro = _micro_shapes(cfg.example, cfg.divisor) if cfg.k > 1 else None
     fns = _build_stages(cfg, micro) if cfg.k > 1 else None
 
-    def make_state(params: Sequence[Any], model: ModelVars) -> DDGState:
+    def make_state(variables: Sequence[Any], _: ModelVars) -> DDGState:
         inputs = inbox = history = ()
         if cfg.k > 1:
             n, k_, past = cfg.n, cfg.k, cfg.ddg_depth * cfg.m
@@ -350,7 +450,8 @@ def _ddg_pipeline(kit: Kit, cfg: PipelineConfig) -> st.Strategy:
             inbox = jnp.zeros((n, k_, fns.width), fns.dtype)
             history = jax.tree.map(lambda s: jnp.zeros((n, past, *s.shape), s.dtype), micro)
         tick = jnp.zeros((), jnp.int32)
-        return DDGState(*_stage_vectors(kit, cfg, params), inputs, inbox, history, tick)
+        params, opt_state, reducer_state, model = _stage_vectors(kit, cfg, variables)
+        return DDGState(params, opt_state, reducer_state, inputs, inbox, history, tick, model)
 
     def worker_step(state: DDGState, batch: Any) -> tuple[DDGState, Metrics]:
         return ddg_step(cfg, _local_stages(cfg, batch), state, batch)
@@ -400,6 +501,20 @@ def pipeline(
     Stage inputs are rematerialised: a stage keeps the input of each micro-batch in flight
     and re-runs its forward for the backward (as GPipe does).
 
+    Model state and randomness (stateful stages: ``pipeline_stages`` of modules with
+    BatchNorm or Dropout; see ``docs/design.md``, section 2): stage k's model state lives
+    with its stage (flattened, ``state.model.state[k]``), is updated by the stage's forward
+    of each micro-batch in the schedule's order (the last stage's by its backward, which
+    computes its forward) while backwards re-run the stage from the current state and drop
+    the update (exact for BatchNorm in training mode), and is averaged over ``data`` after
+    each step. Micro-batch j of stage k on data worker w at step t draws
+    ``fold_in(fold_in(fold_in(fold_in(key, t), w), k), j)`` in its forward and in its
+    backward's recomputation alike (the gradient is exact for the mask used); k is folded in
+    only for K > 1, j only for M > 1 (one stage and one micro-batch draw ``data_parallel``'s
+    keys). DDG, which updates every tick, uses micro-batch j's global index (the tick stage 0
+    forwards it) as the step: ``fold_in(fold_in(fold_in(key, j), w), k)``. ``key`` and ``t``
+    live in ``state.model``: a resumed run draws the masks an uninterrupted one would.
+
     What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each
     stage one flat vector, its leaves concatenated in tree order, cast to one dtype and
     zero-padded to the largest stage's size; each stage has its own optimizer and reducer
@@ -417,9 +532,13 @@ def pipeline(
       stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
         micro-batch pytree, stage k>0 the previous stage's output, which must be one
         floating-point array (any shape, stages may differ). ``params`` is a template (arrays
-        or ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes; NNX modules
-        convert with ``pipeline_stages``.
-      loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch.
+        or ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes. A stateful stage
+        is a pair ``(ddl.ModelLoss(fn, seed), variables)``, ``fn(params_k, model_state_k,
+        x, key) -> (y, new_model_state_k)`` and ``variables`` the template
+        ``{"params": ..., "batch_stats": ...}``; the run's key comes from the first stateful
+        stage's seed. NNX modules convert with ``pipeline_stages``.
+      loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch
+        (a plain function: model state and dropout belong in the stages).
       optimizer: optax transform applied per stage to its flat parameter vector (exact for
         element-wise optimizers such as SGD or Adam; see above).
       mesh: a mesh with a ``stage`` axis of size K (and optionally ``data``), e.g.
@@ -435,9 +554,10 @@ def pipeline(
         flat parameter vector on every data worker. Not ``ddl.compression.power_sgd``.
 
     Returns:
-      A ``Strategy``: ``init(params)`` takes the K stages' parameter pytrees (a sequence),
-      ``params(state)`` returns them as a list. Metrics: ``loss``, the mean loss of the
-      micro-batches whose loss was computed in this step.
+      A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
+      parameter pytree per plain stage, ``{"params": ..., "batch_stats": ...}`` per
+      stateful one), ``params(state)`` returns them as a list in the same layout. Metrics:
+      ``loss``, the mean loss of the micro-batches whose loss was computed in this step.
 
     Example (an autoencoder of two linear stages on a 2 x 2 mesh):
 
@@ -456,14 +576,7 @@ def pipeline(
     [(4, 8), (8, 4)]
     """
     kit, cfg = _setup(
-        stages,
-        loss_fn,
-        optimizer,
-        mesh,
-        microbatches=microbatches,
-        schedule=schedule,
-        example_batch=example_batch,
-        reducer=reducer,
+        stages, loss_fn, optimizer, mesh, microbatches, schedule, example_batch, reducer
     )
     if schedule == "ddg":
         return _ddg_pipeline(kit, cfg)

@@ -4,6 +4,10 @@
 the state; the functions here run on one device (one stage of one data worker) inside
 ``shard_map``: a ``lax.scan`` over ticks, a ``lax.switch`` to this stage's work, and
 ``ppermute`` to the neighbouring stages.
+
+Model state (batch statistics) travels with its stage as one flat vector ``s`` of the
+config's ``state_len`` entries; :func:`stage_key` gives each (stage, micro-batch) its
+dropout key.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from jax import lax
 
 from ddl_jax._src.flat import FlatView
 from ddl_jax._src.kit import vary
+from ddl_jax._src.model_loss import ModelLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.pipeline_schedules import Schedule, gradient_wait, peak_stash
 
 DATA, STAGE = "data", "stage"
 
-StageFn = Callable[[Any, Any], Any]
+#: A stage's apply: ``(params, x) -> y``, or a ``ModelLoss`` whose
+#: ``fn(params, model_state, x, key) -> (y, new_model_state)`` (a stateful stage).
+StageFn = Callable[[Any, Any], Any] | ModelLoss
 Metrics = dict[str, jax.Array]
 
 
@@ -32,13 +39,17 @@ class PipelineConfig(NamedTuple):
     """What both pipeline builders and their per-device programs share, fixed when built.
 
     Attributes:
-      applies: the K stages' ``apply(params_k, x) -> y``.
+      applies: the K stages' ``apply(params_k, x) -> y``, or a ``ModelLoss`` for a stage
+        with model state or randomness.
       views: each stage's :class:`FlatView` (its parameter pytree <-> a flat vector).
+      state_views: each stage's model state's :class:`FlatView` (of ``{}`` for none).
       loss_fn: ``(last stage's output, micro-batch) -> scalar``.
       optimizer: applied per stage to its flat parameter vector.
       reducer: reduces each stage's flat gradient over ``data``.
       param_len: P, the entries of every stage's (zero-padded) flat parameter vector.
       param_dtype: the dtype of those vectors (the stages' parameter dtypes promoted).
+      state_len: S, the entries of every stage's (zero-padded) flat model state; 0 for none.
+      state_dtype: the dtype of those vectors (the model states' dtypes promoted).
       k: K, stages (the ``stage`` axis' size).
       n: N, data workers (the ``data`` axis' size).
       m: M, micro-batches per data worker per step.
@@ -47,11 +58,14 @@ class PipelineConfig(NamedTuple):
 
     applies: tuple[StageFn, ...]
     views: tuple[FlatView, ...]
+    state_views: tuple[FlatView, ...]
     loss_fn: Callable[[Any, Any], jax.Array]
     optimizer: optax.GradientTransformation
     reducer: optax.GradientTransformation
     param_len: int
     param_dtype: Any
+    state_len: int
+    state_dtype: Any
     k: int
     n: int
     m: int
@@ -77,6 +91,12 @@ class PipelineConfig(NamedTuple):
         """Earlier steps whose micro-batches DDG still needs: ``ceil(2(K-1)/M)``."""
         return math.ceil(2 * (self.k - 1) / self.m)
 
+    @property
+    def seed_stage(self) -> Callable[..., Any] | ModelLoss:
+        """What the run's base key is derived from (``model_loss.init_vars``): the first
+        stateful stage, or the loss (seed 0) when no stage is stateful."""
+        return next((a for a in self.applies if isinstance(a, ModelLoss)), self.loss_fn)
+
     def update(
         self, params: jax.Array, opt_state: Any, reducer_state: Any, grads: jax.Array
     ) -> tuple[jax.Array, Any, Any]:
@@ -89,10 +109,12 @@ class PipelineConfig(NamedTuple):
 class Stages(NamedTuple):
     """Stage k's forward and backward on flat buffers, for a fixed micro-batch shape.
 
+    ``s`` is the stage's flat model state, ``key`` the micro-batch's key (:func:`stage_key`).
+
     Attributes:
-      forward: ``(p, x_buf, micro) -> y_buf`` per stage.
-      backward: ``(p, x_buf, ct_buf, micro, acc, scale) -> (acc + scale * param grad,
-        input grad, loss)`` per stage.
+      forward: ``(p, s, x_buf, micro, key) -> (y_buf, new s)`` per stage.
+      backward: ``(p, s, x_buf, ct_buf, micro, key, acc, scale) -> (acc + scale * param
+        grad, input grad, loss, new s)`` per stage: the forward re-run from ``s``.
       width: A, entries of the largest activation buffer.
       dtype: the activation buffers' dtype.
     """
@@ -112,11 +134,15 @@ class PipelineState(NamedTuple):
       opt_state: each stage's optimizer state, leading axis K, ``P("stage")``.
       reducer_state: each (data worker, stage)'s reducer state, leading axes ``[N, K]``,
         ``P("data", "stage")``.
+      model: ``ModelVars``: ``state`` is ``[K, S]``, stage k's model state flattened
+        (zero-padded to S), ``P("stage")`` (``{}`` when no stage has any); the run's key
+        and the step count, replicated.
     """
 
     params: jax.Array
     opt_state: Any
     reducer_state: Any
+    model: ModelVars
 
 
 class DDGState(NamedTuple):
@@ -132,6 +158,7 @@ class DDGState(NamedTuple):
         ``[N, H*M, b, ...]``, ``P("data")``: the first stage's inputs for its delayed
         backward and the labels of the micro-batches still in flight; ``()`` for K=1.
       tick: ``int32`` scalar, ticks run so far (``P()``).
+      model: as in ``PipelineState``.
     """
 
     params: jax.Array
@@ -141,6 +168,7 @@ class DDGState(NamedTuple):
     inbox: Any
     history: Any
     tick: jax.Array
+    model: ModelVars
 
 
 def _shift(x: jax.Array, k_: int, direction: int) -> jax.Array:
@@ -178,6 +206,29 @@ def _unlocal(tree: Any, depth: int) -> Any:
     return jax.tree.map(lambda x: x.reshape((1,) * depth + x.shape), tree)
 
 
+def stage_key(cfg: PipelineConfig, key: jax.Array, k: jax.Array, j: jax.Array | None) -> Any:
+    """Stage k's key for micro-batch j from the worker's key: ``fold_in(fold_in(key, k), j)``.
+
+    Stage k is folded in only for K > 1 and j only for M > 1 (``j=None``: not at all), so
+    a one-stage pipeline of one micro-batch draws the key of ``data_parallel``.
+    """
+    if cfg.k > 1:
+        key = jax.random.fold_in(key, k)
+    return key if j is None or cfg.m == 1 else jax.random.fold_in(key, j)
+
+
+def local_model_state(cfg: PipelineConfig, model: ModelVars) -> jax.Array:
+    """Inside ``shard_map``: this stage's flat model state, ``[S]`` (``[0]`` for none)."""
+    return model.state[0] if cfg.state_len else jnp.zeros((0,), cfg.state_dtype)
+
+
+def merged_model(cfg: PipelineConfig, model: ModelVars, s: jax.Array) -> ModelVars:
+    """The state's ``ModelVars`` after a step: this stage's model state averaged over the
+    data workers, the step counted."""
+    state = mean_over(s, DATA)[None] if cfg.state_len else model.state
+    return ModelVars(state, model.key, model.step + 1)
+
+
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array) -> jax.Array:
     old = lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
@@ -186,7 +237,12 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array
 def synchronous_step(
     cfg: PipelineConfig, plan: Schedule, fns: Stages, state: PipelineState, batch: Any
 ) -> tuple[PipelineState, Metrics]:
-    """One GPipe / 1F1B step on one device: the scheduled ticks, then one update."""
+    """One GPipe / 1F1B step on one device: the scheduled ticks, then one update.
+
+    The stage's model state passes through its forwards in the schedule's order (the last
+    stage runs no forward: through its backwards, in the same micro-batch order); the
+    other stages' backwards re-run the stage from the current state and drop the update.
+    """
     k_, m_ = cfg.k, cfg.m
     slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
     k = lax.axis_index(STAGE)
@@ -194,40 +250,49 @@ def synchronous_step(
     p = state.params[0]
     # Differentiate a data-varying view: each data worker's gradient goes to the reducer.
     p_var = vary(p, (DATA,))
+    key = worker_key(state.model, lax.axis_index(DATA))
     micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
     rows = {name: jnp.asarray(t)[:, k] for name, t in tick_tables(plan).items()}
     zeros_a = jnp.zeros((fns.width,), fns.dtype)
-    Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+    Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
-    def idle(p: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any) -> Out:
-        return vary((zeros_a, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+    def idle(p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any) -> Out:
+        return vary((zeros_a, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32), s), both)
 
     def forward(i: int) -> Callable[..., Out]:
-        def run(p: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any) -> Out:
-            y = fns.forward[i](p, x_buf, mb)
-            return vary((y, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32)), both)
+        def run(
+            p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
+        ) -> Out:
+            y, s = fns.forward[i](p, s, x_buf, mb, key)
+            return vary((y, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32), s), both)
 
         return run
 
     def backward(i: int) -> Callable[..., Out]:
-        def run(p: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any) -> Out:
-            grad_p, grad_x, loss = fns.backward[i](p, x_buf, ct, mb, jnp.zeros_like(p), 1 / m_)
-            return vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32)), both)
+        def run(
+            p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
+        ) -> Out:
+            zeros_p = jnp.zeros_like(p)
+            grad_p, grad_x, loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, zeros_p, 1 / m_)
+            s = new if i == k_ - 1 else s
+            return vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32), s), both)
 
         return run
 
     branches = [idle, *map(forward, range(k_)), *map(backward, range(k_))]
 
     def tick(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
-        acts, inbox, grad_sum, loss_sum = carry
+        acts, inbox, s, grad_sum, loss_sum = carry
         m = row["micro"]
-        out_act, out_grad, grad_p, loss = lax.switch(
+        out_act, out_grad, grad_p, loss, s = lax.switch(
             row["branch"],
             branches,
             p_var,
+            s,
             acts[m % slots],
             inbox[m % inbox_slots],
             _index(micro, m),
+            stage_key(cfg, key, k, m),
         )
         # Accumulated outside the switch: a sum threaded through the conditional made XLA
         # copy it in and out of every tick (GPipe ran 3x slower than sequential).
@@ -237,30 +302,38 @@ def synchronous_step(
             acts = _store(acts, received % slots, _shift(out_act, k_, 1), received >= 0)
             received = row["recv_grad"]
             inbox = _store(inbox, received % inbox_slots, _shift(out_grad, k_, -1), received >= 0)
-        return (acts, inbox, grad_sum, loss_sum + loss / m_), None
+        return (acts, inbox, s, grad_sum, loss_sum + loss / m_), None
 
     carry = vary(
         (
             jnp.zeros((slots, fns.width), fns.dtype),
             jnp.zeros((inbox_slots, fns.width), fns.dtype),
+            local_model_state(cfg, state.model),
             jnp.zeros_like(p),
             jnp.zeros((), jnp.float32),
         ),
         both,
     )
-    (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
+    (_, _, s, grads, loss), _ = lax.scan(tick, carry, rows)
     reducer_state = _local(state.reducer_state, 2)
     p, opt_state, reducer_state = cfg.update(p, _local(state.opt_state, 1), reducer_state, grads)
-    new = PipelineState(p[None], _unlocal(opt_state, 1), _unlocal(reducer_state, 2))
+    model = merged_model(cfg, state.model, s)
+    new = PipelineState(p[None], _unlocal(opt_state, 1), _unlocal(reducer_state, 2), model)
     return new, {"loss": lax.pmean(lax.psum(loss, STAGE), DATA)}
 
 
 def ddg_step(
     cfg: PipelineConfig, fns: Stages, state: DDGState, batch: Any
 ) -> tuple[DDGState, Metrics]:
-    """M DDG ticks on one device; each ends with this stage's (delayed-gradient) update."""
+    """M DDG ticks on one device; each ends with this stage's (delayed-gradient) update.
+
+    Each tick's forward updates the stage's model state (the last stage's backward, of the
+    same micro-batch); the delayed backward re-runs the stage from the current state.
+    Micro-batch j (its global index: the tick stage 0 forwards it) draws its stage's key
+    from ``worker_key(model, w, step=j)``: in DDG every tick is an update.
+    """
     k_, m_, slots = cfg.k, cfg.m, cfg.ddg_slots
-    k = lax.axis_index(STAGE)
+    k, w = lax.axis_index(STAGE), lax.axis_index(DATA)
     both = (DATA, STAGE)
     last = k_ - 1
     current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
@@ -272,34 +345,45 @@ def ddg_step(
         sequence = current
     past = cfg.ddg_depth * m_  # micro-batches of earlier steps at the front of ``sequence``
     zeros_a = jnp.zeros((fns.width,), fns.dtype)
-    Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+    Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
     def stage_tick(i: int) -> Callable[..., Out]:
-        def run(p: jax.Array, x_f: Any, x_b: Any, ct: Any, mb_f: Any, mb_b: Any) -> Out:
-            out_act = fns.forward[i](p, x_f, mb_f) if i < last else zeros_a
-            grad_p, grad_x, loss = fns.backward[i](p, x_b, ct, mb_b, jnp.zeros_like(p), 1.0)
-            return vary((out_act, grad_x, grad_p, loss.astype(jnp.float32)), both)
+        def run(p: jax.Array, s: jax.Array, x_f: Any, x_b: Any, ct: Any, *micro: Any) -> Out:
+            mb_f, mb_b, key_f, key_b = micro
+            out_act, s_f = fns.forward[i](p, s, x_f, mb_f, key_f) if i < last else (zeros_a, s)
+            zeros_p = jnp.zeros_like(p)
+            grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x_b, ct, mb_b, key_b, zeros_p, 1.0)
+            s = s_b if i == last else s_f
+            return vary((out_act, grad_x, grad_p, loss.astype(jnp.float32), s), both)
 
         return run
 
     branches = [stage_tick(i) for i in range(k_)]
 
+    def key(j: jax.Array) -> jax.Array:
+        return stage_key(cfg, worker_key(state.model, w, jnp.maximum(j, 0)), k, None)
+
     def tick(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
-        p, opt_state, reducer_state, inputs, inbox, loss_sum, count = carry
+        p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count = carry
         g = state.tick + i
         j_f, j_b = g - k, g - 2 * last + k
         mb_f = _index(sequence, past + i)
         mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
-        out_act, grad_x, grad_p, loss = lax.switch(
+        out_act, grad_x, grad_p, loss, new_s = lax.switch(
             k,
             branches,
             vary(p, (DATA,)),
+            s,
             inputs[j_f % slots],
             inputs[j_b % slots],
             inbox,
             mb_f,
             mb_b,
+            key(j_f),
+            key(j_b),
         )
+        # Micro-batch j_f has reached stage k (the last stage's j_b is j_f).
+        s = jnp.where(j_f >= 0, new_s, s)
         valid = j_b >= 0
         new = cfg.update(p, opt_state, reducer_state, grad_p)
         p, opt_state, reducer_state = jax.tree.map(
@@ -310,15 +394,16 @@ def ddg_step(
             inbox = _shift(grad_x, k_, -1)
         counted = valid & (k == last)
         loss_sum, count = loss_sum + jnp.where(counted, loss, 0.0), count + counted
-        return (p, opt_state, reducer_state, inputs, inbox, loss_sum, count), None
+        return (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), None
 
+    s = local_model_state(cfg, state.model)
     carry = (
         state.params[0],
         _local(state.opt_state, 1),
         _local(state.reducer_state, 2),
-        *vary((inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
+        *vary((s, inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
     )
-    (p, opt_state, reducer_state, inputs, inbox, loss_sum, count), _ = lax.scan(
+    (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), _ = lax.scan(
         tick, carry, jnp.arange(m_)
     )
     loss = lax.psum(loss_sum, STAGE) / jnp.maximum(lax.psum(count, STAGE), 1)
@@ -334,5 +419,6 @@ def ddg_step(
         inbox_out,
         history,
         state.tick + m_,
+        merged_model(cfg, state.model, s),
     )
     return new, {"loss": lax.pmean(loss, DATA)}
