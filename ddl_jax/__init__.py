@@ -20,8 +20,9 @@ from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.model_loss import ModelLoss, ModelVars
-from ddl_jax._src.pipeline import pipeline, pipeline_stages
+from ddl_jax._src.pipeline import pipeline
 from ddl_jax._src.pipeline_programs import DDGState, PipelineState
+from ddl_jax._src.pipeline_stages import pipeline_stages
 from ddl_jax._src.reducers import allreduce_mean, chain
 from ddl_jax._src.staleness import (
     ComputeTime,

@@ -159,6 +159,15 @@ def test_bad_input_fails_with_clear_errors():
             specs=specs,
             reducer=ddl.allreduce_mean(algorithm="ring"),
         )
+    for compressor in (ddl.compression.top_k(0.1), ddl.compression.cast("bfloat16")):
+        with pytest.raises(ValueError, match="a compressing one"):
+            tensor_parallel(
+                loss_fn,
+                optax.sgd(0.1),
+                ddl.make_mesh(data=2, model=4),
+                specs=specs,
+                reducer=optax.chain(optax.clip(1.0), compressor),
+            )
     # 12 output features do not split 8 ways.
     odd = Classifier(nnx.Rngs(0))
     odd.mlp = ParallelMLP(12, 12, rngs=nnx.Rngs(1))

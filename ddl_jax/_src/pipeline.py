@@ -16,7 +16,6 @@ hands it to one of two builders on the kit: :func:`_exact_pipeline` (GPipe, 1F1B
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,16 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import model_loss as ml
 from ddl_jax._src import strategy as st
-from ddl_jax._src.compression_lowrank import PowerSGDState
-from ddl_jax._src.flat import FlatView
-from ddl_jax._src.flax_bridge import loss_from_module
-from ddl_jax._src.kit import Kit, explicit_mesh, prepare
+from ddl_jax._src.kit import Kit, prepare
 from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline_programs import (
     DATA,
@@ -48,217 +43,11 @@ from ddl_jax._src.pipeline_programs import (
     synchronous_step,
 )
 from ddl_jax._src.pipeline_schedules import SCHEDULES, make_schedule
-
-
-def mesh_with_axes(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
-    """``mesh``, every axis Explicit, with a size-1 axis for each of ``axes`` it lacks."""
-    st.check_mesh_axis(mesh, mesh.axis_names[0], arg="mesh")
-    return explicit_mesh(mesh, axes)
-
-
-def pipeline_stages(
-    modules: Sequence[nnx.Module],
-) -> tuple[list[tuple[StageFn, Any]], list[Any]]:
-    """Flax NNX modules -> ``(stages, variables)`` for :func:`pipeline` and its ``init``.
-
-    ``stages[k]`` is the pair ``(apply, variables_k)`` of module k, as
-    ``ddl.flax.loss_from_module(module, lambda model, x: model(x))`` makes it:
-
-    * a module with only parameters: ``apply(params_k, x) -> y`` and its params pytree;
-    * a module with batch norm (``nnx.BatchStat``) or dropout (RNG streams): a stateful
-      stage, ``apply`` a ``ddl.ModelLoss`` whose ``fn(params_k, model_state_k, x, key) ->
-      (y, new_model_state_k)``, and its variables ``{"params": ..., "batch_stats": ...}``
-      (``"batch_stats"`` only with batch norm). Stream i of the module draws
-      ``fold_in(key, i)``; the module runs in the mode it is in (``train()`` / ``eval()``).
-
-    ``variables`` is the list of the ``variables_k``, which ``Strategy.init`` takes and
-    ``Strategy.params`` returns (write them back with
-    ``ddl.flax.update_module(modules, variables)``). Every stateful stage carries the same
-    seed, the first RNG stream of the first module that has one: the run's base key.
-    """
-    pairs = [loss_from_module(m, _call) for m in modules]
-    seeds = [apply.seed for apply, _ in pairs if isinstance(apply, ModelLoss)]
-    stages = [
-        (apply._replace(seed=seeds[0]) if isinstance(apply, ModelLoss) else apply, variables)
-        for apply, variables in pairs
-    ]
-    return stages, [variables for _, variables in pairs]
-
-
-def _call(model: nnx.Module, x: Any) -> Any:
-    return model(x)
-
-
-def _apply(apply: StageFn, params: Any, model_state: Any, x: Any, key: jax.Array) -> Any:
-    """Runs a stage: ``(y, new_model_state)``; a plain stage returns its state as it is."""
-    if isinstance(apply, ModelLoss):
-        return apply.fn(params, model_state, x, key)
-    return apply(params, x), model_state
-
-
-def _check_like(what: str, tree: Any, view: FlatView) -> None:
-    """Raises ``ValueError`` unless ``tree`` has ``view``'s structure and shapes."""
-    got = FlatView.of(tree)
-    if got.treedef != view.treedef or got.shapes != view.shapes:
-        raise ValueError(
-            f"{what} has shapes {jax.tree.map(np.shape, tree)} but the stage was built with "
-            f"{jax.tree.map(np.shape, view.treedef.unflatten(view.shapes))}."
-        )
-
-
-def _check_stages(
-    stages: Any, k: int, mesh_axes: Sequence[str]
-) -> tuple[list[StageFn], list[FlatView], list[FlatView]]:
-    """The stages' apply functions and the flat views of their parameter and model-state
-    templates."""
-    if not isinstance(stages, Sequence) or not stages:
-        raise TypeError(
-            "stages must be a non-empty list of (apply, params) pairs, got "
-            f"{type(stages).__name__}."
-        )
-    if len(stages) != k:
-        axis = (
-            f"the mesh's 'stage' axis has size {k}"
-            if STAGE in mesh_axes
-            else f"the mesh has no 'stage' axis (its axes: {list(mesh_axes)})"
-        )
-        raise ValueError(
-            f"len(stages)={len(stages)} but {axis}; build the mesh with "
-            f"ddl.make_mesh(stage={len(stages)}, ...) or pass {k} stages."
-        )
-    applies, views, state_views = [], [], []
-    for i, stage in enumerate(stages):
-        if not (
-            isinstance(stage, tuple)
-            and len(stage) == 2
-            and (callable(stage[0]) or isinstance(stage[0], ModelLoss))
-        ):
-            raise TypeError(
-                f"stages[{i}] must be a pair (apply(params, x) -> y, params) or "
-                "(ddl.ModelLoss, variables), e.g. from ddl.pipeline_stages(modules); got "
-                f"{type(stage).__name__}."
-            )
-        try:
-            params, model_state = ml.split_variables(stage[0], stage[1])
-        except TypeError as e:
-            raise TypeError(f"stages[{i}] is a stateful stage (a ddl.ModelLoss): {e}") from None
-        applies.append(stage[0])
-        views.append(FlatView.of(params))
-        state_views.append(FlatView.of(model_state))
-    return applies, views, state_views
-
-
-def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
-    """Traces the stage chain on abstract shapes: each stage's input (stage 0's is the
-    micro-batch), checking that each stage takes the last one's output and the loss is a
-    scalar."""
-    inputs, x = [micro], micro
-    p = jax.ShapeDtypeStruct((cfg.param_len,), cfg.param_dtype)
-    s = jax.ShapeDtypeStruct((cfg.state_len,), cfg.state_dtype)
-    key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
-    for i, (apply, view, sview) in enumerate(
-        zip(cfg.applies, cfg.views, cfg.state_views, strict=True)
-    ):
-
-        def run(
-            p: jax.Array, s: jax.Array, x: Any, key: Any, stage: tuple = (apply, view, sview)
-        ) -> Any:
-            a, v, sv = stage
-            return _apply(a, v.unravel(p), sv.unravel(s), x, key)
-
-        try:
-            x, new_state = jax.eval_shape(run, p, s, x, key)
-        except (TypeError, ValueError) as e:
-            got = jax.tree.map(lambda s: s.shape, x)
-            raise ValueError(
-                f"stage {i} does not accept the output of stage {i - 1} (shape {got}): "
-                f"{type(e).__name__}: {e}"
-                if i
-                else f"stage 0 does not accept a micro-batch of shape {got}: {e}"
-            ) from e
-        _check_like(f"the model state stage {i} returned", new_state, sview)
-        if i < cfg.k - 1:
-            if not (isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)):
-                raise ValueError(
-                    f"stage {i} must return one floating-point array to pass to stage {i + 1}, "
-                    f"got {jax.tree.map(lambda s: (s.shape, s.dtype), x)}."
-                )
-            inputs.append(x)
-    st.check_loss_output(jax.eval_shape(cfg.loss_fn, x, micro), has_aux=False)
-    return inputs
-
-
-def _build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
-    """Each stage's forward and backward on flat buffers, for micro-batches of shape ``micro``."""
-    inputs = _stage_inputs(cfg, micro)
-    boundaries = inputs[1:]
-    width = max([math.prod(s.shape) for s in boundaries], default=0)
-    dtype = jnp.result_type(*[s.dtype for s in boundaries]) if boundaries else cfg.param_dtype
-
-    def pack(y: jax.Array) -> jax.Array:
-        return jnp.pad(jnp.ravel(y).astype(dtype), (0, width - y.size))
-
-    def unpack(buf: jax.Array, like: Any) -> jax.Array:
-        return buf[: math.prod(like.shape)].reshape(like.shape).astype(like.dtype)
-
-    def stage_fn(i: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        apply, view, sview, last = cfg.applies[i], cfg.views[i], cfg.state_views[i], i == cfg.k - 1
-
-        def run(params: Any, s: jax.Array, x_buf: jax.Array, micro: Any, key: Any) -> Any:
-            x = micro if i == 0 else unpack(x_buf, inputs[i])
-            y, new_state = _apply(apply, params, sview.unravel(s), x, key)
-            new = sview.ravel(new_state, cfg.state_len, cfg.state_dtype)
-            return (cfg.loss_fn(y, micro) if last else y), new
-
-        def forward(
-            p: jax.Array, s: jax.Array, x_buf: jax.Array, micro: Any, key: Any
-        ) -> tuple[jax.Array, jax.Array]:
-            # The last stage sends nothing on: its loss is computed by its backward.
-            if last:
-                return jnp.zeros((width,), dtype), s
-            y, s = run(view.unravel(p), s, x_buf, micro, key)
-            return pack(y), s
-
-        def backward(
-            p: jax.Array,
-            s: jax.Array,
-            x_buf: jax.Array,
-            ct_buf: jax.Array,
-            micro: Any,
-            key: Any,
-            acc: jax.Array,
-            scale: float,
-        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-            # Differentiate the unravelled tree and add leaf by leaf: a gradient of the flat
-            # vector would build a zero-padded copy of every stage's size on every tick.
-            y, vjp, new = jax.vjp(
-                lambda q, x_buf: run(q, s, x_buf, micro, key),
-                view.unravel(p),
-                x_buf,
-                has_aux=True,
-            )
-            ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
-            grad_p, grad_x = vjp(ct)
-            loss = y if last else jnp.zeros((), jnp.float32)
-            return view.add_into(acc, grad_p, scale), grad_x, loss, new
-
-        return forward, backward
-
-    fns = [stage_fn(i) for i in range(cfg.k)]
-    return Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
-
-
-def _check_reducer(reducer: optax.GradientTransformation, flat: jax.ShapeDtypeStruct) -> None:
-    """Rejects reducers that need each stage's parameter tree, which the pipeline flattens."""
-    state = jax.eval_shape(reducer.init, flat)
-    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, PowerSGDState))
-    if any(isinstance(node, PowerSGDState) for node in nodes):
-        raise ValueError(
-            "reducer=ddl.compression.power_sgd(...) cannot be used with ddl.pipeline: the "
-            "reducer sees each stage's parameters as one flat vector, so PowerSGD would find "
-            "no matrices and silently run a dense all-reduce. Use another reducer here, or "
-            "power_sgd with ddl.data_parallel."
-        )
+from ddl_jax._src.pipeline_stages import (
+    build_stages,
+    check_like,
+    check_stages,
+)
 
 
 def _micro_shapes(batch: Any, count: int) -> Any:
@@ -298,12 +87,13 @@ def _setup(
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     m_ = st.check_int("microbatches", microbatches, minimum=1)
     k_ = kit.mesh.shape[STAGE]
-    applies, views, state_views = _check_stages(stages, k_, tuple(mesh.axis_names))
+    applies, views, state_views = check_stages(stages, k_, tuple(mesh.axis_names))
     param_len = max(v.size for v in views)
     param_dtype = jnp.result_type(*[d for v in views for d in v.dtypes])
     state_dtypes = [d for v in state_views for d in v.dtypes]
     state_dtype = jnp.result_type(*state_dtypes) if state_dtypes else jnp.dtype(jnp.float32)
-    _check_reducer(kit.reducer, jax.ShapeDtypeStruct((param_len,), param_dtype))
+    # A reducer that needs the stages' trees (power_sgd) refuses their flat vectors itself.
+    jax.eval_shape(kit.reducer.init, jax.ShapeDtypeStruct((param_len,), param_dtype))
     if schedule == "ddg" and k_ > 1 and example_batch is None:
         raise ValueError(
             "schedule='ddg' with K > 1 stages needs example_batch= (a global batch or its "
@@ -328,7 +118,7 @@ def _setup(
     if example_batch is not None:
         st.check_batch(example_batch, cfg.divisor, why=cfg.why)
         cfg = cfg._replace(example=_abstract(example_batch))
-        _build_stages(cfg, _micro_shapes(cfg.example, cfg.divisor))
+        build_stages(cfg, _micro_shapes(cfg.example, cfg.divisor))
     return kit, cfg
 
 
@@ -354,8 +144,8 @@ def _stage_vectors(
         except TypeError as e:
             raise TypeError(f"params[{i}]: stage {i} is stateful: {e}") from None
         st.check_params(p)
-        _check_like(f"params[{i}]", p, view)
-        _check_like(f"params[{i}]'s model state", s, sview)
+        check_like(f"params[{i}]", p, view)
+        check_like(f"params[{i}]'s model state", s, sview)
         flat.append(view.ravel(p, cfg.param_len, cfg.param_dtype))
         states.append(sview.ravel(s, cfg.state_len, cfg.state_dtype))
     stacked = jnp.stack(flat)
@@ -378,7 +168,7 @@ def _local_stages(cfg: PipelineConfig, batch: Any) -> Stages:
                 f"batch shapes {given} differ from example_batch {cfg.example}, which "
                 "fixed the shapes of the pipeline's stashed activations."
             )
-    return _build_stages(cfg, _micro_shapes(batch, cfg.m))
+    return build_stages(cfg, _micro_shapes(batch, cfg.m))
 
 
 def _stage_params(kit: Kit, cfg: PipelineConfig) -> Callable[[Any], list[Any]]:
@@ -440,7 +230,7 @@ def _ddg_pipeline(kit: Kit, cfg: PipelineConfig) -> st.Strategy:
     )
     # The stashed activations' shapes: those of example_batch's micro-batches.
     micro = _micro_shapes(cfg.example, cfg.divisor) if cfg.k > 1 else None
-    fns = _build_stages(cfg, micro) if cfg.k > 1 else None
+    fns = build_stages(cfg, micro) if cfg.k > 1 else None
 
     def make_state(variables: Sequence[Any], _: ModelVars) -> DDGState:
         inputs = inbox = history = ()

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
+from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.kit import prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.reducers import checks_vma
@@ -108,8 +109,9 @@ def tensor_parallel(
       specs: ``PartitionSpec`` per parameter over ``"model"`` (``ddl.layers.param_specs``),
         or a prefix of the params' structure (``P()`` replicates every parameter).
       reducer: reduces gradients over ``data`` (default ``ddl.allreduce_mean("data")``).
-        Reducers built from ``ppermute`` are not supported: they need ``check_vma=False``,
-        under which JAX does not sum the gradients of ``model``-replicated parameters.
+        Reducers built from ``ppermute`` are not supported (they need ``check_vma=False``,
+        under which JAX does not sum the gradients of ``model``-replicated parameters), nor
+        are compressors.
       accumulate: micro-batches per data worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
 
@@ -143,10 +145,14 @@ def tensor_parallel(
         has_aux=has_aux,
     )
     reducer = kit.reducer
-    if not checks_vma(reducer):
+    probe = jax.eval_shape(reducer.init, {"w": jax.ShapeDtypeStruct((8, 8), "float32")})
+    if not checks_vma(reducer) or reducer_metrics(probe):
+        kind = "a ppermute-based" if not checks_vma(reducer) else "a compressing"
         raise ValueError(
-            "tensor_parallel needs a psum-based reducer (e.g. ddl.allreduce_mean('data')); "
-            f"got a ppermute-based {type(reducer).__name__}."
+            "tensor_parallel needs an uncompressed psum-based reducer (e.g. "
+            f"ddl.allreduce_mean('data')), got {kind} one: a ppermute-based reducer loses the "
+            "sum of the gradients of model-replicated parameters, a compressor would flatten "
+            "model-sharded and replicated gradients into one payload."
         )
 
     def state_specs(state: TensorParallelState) -> TensorParallelState:
