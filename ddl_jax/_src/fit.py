@@ -107,12 +107,6 @@ def fit(
 ) -> tuple[State, list[dict[str, float]]]:
     """Trains variables with ``strategy`` for ``steps`` steps, resuming from a checkpoint.
 
-    The variables are what the strategy trains: the params pytree for a plain
-    ``loss_fn(params, batch)``, or ``{"params": ..., "batch_stats": ...}`` for a
-    ``ddl.ModelLoss`` (a model with batch norm or dropout, from
-    ``ddl.flax.loss_from_module``); ``strategy.params(state)`` returns them in the same
-    layout.
-
     The step is jitted once with ``donate_argnums=0`` (the state's buffers are reused in
     place). Metrics stay on the device between log points, so logging does not stall the
     pipeline; every ``log_every`` steps they are fetched and checked for NaN/inf. Process 0
@@ -134,26 +128,22 @@ def fit(
 
     Args:
       strategy: what ``ddl.data_parallel`` and the other builders return.
-      params: the initial variables (positional; named ``params`` for compatibility): the
-        params, or ``{"params": ..., "batch_stats": ...}`` as
-        ``ddl.flax.loss_from_module`` returned them for a ``ddl.ModelLoss``. Not
-        modified; the strategy places a copy.
+      params: the initial variables: the params of a plain ``loss_fn(params, batch)``, or
+        ``{"params": ..., "batch_stats": ...}`` for a ``ddl.ModelLoss`` (as
+        ``ddl.flax.loss_from_module`` returns them; ``strategy.params(state)`` gives the
+        same layout). Not modified; the strategy places a copy.
       batches: iterable of global batches (e.g. ``ddl.data.batches(train, 256)``), or
-        ``start -> iterable`` yielding them from batch ``start`` on (e.g.
-        ``lambda s: ddl.data.batches(train, 256, start=s)``), which lets a resumed run
-        skip to its data position without replaying the earlier batches; an iterable is
-        advanced past the ``start`` batches already trained on.
+        ``start -> iterable`` from batch ``start`` on (``lambda s: ddl.data.batches(train,
+        256, start=s)``: a resumed run skips to its data position without replaying it).
       steps: total number of training steps (including resumed ones), >= 1.
       eval_fn: ``variables -> scalar | dict of scalars``, run on
         ``strategy.params(state)`` every ``eval_every`` steps and after the last step;
         recorded as ``eval`` / ``eval_<name>``.
       eval_every: steps between evaluations; ``None`` evaluates after the last step only.
       log_every: steps between metric fetches and progress updates.
-      progress: show progress (the bar or the plain lines) and one line per evaluation;
-        ``False`` prints nothing per step or evaluation (the one-line notice of a resume
-        remains). Warnings are given either way.
-      checkpoint_dir: directory of the checkpoints (the same path on every process);
-        ``None`` neither saves nor resumes.
+      progress: show progress and one line per evaluation; ``False`` prints nothing but
+        the one-line notice of a resume (warnings are given either way).
+      checkpoint_dir: the checkpoints' directory, the same on every process (``None``: none).
       checkpoint_every: steps between saves; ``None`` saves after the last step only.
       keep: number of most recent checkpoints kept (default 3).
       skip_nonfinite: do not apply a step whose loss or new state holds NaN/inf, on any
@@ -169,12 +159,130 @@ def fit(
     Raises:
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
-      TypeError: ``strategy`` is not a ``ddl.Strategy``, or ``progress`` or
-        ``skip_nonfinite`` not a bool.
+      TypeError: ``strategy`` is not a ``ddl.Strategy``, or a flag is not a bool.
       ValueError: bad arguments (among them ``checkpoint_every`` or ``keep`` without
         ``checkpoint_dir``, ``eval_every`` without ``eval_fn``), or a checkpoint of a
         differently shaped state.
     """
+    steps, log_every, eval_every, checkpoint_every, keep = _check_fit_arguments(
+        strategy,
+        steps,
+        eval_fn,
+        eval_every,
+        log_every,
+        progress,
+        checkpoint_dir,
+        checkpoint_every,
+        keep,
+        skip_nonfinite,
+    )
+    step_fn = jax.jit(
+        guard_nonfinite(strategy.step) if skip_nonfinite else strategy.step,
+        donate_argnums=0,
+    )
+    log = _Log(steps, show=bool(progress) and jax.process_index() == 0, skipping=skip_nonfinite)
+    state = strategy.init(params)
+    manager = None
+    try:
+        if checkpoint_dir is not None:
+            manager = checkpoint.checkpoint_manager(
+                checkpoint_dir, keep=3 if keep is None else keep
+            )
+            # Not restore_latest: its warning about a corrupt step must name the user's line.
+            restored = checkpoint._restore_latest(manager, state)
+            if restored is not None:
+                state, log.start = restored
+                log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
+        log.open_bar()
+        return _train(
+            strategy,
+            step_fn,
+            state,
+            batches,
+            log,
+            manager,
+            eval_fn,
+            eval_every,
+            log_every,
+            checkpoint_every,
+        )
+    finally:
+        log.close()
+        if manager is not None:
+            manager.close()  # waits for the last asynchronous save
+
+
+def _train(
+    strategy: Strategy,
+    step_fn: Callable[[State, Batch], tuple[State, Metrics]],
+    state: State,
+    batches: Iterable[Any] | Callable[[int], Iterable[Any]],
+    log: _Log,
+    manager: Any,
+    eval_fn: Callable[[Variables], Any] | None,
+    eval_every: int | None,
+    log_every: int,
+    checkpoint_every: int | None,
+) -> tuple[State, list[dict[str, float]]]:
+    """``fit``'s loop from its start step on, and what follows the last step (warnings
+    here name ``fit``'s caller: stacklevel 3)."""
+    steps = log.steps
+    start = log.start
+    stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
+
+    def save(step: int) -> None:
+        checkpoint.save(manager, step, state, strategy.params(state))
+
+    def evaluate() -> None:
+        log.evaluate(eval_fn, lambda: strategy.params(state))
+
+    for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
+        state, metrics = step_fn(state, batch)
+        log.add(metrics, batch)
+        if i % log_every == 0:
+            log.flush()
+        if eval_fn is not None and eval_every is not None and i % eval_every == 0:
+            evaluate()
+        if (message := log.growth()) is not None:
+            warnings.warn(message, stacklevel=3)
+        if manager is not None and (
+            i == steps or (checkpoint_every is not None and i % checkpoint_every == 0)
+        ):
+            save(i)
+    log.flush()
+    if (message := log.growth()) is not None:
+        warnings.warn(message, stacklevel=3)
+    history = log.history
+    if start >= steps:
+        log.say(f"fit: resumed at step {start} of {steps}; nothing left to train.", notice=True)
+        return state, history
+    if not history:
+        raise ValueError("fit: batches yielded no batch.")
+    if start + len(history) < steps:
+        warnings.warn(
+            f"fit: batches ran out after {start + len(history)} of {steps} steps.",
+            stacklevel=3,
+        )
+        if manager is not None and manager.latest_step() != start + len(history):
+            save(start + len(history))
+    if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
+        evaluate()
+    return state, history
+
+
+def _check_fit_arguments(
+    strategy: Any,
+    steps: Any,
+    eval_fn: Any,
+    eval_every: Any,
+    log_every: Any,
+    progress: Any,
+    checkpoint_dir: Any,
+    checkpoint_every: Any,
+    keep: Any,
+    skip_nonfinite: Any,
+) -> tuple[int, int, int | None, int | None, int | None]:
+    """``fit``'s argument checks; returns the checked integers."""
     steps = check_int("steps", steps, minimum=1)
     log_every = check_int("log_every", log_every, minimum=1)
     if eval_every is not None:
@@ -197,146 +305,97 @@ def fit(
                 f"fit: {name}={value!r} needs checkpoint_dir, got checkpoint_dir=None; pass "
                 "the directory to save checkpoints to."
             )
+    return steps, log_every, eval_every, checkpoint_every, keep
 
-    step_fn = jax.jit(
-        guard_nonfinite(strategy.step) if skip_nonfinite else strategy.step,
-        donate_argnums=0,
-    )
-    main = jax.process_index() == 0
-    show = bool(progress) and main
-    bar = None
 
-    def say(line: str, *, notice: bool = False) -> None:
+class _Log:
+    """``fit``'s records: metrics fetched from the device in batches, the progress shown
+    (a bar that redraws on a terminal, plain lines elsewhere), the loss-growth check."""
+
+    def __init__(self, steps: int, *, show: bool, skipping: bool) -> None:
+        self.steps, self.show, self.skipping = steps, show, skipping
+        self.main = jax.process_index() == 0
+        self.start = 0
+        self.bar: Any = None
+        self.history: list[dict[str, float]] = []
+        self.pending: list[Any] = []
+        self.examples, self.tick = 0, time.perf_counter()
+        self.checked, self.warned, self.first = 0, False, None
+
+    def say(self, line: str, *, notice: bool = False) -> None:
         # A notice (a resume) is shown even with progress=False, once, from process 0.
-        if not (show or (notice and main)):
+        if not (self.show or (notice and self.main)):
             return
-        if bar is None or bar.disable:
+        if self.bar is None or self.bar.disable:
             print(line, flush=True)
         else:
-            bar.write(line, file=sys.stdout)
+            self.bar.write(line, file=sys.stdout)
 
-    state = strategy.init(params)
-    start, manager = 0, None
-    try:
-        if checkpoint_dir is not None:
-            keep = 3 if keep is None else keep
-            manager = checkpoint.checkpoint_manager(checkpoint_dir, keep=keep)
-            # Not restore_latest: its warning about a corrupt step must name the user's line.
-            restored = checkpoint._restore_latest(manager, state)
-            if restored is not None:
-                state, start = restored
-                say(f"fit: resumed from step {start} in {manager.directory}", notice=True)
+    def open_bar(self) -> None:
         # A bar redraws in place; elsewhere (a launcher, a file) flush prints plain lines.
-        interactive = show and _interactive()
-        bar = tqdm(
-            total=steps,
-            initial=min(start, steps),
+        self.bar = tqdm(
+            total=self.steps,
+            initial=min(self.start, self.steps),
             unit="step",
             dynamic_ncols=True,
             file=sys.stdout,
-            disable=not interactive,
+            disable=not (self.show and _interactive()),
         )
-        stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
-        history: list[dict[str, float]] = []
-        pending: list[Any] = []
-        examples, tick = 0, time.perf_counter()
-        checked, warned, first = 0, False, None  # of the loss growth check
+        self.tick = time.perf_counter()
 
-        def save(step: int) -> None:
-            checkpoint.save(manager, step, state, strategy.params(state))
+    def add(self, metrics: Metrics, batch: Any) -> None:
+        self.pending.append(metrics)
+        self.examples += _examples(batch)
 
-        def flush() -> None:
-            nonlocal examples, tick
-            if not pending:
-                return
-            for metrics in jax.device_get(pending):
-                record = {
-                    "step": start + len(history) + 1,
-                    **{k: float(v) for k, v in metrics.items()},
-                }
-                if not math.isfinite(record["loss"]) and not record.get("skipped"):
-                    raise FloatingPointError(
-                        f"fit: loss is {record['loss']} at step {record['step']}; lower the "
-                        "learning rate, check the data for NaNs, or clip gradients "
-                        "(optax.clip_by_global_norm)."
-                    )
-                history.append(record)
-            bar.update(len(pending))
-            pending.clear()
-            now = time.perf_counter()
-            shown = {
-                "loss": f"{history[-1]['loss']:.4f}",
-                "ex_per_s": f"{examples / (now - tick):.0f}",
-            }
-            if skip_nonfinite:
-                shown["skipped"] = f"{sum(r['skipped'] for r in history):.0f}"
-            if bar.disable:
-                say(
-                    f"step {history[-1]['step']}/{steps}: "
-                    + ", ".join(f"{k}={v}" for k, v in shown.items())
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        history = self.history
+        for metrics in jax.device_get(self.pending):
+            record = {"step": self.start + len(history) + 1}
+            record |= {k: float(v) for k, v in metrics.items()}
+            if not math.isfinite(record["loss"]) and not record.get("skipped"):
+                raise FloatingPointError(
+                    f"fit: loss is {record['loss']} at step {record['step']}; lower the "
+                    "learning rate, check the data for NaNs, or clip gradients "
+                    "(optax.clip_by_global_norm)."
                 )
-            else:
-                bar.set_postfix(shown)
-            examples, tick = 0, now
+            history.append(record)
+        self.bar.update(len(self.pending))
+        self.pending.clear()
+        now = time.perf_counter()
+        shown = {
+            "loss": f"{history[-1]['loss']:.4f}",
+            "ex_per_s": f"{self.examples / (now - self.tick):.0f}",
+        }
+        if self.skipping:
+            shown["skipped"] = f"{sum(r['skipped'] for r in history):.0f}"
+        if self.bar.disable:
+            fields = ", ".join(f"{k}={v}" for k, v in shown.items())
+            self.say(f"step {history[-1]['step']}/{self.steps}: {fields}")
+        else:
+            self.bar.set_postfix(shown)
+        self.examples, self.tick = 0, now
 
-        def evaluate() -> None:
-            nonlocal tick
-            flush()
-            record = _eval_record(eval_fn, strategy.params(state))
-            history[-1].update(record)
-            say(
-                f"step {history[-1]['step']}: "
-                + ", ".join(f"{k}={v:.4f}" for k, v in record.items())
-            )
-            tick = time.perf_counter()  # evaluation time is not training throughput
+    def evaluate(self, eval_fn: Callable[[Variables], Any], variables: Callable[[], Any]) -> None:
+        self.flush()
+        record = _eval_record(eval_fn, variables())
+        self.history[-1].update(record)
+        fields = ", ".join(f"{k}={v:.4f}" for k, v in record.items())
+        self.say(f"step {self.history[-1]['step']}: {fields}")
+        self.tick = time.perf_counter()  # evaluation time is not training throughput
 
-        def growth() -> str | None:
-            # Checks the records fetched since the last call against the first one, until
-            # a first warning (one per run).
-            nonlocal checked, warned, first
-            new, checked = history[checked:], len(history)
-            if first is None:
-                first = next((r for r in new if _counts(r)), None)
-            if warned or first is None:
-                return None
-            message = _growth_warning(first, new)
-            warned = message is not None
-            return message
+    def growth(self) -> str | None:
+        """The loss-growth warning for the records fetched since the last call, once."""
+        new, self.checked = self.history[self.checked :], len(self.history)
+        if self.first is None:
+            self.first = next((r for r in new if _counts(r)), None)
+        if self.warned or self.first is None:
+            return None
+        message = _growth_warning(self.first, new)
+        self.warned = message is not None
+        return message
 
-        for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
-            state, metrics = step_fn(state, batch)
-            pending.append(metrics)
-            examples += _examples(batch)
-            if i % log_every == 0:
-                flush()
-            if eval_fn is not None and eval_every is not None and i % eval_every == 0:
-                evaluate()
-            if (message := growth()) is not None:
-                warnings.warn(message, stacklevel=2)
-            if manager is not None and (
-                i == steps or (checkpoint_every is not None and i % checkpoint_every == 0)
-            ):
-                save(i)
-        flush()
-        if (message := growth()) is not None:
-            warnings.warn(message, stacklevel=2)
-        if start >= steps:
-            say(f"fit: resumed at step {start} of {steps}; nothing left to train.", notice=True)
-            return state, history
-        if not history:
-            raise ValueError("fit: batches yielded no batch.")
-        if start + len(history) < steps:
-            warnings.warn(
-                f"fit: batches ran out after {start + len(history)} of {steps} steps.",
-                stacklevel=2,
-            )
-            if manager is not None and manager.latest_step() != start + len(history):
-                save(start + len(history))
-        if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
-            evaluate()
-        return state, history
-    finally:
-        if bar is not None:
-            bar.close()
-        if manager is not None:
-            manager.close()  # waits for the last asynchronous save
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -188,8 +189,6 @@ def gossip(
         if mixing_weights is None
         else _check_mixing(mixing_weights, topology, n)
     )
-    # sources[k][i]: whom device i hears from in round k.
-    sources = [np.argsort(perm) for perm in perms]
     specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> GossipState:
@@ -200,21 +199,8 @@ def gossip(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    def mix(y):
-        me = lax.axis_index(axis)
-        weights = jnp.asarray(w, jnp.float32)
-        mixed = jax.tree.map(lambda a: weights[me, me].astype(a.dtype) * a, y)
-        for perm, src in zip(perms, sources, strict=True):
-            arrived = lax.ppermute(y, axis, list(enumerate(perm)))
-            wk = weights[me, jnp.asarray(src)[me]]
-            mixed = jax.tree.map(lambda m, r, wk=wk: m + wk.astype(r.dtype) * r, mixed, arrived)
-        return mixed
-
-    def consensus_distance(params):
-        mean = lax.pmean(params, axis)
-        pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
-        sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
-        return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)
+    mix = functools.partial(_mix, axis=axis, weights=w, perms=perms)
+    consensus_distance = functools.partial(_consensus_distance, axis=axis)
 
     def worker_step(state: GossipState, batch: Any) -> tuple[GossipState, dict[str, jax.Array]]:
         params, opt_state = unstack(state.params), unstack(state.opt_state)
@@ -240,3 +226,25 @@ def gossip(
     return Strategy(
         kit.init(make_state, specs), kit.step(worker_step, specs), kit.replica_variables()
     )
+
+
+def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -> Any:
+    """``sum_j W_ij y_j`` on device i: one ``ppermute`` round per neighbour permutation."""
+    me = lax.axis_index(axis)
+    w = jnp.asarray(weights, jnp.float32)
+    mixed = jax.tree.map(lambda a: w[me, me].astype(a.dtype) * a, y)
+    for perm in perms:
+        arrived = lax.ppermute(y, axis, list(enumerate(perm)))
+        source = jnp.asarray(np.argsort(perm))[me]  # whom device i hears from in this round
+        mixed = jax.tree.map(
+            lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
+        )
+    return mixed
+
+
+def _consensus_distance(params: Any, axis: str) -> jax.Array:
+    """The workers' mean distance to their average model."""
+    mean = lax.pmean(params, axis)
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
+    sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
+    return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)

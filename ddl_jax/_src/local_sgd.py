@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
 
@@ -120,60 +120,72 @@ def local_sgd(
         check_transform(
             "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
-    reducer, outer = kit.reducer, outer_optimizer
+    cfg = _Config(
+        kit, optimizer, outer_optimizer, period, warmup_sync_steps, average_optimizer_state
+    )
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
-
-    def make_state(params: Any, model: ModelVars) -> LocalSGDState:
-        return LocalSGDState(
-            params=kit.stack(params),
-            opt_state=kit.stack(optimizer.init(params)),
-            anchor=params,
-            outer_opt_state=optax.EmptyState() if outer is None else outer.init(params),
-            reducer_state=kit.stack(reducer.init(params)),
-            model=model._replace(state=kit.stack(model.state)),
-        )
-
-    sync = functools.partial(
-        _synchronise,
-        axis=axis,
-        reducer=reducer,
-        outer=outer,
-        average_optimizer_state=average_optimizer_state,
-    )
-    average = functools.partial(_average, axis=axis)
-    catch_up = functools.partial(_catch_up, axis=axis)
-
-    def worker_step(state: LocalSGDState, batch: Any) -> tuple[LocalSGDState, dict[str, jax.Array]]:
-        params, opt_state = unstack(state.params), unstack(state.opt_state)
-        step = state.model.step
-        key = worker_key(state.model, lax.axis_index(axis))
-        (loss, aux), grads, model_state = kit.value_and_grad(
-            params, unstack(state.model.state), batch, key
-        )
-        warm = step < warmup_sync_steps
-        if warmup_sync_steps:
-            grads, model_state = lax.cond(warm, average, _keep, (grads, model_state))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
-        # 2: a synchronisation through the outer step.
-        outer_sync = ~warm & ((step - warmup_sync_steps + 1) % period == 0)
-        branch = jnp.where(outer_sync, 2, jnp.where(step == warmup_sync_steps - 1, 1, 0))
-        carry = (params, opt_state, state.anchor, state.outer_opt_state)
-        carry = (*carry, unstack(state.reducer_state), model_state)
-        carry = lax.switch(branch, [_keep, catch_up, sync], carry)
-        params, opt_state, anchor, outer_state, reducer_state, model_state = carry
-        metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
-        metrics["synchronised"] = (branch == 2).astype(jnp.float32)
-        model = ModelVars(restack(model_state), state.model.key, step + 1)
-        new = LocalSGDState(
-            restack(params), restack(opt_state), anchor, outer_state, restack(reducer_state), model
-        )
-        return new, metrics
-
     return Strategy(
-        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replica_variables()
+        kit.init(functools.partial(_make_state, cfg), specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
     )
+
+
+class _Config(NamedTuple):
+    kit: Kit
+    optimizer: optax.GradientTransformation
+    outer: optax.GradientTransformation | None
+    period: int
+    warmup: int
+    average_optimizer_state: bool
+
+
+def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
+    kit, outer = cfg.kit, cfg.outer
+    return LocalSGDState(
+        params=kit.stack(params),
+        opt_state=kit.stack(cfg.optimizer.init(params)),
+        anchor=params,
+        outer_opt_state=optax.EmptyState() if outer is None else outer.init(params),
+        reducer_state=kit.stack(kit.reducer.init(params)),
+        model=model._replace(state=kit.stack(model.state)),
+    )
+
+
+def _worker_step(
+    cfg: _Config, state: LocalSGDState, batch: Any
+) -> tuple[LocalSGDState, dict[str, jax.Array]]:
+    """One worker's step: a local step, then (on schedule) the warm-up's end or a sync."""
+    kit, axis, warmup = cfg.kit, cfg.kit.axis, cfg.warmup
+    params, opt_state = unstack(state.params), unstack(state.opt_state)
+    step = state.model.step
+    key = worker_key(state.model, lax.axis_index(axis))
+    (loss, aux), grads, model_state = kit.value_and_grad(
+        params, unstack(state.model.state), batch, key
+    )
+    warm = step < warmup
+    if warmup:
+        average = functools.partial(_average, axis=axis)
+        grads, model_state = lax.cond(warm, average, _keep, (grads, model_state))
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
+    # 2: a synchronisation through the outer step.
+    outer_sync = ~warm & ((step - warmup + 1) % cfg.period == 0)
+    branch = jnp.where(outer_sync, 2, jnp.where(step == warmup - 1, 1, 0))
+    carry = (params, opt_state, state.anchor, state.outer_opt_state)
+    carry = (*carry, unstack(state.reducer_state), model_state)
+    catch_up = functools.partial(_catch_up, axis=axis)
+    sync = functools.partial(_synchronise, cfg=cfg)
+    carry = lax.switch(branch, [_keep, catch_up, sync], carry)
+    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
+    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
+    metrics["synchronised"] = (branch == 2).astype(jnp.float32)
+    model = ModelVars(restack(model_state), state.model.key, step + 1)
+    new = LocalSGDState(
+        restack(params), restack(opt_state), anchor, outer_state, restack(reducer_state), model
+    )
+    return new, metrics
 
 
 Carry = tuple[Any, Any, Any, Any, Any, Any]  # params, opt, anchor, outer, reducer, model state
@@ -202,23 +214,18 @@ def _catch_up(carry: Carry, axis: str) -> Carry:
     return params, opt_state, anchor, outer_state, reducer_state, model_state
 
 
-def _synchronise(
-    carry: Carry,
-    axis: str,
-    reducer: optax.GradientTransformation,
-    outer: optax.GradientTransformation | None,
-    average_optimizer_state: bool,
-) -> Carry:
+def _synchronise(carry: Carry, cfg: _Config) -> Carry:
     """The outer step: the reduced pseudo-gradient moves the anchor; replicas restart there."""
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     delta = jax.tree.map(jnp.subtract, anchor, params)
-    delta, reducer_state = reducer.update(delta, reducer_state, anchor)
+    axis, outer = cfg.kit.axis, cfg.outer
+    delta, reducer_state = cfg.kit.reducer.update(delta, reducer_state, anchor)
     if outer is not None:
         updates, outer_state = outer.update(delta, outer_state, anchor)
         anchor = optax.apply_updates(anchor, updates)
     else:
         anchor = jax.tree.map(jnp.subtract, anchor, delta)
-    if average_optimizer_state:
+    if cfg.average_optimizer_state:
         opt_state = _average(opt_state, axis)
     params = lax.pcast(anchor, axis, to="varying")
     return params, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis)

@@ -8,6 +8,7 @@ parameter by its spec over ``model`` and running data parallelism over ``data``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -155,27 +156,7 @@ def tensor_parallel(
             "model-sharded and replicated gradients into one payload."
         )
 
-    def state_specs(state: TensorParallelState) -> TensorParallelState:
-        """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
-
-        full = _full_specs(state.params, specs)
-
-        def like_params(transform, tree, worker):
-            return optax.tree_map_params(
-                transform,
-                lambda _, spec: P(*worker, *spec),
-                tree,
-                full,
-                transform_non_params=lambda _: P(*worker),
-                is_leaf=_is_spec,
-            )
-
-        return TensorParallelState(
-            full,
-            like_params(optimizer, state.opt_state, ()),
-            like_params(reducer, state.reducer_state, (DATA,)),
-            ModelVars(P(), P(), P()),
-        )
+    state_specs = functools.partial(_state_specs, specs, optimizer, reducer)
 
     def make_state(params: Any, model: ModelVars) -> TensorParallelState:
         _check_specs(params, specs, kit.mesh)
@@ -201,4 +182,32 @@ def tensor_parallel(
         kit.init(make_state, state_specs),
         kit.step(worker_step, state_specs),
         kit.replicated(lambda state: kit.variables(state.params, state.model)),
+    )
+
+
+def _state_specs(
+    specs: Any,
+    optimizer: optax.GradientTransformation,
+    reducer: optax.GradientTransformation,
+    state: TensorParallelState,
+) -> TensorParallelState:
+    """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
+
+    full = _full_specs(state.params, specs)
+
+    def like_params(transform, tree, worker):
+        return optax.tree_map_params(
+            transform,
+            lambda _, spec: P(*worker, *spec),
+            tree,
+            full,
+            transform_non_params=lambda _: P(*worker),
+            is_leaf=_is_spec,
+        )
+
+    return TensorParallelState(
+        full,
+        like_params(optimizer, state.opt_state, ()),
+        like_params(reducer, state.reducer_state, (DATA,)),
+        ModelVars(P(), P(), P()),
     )
