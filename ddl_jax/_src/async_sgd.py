@@ -449,13 +449,5 @@ def async_sgd(
     >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
     (0.2, 4.0)
     """
-    kit = prepare(
-        loss_fn,
-        optimizer,
-        mesh,
-        axis=axis,
-        takes_reducer=False,
-        accumulate=accumulate,
-        has_aux=has_aux,
-    )
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
     return _Program.build(kit, optimizer, compute_time, protocol)

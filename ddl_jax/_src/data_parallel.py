@@ -51,6 +51,11 @@ def data_parallel(
     applies the same optimizer update, so parameters stay replicated:
     ``theta <- theta + optimizer(reducer(g_1..g_N))``.
 
+    Model state (a ``ddl.ModelLoss``'s batch statistics) is each worker's own during the
+    step and averaged over the workers after it (for SyncBatchNorm, normalising by the
+    global batch, build ``nnx.BatchNorm(axis_name=axis)``); worker w's dropout key at step
+    t is ``fold_in(fold_in(seed_key, t), w)``.
+
     Args:
       loss_fn: ``(params, batch) -> loss`` (a scalar mean over the batch), or
         ``(loss, aux_dict)`` with ``has_aux=True``; aux values must be scalars and are
@@ -81,9 +86,7 @@ def data_parallel(
       >>> round(float(strategy.params(state)["w"]), 6), float(metrics["loss"])
       (0.2, 1.0)
     """
-    kit = prepare(
-        loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
-    )
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
     reducer = kit.reducer
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 

@@ -133,6 +133,8 @@ def gossip(
     Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
     ``theta_i <- sum_j W_ij (theta_j + u_j)`` where ``u_j`` is worker j's update (the
     adapt-then-combine order, so that the complete graph is exactly synchronous SGD).
+    Model state (batch statistics) is each worker's own and mixed by the same ``W``;
+    dropout keys differ per worker and step.
     Models travel by ``ppermute``, one round per neighbour: each device sends
     ``degree x parameter bytes`` per step and there is no global all-reduce.
 
@@ -172,15 +174,7 @@ def gossip(
       >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
       (0.2, 0.0)
     """
-    kit = prepare(
-        loss_fn,
-        optimizer,
-        mesh,
-        axis=axis,
-        takes_reducer=False,
-        accumulate=accumulate,
-        has_aux=has_aux,
-    )
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     n = kit.n
     perms = neighbour_permutations(topology, n)

@@ -286,13 +286,13 @@ def prepare(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
-    *,
     axis: str = st.DATA,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    *,
     add_axes: tuple[str, ...] = (),
     reducer: optax.GradientTransformation | None = None,
     takes_reducer: bool = True,
-    accumulate: int = 1,
-    has_aux: bool = False,
 ) -> Kit:
     """The builder preamble: checks the shared arguments and prepares the mesh.
 

@@ -61,7 +61,8 @@ def local_sgd(
     ``anchor <- anchor - Delta`` (plain parameter averaging: the mean of the replicas) or,
     with an ``outer_optimizer``, ``anchor <- anchor + outer_optimizer(Delta)`` (DiLoCo).
     Every replica restarts from the new anchor. With H = 1 and SGD this is synchronous
-    data-parallel SGD.
+    data-parallel SGD. Model state (batch statistics) is each worker's own and averaged at
+    every synchronisation; dropout keys differ per worker and step.
 
     With ``warmup_sync_steps`` = W > 0 the first W steps are synchronous (gradients
     all-reduced every step, so replicas stay equal) and local steps start after them
@@ -111,9 +112,7 @@ def local_sgd(
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """
-    kit = prepare(
-        loss_fn, optimizer, mesh, axis=axis, reducer=reducer, accumulate=accumulate, has_aux=has_aux
-    )
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
     period = check_int("period", period, minimum=1)
     warmup_sync_steps = check_int("warmup_sync_steps", warmup_sync_steps, minimum=0)
     if outer_optimizer is not None:

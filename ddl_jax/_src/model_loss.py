@@ -103,7 +103,9 @@ def init_vars(loss_fn: Callable[..., Any], model_state: Any) -> ModelVars:
     )
 
 
-def worker_key(model: ModelVars, worker: jax.Array | int, step: jax.Array | None = None):
+def worker_key(
+    model: ModelVars, worker: jax.Array | int, step: jax.Array | None = None
+) -> jax.Array:
     """Worker ``worker``'s key at ``step`` (default: the state's step)."""
     key = jax.random.wrap_key_data(model.key, impl="threefry2x32")
     return jax.random.fold_in(jax.random.fold_in(key, model.step if step is None else step), worker)

@@ -98,6 +98,8 @@ def tensor_parallel(
     hold shards of the parameters (``specs``) and run ``loss_fn`` on their shards, the
     parallel layers communicating inside it. Gradients are reduced over ``data`` only:
     ``theta <- theta + optimizer(reducer(g_1 .. g_N))``, each device updating its shard.
+    Model state (batch statistics) is replicated and averaged over ``data`` after each
+    step; the devices of one data worker share its dropout key.
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or a ``ddl.ModelLoss``), run inside
@@ -135,15 +137,9 @@ def tensor_parallel(
       >>> round(float(strategy.params(state)["w"]), 6)
       0.2
     """
+    axes = (DATA, MODEL)
     kit = prepare(
-        loss_fn,
-        optimizer,
-        mesh,
-        axis=DATA,
-        add_axes=(DATA, MODEL),
-        reducer=reducer,
-        accumulate=accumulate,
-        has_aux=has_aux,
+        loss_fn, optimizer, mesh, DATA, accumulate, has_aux, add_axes=axes, reducer=reducer
     )
     reducer = kit.reducer
     probe = jax.eval_shape(reducer.init, {"w": jax.ShapeDtypeStruct((8, 8), "float32")})
