@@ -150,11 +150,11 @@ def test_one_worker_is_single_device_sgd(mlp, name):
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(EVERY))
-def test_compiles_once_and_resumes_bitwise_from_a_checkpoint(mlp, name, tmp_path, caplog):
-    loss_fn, params = mlp
+def train_save_resume(strategy, variables, directory):
+    """Three steps, an orbax checkpoint, three more from the restored state and from the
+    original: asserts they end bitwise equal and that the step compiled once. Returns the
+    state at the checkpoint, the restored one and the final one."""
     batches = make_batches(6, 32)
-    strategy = EVERY[name](loss_fn, optax.adam(1e-2), auto_mesh(8))
     traces = []
 
     def counted(state, batch):
@@ -162,20 +162,28 @@ def test_compiles_once_and_resumes_bitwise_from_a_checkpoint(mlp, name, tmp_path
         return strategy.step(state, batch)
 
     step = jax.jit(counted)
-    state = run(step, strategy.init(params), batches[:3])
-    with ocp.CheckpointManager(tmp_path) as manager:
+    state = run(step, strategy.init(variables), batches[:3])
+    with ocp.CheckpointManager(directory) as manager:
         manager.save(3, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
         like = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         restored = manager.restore(3, args=ocp.args.StandardRestore(like))
+    final = run(step, state, batches[3:])
+    chex.assert_trees_all_equal(run(step, restored, batches[3:]), final)
+    assert len(traces) == 1
+    return state, restored, final
+
+
+@pytest.mark.parametrize("name", sorted(EVERY))
+def test_compiles_once_and_resumes_bitwise_from_a_checkpoint(mlp, name, tmp_path, caplog):
+    loss_fn, params = mlp
+    strategy = EVERY[name](loss_fn, optax.adam(1e-2), auto_mesh(8))
+    state, restored, final = train_save_resume(strategy, params, tmp_path)
     chex.assert_trees_all_equal(restored, state)
     assert all(
         a.sharding.is_equivalent_to(b.sharding, a.ndim)
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True)
     )
-    final = run(step, state, batches[3:])
-    chex.assert_trees_all_equal(run(step, restored, batches[3:]), final)
-    assert len(traces) == 1
     trained = strategy.params(final)  # compiles here, once: not again on later calls
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         again = [strategy.params(final) for _ in range(2)]
@@ -213,22 +221,7 @@ def test_one_worker_with_batch_norm_and_dropout_is_a_flax_training_loop(name):
 @pytest.mark.parametrize("name", sorted(WITH_MODEL_STATE))
 def test_batch_norm_and_dropout_compile_once_and_resume_bitwise(name, tmp_path):
     loss_fn, variables = bn_dropout_pair()
-    batches = make_batches(6, 32)
     strategy = WITH_MODEL_STATE[name](loss_fn, optax.adam(1e-2), auto_mesh(8))
-    traces = []
-
-    def counted(state, batch):
-        traces.append(1)
-        return strategy.step(state, batch)
-
-    step = jax.jit(counted)
-    state = run(step, strategy.init(variables), batches[:3])
-    with ocp.CheckpointManager(tmp_path) as manager:
-        manager.save(3, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
-        like = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = manager.restore(3, args=ocp.args.StandardRestore(like))
-    chex.assert_trees_all_equal(run(step, restored, batches[3:]), run(step, state, batches[3:]))
-    assert len(traces) == 1
-    trained = strategy.params(run(step, state, batches[3:]))
+    _, _, final = train_save_resume(strategy, variables, tmp_path)
+    trained = strategy.params(final)
     assert not np.allclose(trained["batch_stats"]["norm"]["mean"], 0.0)
