@@ -1,6 +1,9 @@
 """The training loop."""
 
+import json
+import os
 import re
+import shutil
 import warnings
 
 import chex
@@ -100,6 +103,17 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
         ({"skip_nonfinite": "no"}, TypeError, "skip_nonfinite must be a bool, got 'no'"),
         ({"progress": 1}, TypeError, "progress must be a bool, got 1"),
         ({"eval_every": np.int64(0), "eval_fn": len}, ValueError, "eval_every must be an int >= 1"),
+        (
+            {"log_file": 3},
+            TypeError,
+            "log_file must be a str or os.PathLike path, or None, got int",
+        ),
+        ({"log_file": b"log"}, TypeError, "log_file must be a str or os.PathLike path"),
+        ({"log_file": ""}, ValueError, "log_file must name a file, got ''."),
+        ({"log_file": "."}, ValueError, "log_file must name a file, got '.' .a directory."),
+        ({"callbacks": print}, TypeError, "callbacks must be a sequence of callables"),
+        ({"callbacks": None}, TypeError, "callbacks must be a sequence of callables"),
+        ({"callbacks": [print, 3]}, TypeError, "callbacks.1. must be callable, got 3"),
     ],
 )
 def test_bad_arguments(mlp, kwargs, error, match):
@@ -179,3 +193,112 @@ def test_a_loss_that_falls_or_grows_less_than_100x_does_not_warn(mlp):
     # A negative loss (a log-likelihood) that keeps falling is not growth.
     first = {"step": 1, "loss": -0.5}
     assert fit_module._growth_warning(first, [{"step": 2, "loss": -90.0}]) is None
+
+
+def read_log(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_log_file_and_callbacks_get_every_record_in_order_evals_merged(mlp, tmp_path):
+    loss_fn, params = mlp
+    seen, path = [], tmp_path / "new" / "log.jsonl"  # parents created
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    _, history = ddl.fit(
+        strategy,
+        params,
+        make_batches(5, 8),
+        steps=5,
+        log_every=2,
+        eval_fn=lambda p: {"one": 1.0},
+        eval_every=3,
+        progress=False,
+        log_file=path,
+        callbacks=[seen.append, lambda record: record.clear()],  # each gets its own copy
+    )
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in history if "eval_one" in r] == [3, 5]
+    assert read_log(path) == history and seen == history
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    loss_fn, params = mlp_pair()
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    batches, path, ckpt = make_batches(6, 8), str(tmp_path / "log.jsonl"), tmp_path / "ckpt"
+    args = {"checkpoint_dir": ckpt, "log_every": 3, "progress": False, "log_file": path}
+    _, first = ddl.fit(strategy, params, batches, steps=4, checkpoint_every=2, **args)
+    assert read_log(path) == first
+    # A crash after step 4's records were written, before its checkpoint was complete, and
+    # in the middle of a later write: the run resumes at step 2, as if 3 and 4 never ran.
+    shutil.rmtree(ckpt / "4")
+    with open(path, "a") as f:
+        f.write('{"step": 5, "lo')
+    _, second = ddl.fit(strategy, params, batches, steps=6, **args)
+    assert [r["step"] for r in second] == [3, 4, 5, 6]
+    assert read_log(path) == first[:2] + second
+    # A run that does not resume (no checkpoint) starts the file afresh.
+    _, third = ddl.fit(strategy, params, batches, steps=2, log_file=path, progress=False)
+    assert read_log(path) == third
+
+
+def test_a_file_that_is_not_a_log_is_refused_and_left_alone(mlp, tmp_path):
+    loss_fn, params = mlp
+    path = tmp_path / "data.csv"
+    path.write_text("x,y\n1,2\n")
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(ValueError, match="data.csv' is not a log of fit: line 1 is not a JSON"):
+        ddl.fit(strategy, params, make_batches(2, 8), steps=2, log_file=path, progress=False)
+    assert path.read_text() == "x,y\n1,2\n"
+
+
+def test_a_callback_stops_training_and_the_run_resumes_from_its_checkpoint(tmp_path):
+    loss_fn, params = mlp_pair()
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=2))
+    batches = make_batches(6, 8)
+    whole, _ = ddl.fit(strategy, params, batches, steps=6, progress=False)
+    path = tmp_path / "log.jsonl"
+    args = {"checkpoint_dir": tmp_path / "ckpt", "progress": False, "log_file": path}
+    evals = []
+    _, history = ddl.fit(
+        strategy,
+        params,
+        batches,
+        steps=6,
+        log_every=1,
+        eval_fn=lambda p: evals.append(1) or 0.5,
+        callbacks=[lambda record: record["step"] == 3],
+        **args,
+    )
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert evals == [] and read_log(path) == history  # no final evaluation
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["3"]
+    state, rest = ddl.fit(strategy, params, batches, steps=6, **args)
+    assert [r["step"] for r in rest] == [4, 5, 6]
+    chex.assert_trees_all_equal(state, whole)
+    assert [r["step"] for r in read_log(path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_stop_takes_effect_at_the_log_point_that_fetched_it(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    seen = []
+
+    def stop_at_3(record):
+        seen.append(record["step"])
+        return np.bool_(record["step"] == 3)
+
+    args = {"steps": 8, "log_every": 2, "progress": False}
+    _, history = ddl.fit(strategy, params, make_batches(8, 8), callbacks=[stop_at_3], **args)
+    # Records 3 and 4 are fetched together at step 4: every callback sees both.
+    assert [r["step"] for r in history] == seen == [1, 2, 3, 4]
+    # Evaluations are log points: a stop on an eval result is exact.
+    _, history = ddl.fit(
+        strategy,
+        params,
+        make_batches(8, 8),
+        eval_fn=lambda p: 1.0,
+        eval_every=3,
+        callbacks=[lambda record: "eval" in record, lambda record: 1],  # only True stops
+        **{**args, "log_every": 10},
+    )
+    assert [r["step"] for r in history] == [1, 2, 3]

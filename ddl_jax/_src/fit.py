@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import autonotebook, std
 from tqdm.auto import tqdm
 
@@ -104,6 +106,8 @@ def fit(
     checkpoint_every: int | None = None,
     keep: int | None = None,
     skip_nonfinite: bool = False,
+    log_file: str | os.PathLike | None = None,
+    callbacks: Sequence[Callable[[dict[str, float]], Any]] = (),
 ) -> tuple[State, list[dict[str, float]]]:
     """Trains variables with ``strategy`` for ``steps`` steps, resuming from a checkpoint.
 
@@ -125,6 +129,23 @@ def fit(
     of the stream, so a restarted command ends where an uninterrupted one would (bitwise
     on the same mesh, dropout masks included). A step that fails to restore is reported
     and the previous one used (see ``ddl.checkpoint.restore_latest``).
+
+    Records (the history's dicts) are passed on to ``log_file``, then to each callback,
+    on process 0, once final: those fetched at a log point (every ``log_every`` steps, each
+    evaluation, the end) before the next step runs, their eval results merged. A callback
+    returning ``True`` stops training there: ``fit`` saves a checkpoint of the last step
+    trained (with ``checkpoint_dir``) and returns the history so far, with no final
+    evaluation. The records fetched with the stopping one are still passed on: to stop at
+    an exact step, use ``log_every=1`` or decide on eval results. Early stopping when
+    ``eval_loss`` has not improved for 5 evaluations, for example::
+
+        evals = []
+        def early_stop(record):
+            if "eval_loss" in record:
+                evals.append(record["eval_loss"])
+                return len(evals) > 5 and min(evals[-5:]) > min(evals[:-5])
+        fit(strategy, params, batches, steps=10**4, eval_fn=evaluate, eval_every=100,
+            callbacks=[early_stop])
 
     Args:
       strategy: what ``ddl.data_parallel`` and the other builders return.
@@ -149,6 +170,12 @@ def fit(
       skip_nonfinite: do not apply a step whose loss or new state holds NaN/inf, on any
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
         instead of stopping training.
+      log_file: a JSON-lines file (parents created) to which process 0 appends the records
+        (a skipped step's loss as ``NaN``) as they are passed on, flushed to disk; a run
+        that raises still writes those fetched. Lines of steps after the start step (all
+        when not resuming) are dropped first, so the file holds each step once.
+      callbacks: ``record -> Any``, called on process 0 with a copy of each record as it is
+        passed on; ``True`` (a bool or NumPy bool) stops training on every process.
 
     Returns:
       ``(state, history)``: the final state (``strategy.params(state)`` are the trained
@@ -159,74 +186,64 @@ def fit(
     Raises:
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
-      TypeError: ``strategy`` is not a ``ddl.Strategy``, or a flag is not a bool.
+      TypeError: ``strategy`` is not a ``ddl.Strategy``, a flag is not a bool, ``log_file``
+        not a path, or ``callbacks`` not a sequence of callables.
       ValueError: bad arguments (among them ``checkpoint_every`` or ``keep`` without
-        ``checkpoint_dir``, ``eval_every`` without ``eval_fn``), or a checkpoint of a
-        differently shaped state.
+        ``checkpoint_dir``, ``eval_every`` without ``eval_fn``, a ``log_file`` that is a
+        directory or not a JSON-lines file), or a checkpoint of a differently shaped state.
     """
-    steps, log_every, eval_every, checkpoint_every, keep = _check_fit_arguments(
-        strategy,
-        steps,
-        eval_fn,
-        eval_every,
-        log_every,
-        progress,
-        checkpoint_dir,
-        checkpoint_every,
-        keep,
-        skip_nonfinite,
-    )
-    step_fn = jax.jit(
-        guard_nonfinite(strategy.step) if skip_nonfinite else strategy.step,
-        donate_argnums=0,
-    )
-    log = _Log(steps, show=bool(progress) and jax.process_index() == 0, skipping=skip_nonfinite)
+    settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
+    log = _Log(settings, show=settings.progress and jax.process_index() == 0)
     state = strategy.init(params)
     manager = None
     try:
-        if checkpoint_dir is not None:
+        if settings.checkpoint_dir is not None:
             manager = checkpoint.checkpoint_manager(
-                checkpoint_dir, keep=3 if keep is None else keep
+                settings.checkpoint_dir, keep=settings.keep or 3
             )
             # Not restore_latest: its warning about a corrupt step must name the user's line.
-            restored = checkpoint._restore_latest(manager, state)
-            if restored is not None:
+            if (restored := checkpoint._restore_latest(manager, state)) is not None:
                 state, log.start = restored
                 log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
-        log.open_bar()
-        return _train(
-            strategy,
-            step_fn,
-            state,
-            batches,
-            log,
-            manager,
-            eval_fn,
-            eval_every,
-            log_every,
-            checkpoint_every,
-        )
+        log.open()
+        return _train(strategy, state, batches, log, manager, settings)
     finally:
         log.close()
         if manager is not None:
             manager.close()  # waits for the last asynchronous save
 
 
+class _Settings(NamedTuple):
+    """``fit``'s arguments past the strategy, the variables and the batches."""
+
+    steps: int
+    eval_fn: Callable[[Variables], Any] | None
+    eval_every: int | None
+    log_every: int
+    progress: bool
+    checkpoint_dir: str | os.PathLike | None
+    checkpoint_every: int | None
+    keep: int | None
+    skip_nonfinite: bool
+    log_file: str | None
+    callbacks: tuple[Callable[[dict[str, float]], Any], ...]
+
+
 def _train(
     strategy: Strategy,
-    step_fn: Callable[[State, Batch], tuple[State, Metrics]],
     state: State,
     batches: Iterable[Any] | Callable[[int], Iterable[Any]],
     log: _Log,
     manager: Any,
-    eval_fn: Callable[[Variables], Any] | None,
-    eval_every: int | None,
-    log_every: int,
-    checkpoint_every: int | None,
+    settings: _Settings,
 ) -> tuple[State, list[dict[str, float]]]:
     """``fit``'s loop from its start step on, and what follows the last step (warnings
     here name ``fit``'s caller: stacklevel 3)."""
-    steps = log.steps
+    step_fn = jax.jit(
+        guard_nonfinite(strategy.step) if settings.skip_nonfinite else strategy.step,
+        donate_argnums=0,
+    )
+    steps, eval_fn, eval_every = settings.steps, settings.eval_fn, settings.eval_every
     start = log.start
     stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
 
@@ -236,17 +253,21 @@ def _train(
     def evaluate() -> None:
         log.evaluate(eval_fn, lambda: strategy.params(state))
 
+    stopped = False
     for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
+        # Step i - 1's records are final (evaluated) now: pass them on before step i.
+        if stopped := log.pass_on():
+            break
         state, metrics = step_fn(state, batch)
         log.add(metrics, batch)
-        if i % log_every == 0:
+        if i % settings.log_every == 0:
             log.flush()
         if eval_fn is not None and eval_every is not None and i % eval_every == 0:
             evaluate()
         if (message := log.growth()) is not None:
             warnings.warn(message, stacklevel=3)
         if manager is not None and (
-            i == steps or (checkpoint_every is not None and i % checkpoint_every == 0)
+            settings.checkpoint_every is not None and i % settings.checkpoint_every == 0
         ):
             save(i)
     log.flush()
@@ -258,62 +279,126 @@ def _train(
         return state, history
     if not history:
         raise ValueError("fit: batches yielded no batch.")
-    if start + len(history) < steps:
-        warnings.warn(
-            f"fit: batches ran out after {start + len(history)} of {steps} steps.",
-            stacklevel=3,
-        )
-        if manager is not None and manager.latest_step() != start + len(history):
-            save(start + len(history))
-    if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
-        evaluate()
+    last = start + len(history)
+    if not stopped:
+        if last < steps:
+            warnings.warn(f"fit: batches ran out after {last} of {steps} steps.", stacklevel=3)
+        if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
+            evaluate()
+        log.pass_on()
+    if manager is not None and manager.latest_step() != last:
+        save(last)
     return state, history
 
 
-def _check_fit_arguments(
-    strategy: Any,
-    steps: Any,
-    eval_fn: Any,
-    eval_every: Any,
-    log_every: Any,
-    progress: Any,
-    checkpoint_dir: Any,
-    checkpoint_every: Any,
-    keep: Any,
-    skip_nonfinite: Any,
-) -> tuple[int, int, int | None, int | None, int | None]:
-    """``fit``'s argument checks; returns the checked integers."""
-    steps = check_int("steps", steps, minimum=1)
-    log_every = check_int("log_every", log_every, minimum=1)
-    if eval_every is not None:
-        eval_every = check_int("eval_every", eval_every, minimum=1)
-    if checkpoint_every is not None:
-        checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
-    if keep is not None:
-        keep = check_int("keep", keep, minimum=1)
+def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> _Settings:
+    """``fit``'s argument checks, of its ``arguments`` by name; returns the checked ones."""
+    args = _Settings(**{name: arguments[name] for name in _Settings._fields})
+    steps = check_int("steps", args.steps, minimum=1)
+    log_every = check_int("log_every", args.log_every, minimum=1)
+    eval_every, checkpoint_every, keep = (
+        None if value is None else check_int(name, value, minimum=1)
+        for name, value in (
+            ("eval_every", args.eval_every),
+            ("checkpoint_every", args.checkpoint_every),
+            ("keep", args.keep),
+        )
+    )
     if not isinstance(strategy, Strategy):
         raise TypeError(f"fit: strategy must be a ddl.Strategy, got {type(strategy).__name__}.")
-    for name, value in (("progress", progress), ("skip_nonfinite", skip_nonfinite)):
+    for name, value in (("progress", args.progress), ("skip_nonfinite", args.skip_nonfinite)):
         if not isinstance(value, bool | np.bool_):
             raise TypeError(f"fit: {name} must be a bool, got {value!r}.")
-    if eval_every is not None and eval_fn is None:
+    if eval_every is not None and args.eval_fn is None:
         raise ValueError(f"fit: eval_every={eval_every!r} needs eval_fn, got eval_fn=None.")
     for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
         # Without a directory nothing is saved: a silently ignored setting would hide that.
-        if value is not None and checkpoint_dir is None:
+        if value is not None and args.checkpoint_dir is None:
             raise ValueError(
                 f"fit: {name}={value!r} needs checkpoint_dir, got checkpoint_dir=None; pass "
                 "the directory to save checkpoints to."
             )
-    return steps, log_every, eval_every, checkpoint_every, keep
+    return args._replace(
+        steps=steps,
+        log_every=log_every,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        keep=keep,
+        progress=bool(args.progress),
+        skip_nonfinite=bool(args.skip_nonfinite),
+        log_file=_check_log_file(args.log_file),
+        callbacks=_check_callbacks(args.callbacks),
+    )
+
+
+def _check_log_file(log_file: Any) -> str | None:
+    if log_file is None:
+        return None
+    if not isinstance(log_file, str | os.PathLike) or isinstance(os.fspath(log_file), bytes):
+        raise TypeError(
+            f"fit: log_file must be a str or os.PathLike path, or None, got "
+            f"{type(log_file).__name__} {log_file!r}."
+        )
+    path = os.fspath(log_file)
+    if not path or os.path.isdir(path):
+        what = " (a directory)" if path else ""
+        raise ValueError(f"fit: log_file must name a file, got {path!r}{what}.")
+    return path
+
+
+def _check_callbacks(callbacks: Any) -> tuple[Callable[[dict[str, float]], Any], ...]:
+    if callable(callbacks) or not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        raise TypeError(
+            f"fit: callbacks must be a sequence of callables (callbacks=[fn] for one), got "
+            f"{type(callbacks).__name__} {callbacks!r}."
+        )
+    for n, callback in enumerate(callbacks):
+        if not callable(callback):
+            raise TypeError(f"fit: callbacks[{n}] must be callable, got {callback!r}.")
+    return tuple(callbacks)
+
+
+def _open_log_file(path: str, start: int) -> TextIO:
+    """``path`` opened for appending, its lines of steps after ``start`` dropped first."""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        kept = []
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if n == len(lines) - 1:
+                    continue  # a write cut short by a crash
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(
+                    f"fit: log_file {path!r} is not a log of fit: line {n + 1} is not a JSON "
+                    'object with an int "step"; pass a new file, or a log fit wrote.'
+                )
+            if record["step"] <= start:
+                kept.append(line + "\n")
+        if "".join(kept) != text:  # also ends a last line its newline did not
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+    elif os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    return open(path, "a", encoding="utf-8")  # closed by _Log.close
 
 
 class _Log:
     """``fit``'s records: metrics fetched from the device in batches, the progress shown
     (a bar that redraws on a terminal, plain lines elsewhere), the loss-growth check."""
 
-    def __init__(self, steps: int, *, show: bool, skipping: bool) -> None:
-        self.steps, self.show, self.skipping = steps, show, skipping
+    def __init__(self, settings: _Settings, *, show: bool) -> None:
+        self.steps, self.show, self.skipping = settings.steps, show, settings.skip_nonfinite
+        self.path, self.callbacks = settings.log_file, settings.callbacks
+        self.file: TextIO | None = None
+        self.written = self.passed = 0  # records written to the file, given to callbacks
         self.main = jax.process_index() == 0
         self.start = 0
         self.bar: Any = None
@@ -331,7 +416,10 @@ class _Log:
         else:
             self.bar.write(line, file=sys.stdout)
 
-    def open_bar(self) -> None:
+    def open(self) -> None:
+        """Opens the log file (process 0), from the start step on, and the progress bar."""
+        if self.path is not None and self.main:
+            self.file = _open_log_file(self.path, self.start)
         # A bar redraws in place; elsewhere (a launcher, a file) flush prints plain lines.
         self.bar = tqdm(
             total=self.steps,
@@ -396,6 +484,32 @@ class _Log:
         self.warned = message is not None
         return message
 
+    def pass_on(self) -> bool:
+        """Writes the records fetched since the last call to the log file and gives them to
+        the callbacks (process 0); whether a callback asked to stop, on every process."""
+        if self.passed == len(self.history):
+            return False
+        self.write()
+        stop = False
+        for record in self.history[self.passed :] if self.main else ():
+            for callback in self.callbacks:
+                result = callback(dict(record))
+                stop |= result is True or (isinstance(result, np.bool_) and bool(result))
+        self.passed = len(self.history)
+        if jax.process_count() > 1:  # every process calls this at the same steps
+            stop = bool(multihost_utils.broadcast_one_to_all(np.bool_(stop)))
+        return stop
+
+    def write(self) -> None:
+        if self.file is not None and self.written < len(self.history):
+            self.file.writelines(json.dumps(r) + "\n" for r in self.history[self.written :])
+            self.file.flush()
+            os.fsync(self.file.fileno())  # a crashed run keeps what it logged
+        self.written = len(self.history)
+
     def close(self) -> None:
+        if self.file is not None:
+            self.write()  # a run that raised: the records fetched before
+            self.file.close()
         if self.bar is not None:
             self.bar.close()
