@@ -14,7 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/ddl-jax compare --out compare-results
+	@echo "table: compare-results/results.md (all numbers: results.json); figures: compare-results/*.png"
 
 test: install
 	$(BIN)/ruff check .

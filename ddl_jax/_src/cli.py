@@ -1,4 +1,5 @@
-"""``ddl-jax launch``: start N local processes of a script and supervise them."""
+"""``ddl-jax``: ``launch`` starts N local processes of a script and supervises them;
+``compare`` trains a model with each distributed-training strategy and compares them."""
 
 from __future__ import annotations
 
@@ -216,13 +217,91 @@ def parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
+    _compare_parser(sub)
     return root
+
+
+def _compare_parser(sub: Any) -> None:
+    """The ``compare`` subcommand. Values stay strings here: ``make_config`` checks them,
+    the same code that checks a ``--config`` file."""
+    from ddl_jax._src import compare_specs as cs
+
+    p = sub.add_parser(
+        "compare",
+        help="train one model with each strategy and compare accuracy, bytes and time",
+        description=(
+            "Trains the same model on the same data, in the same order, with each strategy "
+            "(spec name[:param]), and reports final accuracy, steps and examples to the "
+            "target, bytes each device sends per step (compiled HLO), compiled step time "
+            "and simulated time to the target on --network. Writes results.json, "
+            "results.md and PNG figures to --out. Invalid input exits with code 2."
+        ),
+        epilog=(
+            "strategies: "
+            + "; ".join(
+                f"{name}{'' if f.default is None else ':' + f.default} ({f.describe})"
+                for name, f in cs.FAMILIES.items()
+            )
+        ),
+    )
+    p.add_argument("--workload", help=f"one of {', '.join(cs.WORKLOADS)} (default digits-mlp)")
+    p.add_argument(
+        "--strategies",
+        help=f"comma-separated specs (default {','.join(cs.DEFAULT_STRATEGIES)})",
+    )
+    p.add_argument("--devices", help="workers, one per device (default 8)")
+    p.add_argument("--steps", help="training steps per strategy (default: the workload's)")
+    p.add_argument("--network", help=f"one of {', '.join(cs.NETWORKS)} (default 1gbps)")
+    p.add_argument(
+        "--straggler",
+        help="one worker's compute time relative to the others, >= 1 (default 1: none)",
+    )
+    p.add_argument("--seed", help="seed of initialisation and data order (default 0)")
+    p.add_argument(
+        "--target",
+        help="metric to reach: test accuracy (text-gpt: bits per byte; default 0.9 / 3.0)",
+    )
+    p.add_argument("--eval-every", help="steps between evaluations (default steps / 20)")
+    p.add_argument("--out", help="output directory (default compare-results)")
+    p.add_argument("--config", help="TOML file with any of these settings; flags override it")
+
+
+_COMPARE_FLAGS = (
+    "workload",
+    "strategies",
+    "devices",
+    "steps",
+    "network",
+    "straggler",
+    "seed",
+    "target",
+    "eval_every",
+    "out",
+)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Runs ``ddl-jax compare``; a bad input prints one line to stderr and returns 2."""
+    from ddl_jax._src import compare, compare_specs
+
+    try:
+        values = compare_specs.read_toml(args.config) if args.config else {}
+        for key in _COMPARE_FLAGS:
+            if getattr(args, key) is not None:
+                values[key] = getattr(args, key)
+        compare.run_compare(compare_specs.make_config(values))
+    except compare_specs.CompareError as e:
+        print(f"ddl-jax compare: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddl-jax``."""
     root = parser()
     args = root.parse_args(argv)
+    if args.cmd == "compare":
+        return run_compare(args)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if not args.command:

@@ -1,0 +1,155 @@
+"""``ddl-jax compare``'s outputs: the markdown table and the figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_MARKERS = "osD^v<>pP*Xh"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "not reached"
+    if s >= 1.0:
+        return f"{s:.3g} s"
+    return f"{1e3 * s:.3g} ms"
+
+
+def _network(results: dict[str, Any]) -> str:
+    net = results["workload"]["network"]
+    return (
+        f"{results['config']['network']} ({net['bandwidth'] / 1e6:.4g} MB/s, "
+        f"{1e6 * net['latency']:.3g} us per message)"
+    )
+
+
+def subtitle(results: dict[str, Any]) -> str:
+    """One line naming the workload, devices, steps and network."""
+    c, w, env = results["config"], results["workload"], results["environment"]
+    return (
+        f"{w['title']}, {c['devices']} {env['platform']} devices, {c['steps']} steps x "
+        f"{w['batch_size']} examples"
+    )
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results table in markdown, with a line of context above and notes below."""
+    c, w = results["config"], results["workload"]
+    metric = w["metric"]
+    straggler = f", straggler {c['straggler']:g}x" if c["straggler"] != 1 else ""
+    lines = [
+        f"{subtitle(results)}, network {_network(results)}{straggler}, seed {c['seed']}; "
+        f"target {metric} {'>=' if w['higher_is_better'] else '<='} {w['target']:g}.",
+        "",
+        f"| strategy | final {metric} | steps to target | examples to target | "
+        f"bytes / device / step | compiled step (ms) | simulated time to target "
+        f"({c['network']}) | consensus distance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        consensus = r["consensus_distance"]
+        lines.append(
+            f"| {r['strategy']} | {r['final']:.4f} | "
+            f"{'-' if r['steps_to_target'] is None else r['steps_to_target']} | "
+            f"{'-' if r['examples_to_target'] is None else r['examples_to_target']} | "
+            f"{_bytes(r['bytes_per_device_per_step'])} | {r['compiled_step_ms']:.2f} | "
+            f"{_seconds(r['simulated_seconds_to_target'])} | "
+            f"{'-' if consensus is None else f'{consensus:.3g}'} |"
+        )
+    lines += [
+        "",
+        f"Steps to target: the first evaluation (every {c['eval_every']} steps) at the "
+        "target. Bytes: sent by the busiest device, read from the compiled step's HLO, "
+        "averaged over the run (synchronisations included). Simulated time: steps x "
+        "(compiled step time + the alpha-beta cost of the step's collectives on the "
+        "network; local SGD's synchronisations and async pushes as they happen); async "
+        "strategies use their simulated wall clock, and their bytes are those of the SPMD "
+        "simulation (one masked parameter all-reduce per push).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def figures(results: dict[str, Any], out: Path) -> list[Path]:
+    """Writes ``accuracy_vs_steps.png``, ``accuracy_vs_bytes.png`` and
+    ``accuracy_vs_time.png`` (the metric's name in place of accuracy for text) to ``out``.
+
+    Returns:
+      The paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    w = results["workload"]
+    metric = w["metric"]
+    stem = "accuracy" if w["higher_is_better"] else "bpb"
+    axes = (
+        ("steps", "eval_steps", "training step", False, "vs training steps"),
+        (
+            "bytes",
+            "eval_bytes",
+            "bytes sent per device, cumulative (log scale)",
+            True,
+            "vs communication",
+        ),
+        (
+            "time",
+            "eval_seconds",
+            f"simulated wall time on {results['config']['network']}, seconds (log scale)",
+            True,
+            "vs simulated wall time",
+        ),
+    )
+    cmap = plt.get_cmap("tab10")
+    paths = []
+    for name, key, xlabel, log, what in axes:
+        fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+        for i, r in enumerate(results["runs"]):
+            xs, ys = list(r[key]), list(r["eval_values"])
+            if name == "steps":
+                xs, ys = [0, *xs], [r["initial"], *ys]
+            ax.plot(
+                xs,
+                ys,
+                label=r["strategy"],
+                color=cmap(i % 10),
+                marker=_MARKERS[i % len(_MARKERS)],
+                markersize=4,
+                linewidth=1.5,
+                linestyle=("-", "--", "-.", ":")[i // 10 % 4],
+            )
+        ax.axhline(w["target"], color="grey", linestyle=":", linewidth=1)
+        ax.annotate(
+            f"target {w['target']:g}",
+            (0.005, w["target"]),
+            xycoords=("axes fraction", "data"),
+            textcoords="offset points",
+            xytext=(2, 3),
+            color="grey",
+            fontsize=8,
+        )
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric + (" (higher is better)" if w["higher_is_better"] else ""))
+        ax.set_title(
+            f"{metric} {what}\n{subtitle(results)}, network {_network(results)}", fontsize=10
+        )
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+        path = out / f"{stem}_vs_{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,439 @@
+"""``ddl-jax compare``'s inputs: strategy specs, networks, workloads' names, the config.
+
+Every strategy a comparison can run is one row of ``FAMILIES``: its name, how the text
+after ``name:`` is parsed (with the one-line message a bad value gets), and how the
+strategy is built. ``parse_spec`` and ``make_config`` are the only places a command line
+or a TOML file is checked, so both say the same thing about the same mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import optax
+from jax.sharding import Mesh
+
+from ddl_jax import compression
+from ddl_jax._src import sim
+from ddl_jax._src.async_sgd import async_sgd
+from ddl_jax._src.data_parallel import data_parallel
+from ddl_jax._src.gossip import TOPOLOGIES, gossip
+from ddl_jax._src.local_sgd import local_sgd
+from ddl_jax._src.reducers import allreduce_mean
+from ddl_jax._src.staleness import compute_times, softsync, ssp
+from ddl_jax._src.strategy import Strategy
+
+#: Learning rate of the Adam (AdamW for DiLoCo's inner steps) every strategy uses.
+LEARNING_RATE = 3e-3
+
+#: Networks a comparison can price communication on (alpha-beta model, ``ddl.sim``).
+NETWORKS: dict[str, sim.Network] = {
+    "1gbps": sim.ETHERNET_1G,
+    "10gbps": sim.Network(bandwidth=10e9 / 8, latency=20e-6),
+    "100gbps": sim.INFINIBAND_100G,
+    "ici": sim.TPU_V4_ICI,
+}
+
+#: Workloads by name (built in ``compare_workloads``).
+WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
+
+#: The strategies ``ddl-jax compare`` runs by default: one of every family.
+DEFAULT_STRATEGIES = (
+    "sync",
+    "ring",
+    "local:16",
+    "diloco:16",
+    "topk:0.01",
+    "sign",
+    "powersgd:4",
+    "async",
+    "softsync:2",
+    "ssp:2",
+    "gossip:ring",
+)
+
+
+class CompareError(ValueError):
+    """A bad comparison input; its message is one line, printed as is by the CLI."""
+
+
+class BuildContext(NamedTuple):
+    """What a family's builder needs besides its parameter.
+
+    Attributes:
+      loss_fn: ``(params, batch) -> loss`` or a ``ddl.ModelLoss``.
+      mesh: the mesh (axis ``data``).
+      straggler: compute time of the slowest worker relative to the others (>= 1).
+      seed: the comparison's seed.
+      consensus_every: steps between gossip's consensus-distance measurements.
+    """
+
+    loss_fn: Any
+    mesh: Mesh
+    straggler: float
+    seed: int
+    consensus_every: int
+
+
+class Family(NamedTuple):
+    """One strategy family: ``name[:param]``.
+
+    Attributes:
+      build: ``(param, context) -> Strategy``.
+      parse: text after ``:`` to the parameter; raises ``ValueError`` when invalid.
+      default: the text used when no ``:param`` is given (``None``: takes no parameter).
+      expects: what the parameter is, for error messages (``""`` without one).
+      describe: one line saying what the strategy does.
+      asynchronous: simulated by ``ddl.async_sgd`` (gets the straggler's compute time).
+    """
+
+    build: Callable[[Any, BuildContext], Strategy]
+    parse: Callable[[str], Any]
+    default: str | None
+    expects: str
+    describe: str
+    asynchronous: bool = False
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError
+    return value
+
+
+def _topology(text: str) -> str:
+    if text not in TOPOLOGIES:
+        raise ValueError
+    return text
+
+
+def _none(text: str) -> None:
+    raise ValueError
+
+
+def _adam() -> optax.GradientTransformation:
+    return optax.adam(LEARNING_RATE)
+
+
+def _async(protocol: Any) -> Callable[[Any, BuildContext], Strategy]:
+    def build(param: Any, ctx: BuildContext) -> Strategy:
+        n = ctx.mesh.shape["data"]
+        times: Any = 1.0
+        if ctx.straggler != 1.0:  # the last worker is the straggler
+            times = compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
+        chosen = protocol(param) if callable(protocol) else protocol
+        return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, compute_time=times, protocol=chosen)
+
+    return build
+
+
+def _diloco(period: int, ctx: BuildContext) -> Strategy:
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    inner = optax.adamw(LEARNING_RATE)
+    return local_sgd(ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=outer)
+
+
+def _reduced(make: Callable[[Any], Any]) -> Callable[[Any, BuildContext], Strategy]:
+    def build(param: Any, ctx: BuildContext) -> Strategy:
+        return data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=make(param))
+
+    return build
+
+
+FAMILIES: dict[str, Family] = {
+    "sync": Family(
+        _reduced(lambda _: None),
+        _none,
+        None,
+        "",
+        "synchronous data parallelism, XLA all-reduce",
+    ),
+    "ring": Family(
+        _reduced(lambda _: allreduce_mean(algorithm="ring")),
+        _none,
+        None,
+        "",
+        "synchronous data parallelism, explicit ring all-reduce",
+    ),
+    "local": Family(
+        lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h),
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. local:16)",
+        "local SGD: parameters averaged every H steps",
+    ),
+    "diloco": Family(
+        _diloco,
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. diloco:16)",
+        "DiLoCo: inner AdamW, outer Nesterov SGD every H steps",
+    ),
+    "topk": Family(
+        _reduced(compression.top_k),
+        _ratio,
+        "0.01",
+        "the ratio of entries sent, a number in (0, 1] (e.g. topk:0.01)",
+        "top-k sparsified gradients with error feedback",
+    ),
+    "sign": Family(
+        _reduced(lambda _: compression.sign()),
+        _none,
+        None,
+        "",
+        "1-bit sign compression with error feedback",
+    ),
+    "powersgd": Family(
+        _reduced(compression.power_sgd),
+        _int(1),
+        "4",
+        "the rank, an integer >= 1 (e.g. powersgd:4)",
+        "PowerSGD low-rank gradients with error feedback",
+    ),
+    "async": Family(
+        _async("async"),
+        _none,
+        None,
+        "",
+        "asynchronous SGD against a parameter server",
+        asynchronous=True,
+    ),
+    "softsync": Family(
+        _async(softsync),
+        _int(1),
+        "2",
+        "gradients per server update, an integer >= 1 (e.g. softsync:2)",
+        "n-softsync: the server averages every n arrivals",
+        asynchronous=True,
+    ),
+    "ssp": Family(
+        _async(ssp),
+        _int(0),
+        "2",
+        "the staleness bound, an integer >= 0 (e.g. ssp:2)",
+        "stale-synchronous parallel: at most s clocks ahead",
+        asynchronous=True,
+    ),
+    "gossip": Family(
+        lambda topology, ctx: gossip(
+            ctx.loss_fn,
+            _adam(),
+            ctx.mesh,
+            topology=topology,
+            consensus_every=ctx.consensus_every,
+        ),
+        _topology,
+        "ring",
+        f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",
+        "D-PSGD gossip averaging with neighbours",
+    ),
+}
+
+
+class Spec(NamedTuple):
+    """A parsed strategy spec.
+
+    Attributes:
+      text: the spec as given (``"local:16"``), the strategy's label everywhere.
+      family: the key of ``FAMILIES``.
+      param: the parsed parameter (``None`` for a family without one).
+    """
+
+    text: str
+    family: str
+    param: Any
+
+    def build(self, ctx: BuildContext) -> Strategy:
+        """The strategy this spec names, on ``ctx.mesh``."""
+        return FAMILIES[self.family].build(self.param, ctx)
+
+
+def parse_spec(text: str) -> Spec:
+    """Parses one ``name[:param]`` strategy spec.
+
+    Args:
+      text: e.g. ``"sync"``, ``"local:16"``, ``"topk:0.01"``, ``"gossip:ring"``.
+
+    Returns:
+      The ``Spec``; a family's default parameter fills in a missing one.
+
+    Raises:
+      CompareError: an unknown name (the message lists the valid ones), or a parameter
+        that is missing, not wanted, or not what the family expects.
+    """
+    if not isinstance(text, str):
+        raise CompareError(f"a strategy spec must be a string like 'local:16', got {text!r}.")
+    name, colon, raw = text.strip().partition(":")
+    family = FAMILIES.get(name)
+    if family is None:
+        raise CompareError(
+            f"unknown strategy {name!r} in {text!r}; valid names: {', '.join(FAMILIES)}."
+        )
+    if not colon:
+        raw = family.default
+        if raw is None:
+            return Spec(name, name, None)
+    elif family.default is None:
+        raise CompareError(f"strategy {name!r} takes no parameter, got {text!r}.")
+    try:
+        param = family.parse(raw)
+    except ValueError:
+        raise CompareError(
+            f"bad parameter in strategy {text!r}: expected {family.expects}."
+        ) from None
+    return Spec(f"{name}:{raw}", name, param)
+
+
+def parse_specs(value: str | Sequence[str]) -> tuple[Spec, ...]:
+    """Parses a comma-separated string (or a list) of specs; refuses duplicates."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [i.strip() if isinstance(i, str) else i for i in items]
+    if not items or any(i == "" for i in items):
+        raise CompareError(
+            f"strategies must be a comma-separated list of specs like 'sync,local:16', "
+            f"got {value!r}."
+        )
+    specs = tuple(parse_spec(i) for i in items)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.text in seen:
+            raise CompareError(f"strategy {spec.text!r} is listed twice.")
+        seen.add(spec.text)
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A checked comparison config (``make_config`` builds it).
+
+    Attributes:
+      workload: one of ``WORKLOADS``.
+      strategies: the parsed specs, in order.
+      devices: workers (devices on the mesh's ``data`` axis).
+      steps: training steps per strategy (``None``: the workload's default).
+      network: a key of ``NETWORKS``.
+      straggler: one worker's compute time relative to the others (>= 1; 1 is none).
+      seed: seed of the model's initialisation, the data order and compute-time noise.
+      target: the test accuracy (validation bits per byte for text-gpt) to reach
+        (``None``: the workload's default).
+      eval_every: steps between evaluations (``None``: about 20 per run).
+      out: directory of ``results.json``, ``results.md`` and the figures.
+    """
+
+    workload: str = "digits-mlp"
+    strategies: tuple[Spec, ...] = tuple(parse_spec(s) for s in DEFAULT_STRATEGIES)
+    devices: int = 8
+    steps: int | None = None
+    network: str = "1gbps"
+    straggler: float = 1.0
+    seed: int = 0
+    target: float | None = None
+    eval_every: int | None = None
+    out: str = "compare-results"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as plain JSON values (strategies as their spec strings)."""
+        values = dataclasses.asdict(self)
+        values["strategies"] = [s.text for s in self.strategies]
+        return values
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _integer(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CompareError(f"{key} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def _number(key: str, value: Any, minimum: float) -> float:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
+        raise CompareError(f"{key} must be a number >= {minimum:g}, got {value!r}.")
+    if value == float("inf"):
+        raise CompareError(f"{key} must be finite, got {value!r}.")
+    return float(value)
+
+
+def _choice(key: str, value: Any, valid: Sequence[str]) -> str:
+    if value not in valid:
+        raise CompareError(f"unknown {key} {value!r}; valid: {', '.join(valid)}.")
+    return value
+
+
+def make_config(values: Mapping[str, Any]) -> Config:
+    """Checks comparison settings and returns the ``Config``.
+
+    Args:
+      values: any of ``Config``'s fields (``strategies`` as a comma-separated string or a
+        list of specs; numbers as numbers or strings); a value of ``None`` keeps the
+        default.
+
+    Raises:
+      CompareError: an unknown key, or a value out of range (one line each).
+    """
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise CompareError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(_FIELDS)}.")
+    v = {k: x for k, x in values.items() if x is not None}
+    checked: dict[str, Any] = {}
+    if "workload" in v:
+        checked["workload"] = _choice("workload", v["workload"], WORKLOADS)
+    if "strategies" in v:
+        checked["strategies"] = parse_specs(v["strategies"])
+    if "network" in v:
+        checked["network"] = _choice("network", v["network"], tuple(NETWORKS))
+    for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
+        if key in v:
+            checked[key] = _integer(key, v[key], minimum)
+    if "seed" in v:
+        checked["seed"] = _integer("seed", v["seed"], 0)
+    if "straggler" in v:
+        checked["straggler"] = _number("straggler", v["straggler"], 1.0)
+    if "target" in v:
+        checked["target"] = _number("target", v["target"], 0.0)
+    if "out" in v:
+        if not isinstance(v["out"], str | Path) or not str(v["out"]):
+            raise CompareError(f"out must be a directory path, got {v['out']!r}.")
+        checked["out"] = str(v["out"])
+    return Config(**checked)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML config file (its top-level table, or its ``[compare]`` one).
+
+    Raises:
+      CompareError: the file cannot be read or is not valid TOML.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise CompareError(f"cannot read config {str(path)!r}: {e.strerror}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CompareError(f"config {str(path)!r} is not valid TOML: {e}.") from None
+    if isinstance(data.get("compare"), dict):
+        data = data["compare"]
+    return {k.replace("-", "_"): x for k, x in data.items()}

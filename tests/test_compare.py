@@ -1,0 +1,137 @@
+"""``ddl-jax compare``: spec parsing, one-line errors with exit code 2, the TOML config,
+outputs written, and the same table from the same seed."""
+
+import json
+
+import jax
+import pytest
+
+from ddl_jax._src import cli
+from ddl_jax._src.compare_specs import (
+    DEFAULT_STRATEGIES,
+    FAMILIES,
+    CompareError,
+    Spec,
+    make_config,
+    parse_spec,
+)
+
+# JAX's backend starts here, with conftest's 8 CPU devices, so that `compare` cannot
+# change the device count of this test process.
+DEVICES = len(jax.devices())
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("sync", Spec("sync", "sync", None)),
+        ("local:16", Spec("local:16", "local", 16)),
+        ("local", Spec("local:16", "local", 16)),  # the family's default parameter
+        ("diloco:4", Spec("diloco:4", "diloco", 4)),
+        ("topk:0.01", Spec("topk:0.01", "topk", 0.01)),
+        ("powersgd:2", Spec("powersgd:2", "powersgd", 2)),
+        ("ssp:0", Spec("ssp:0", "ssp", 0)),
+        ("gossip:torus", Spec("gossip:torus", "gossip", "torus")),
+    ],
+)
+def test_parse_spec(text, spec):
+    assert parse_spec(text) == spec
+
+
+def test_defaults_cover_every_family():
+    assert {parse_spec(s).family for s in DEFAULT_STRATEGIES} == set(FAMILIES)
+
+
+BAD = [
+    (["--strategies", "sync,nope"], "unknown strategy 'nope' in 'nope'; valid names: sync, ring"),
+    (["--strategies", "local:abc"], "expected the period H, an integer >= 1"),
+    (["--strategies", "topk:2"], "expected the ratio of entries sent, a number in (0, 1]"),
+    (["--strategies", "gossip:star"], "expected a topology, one of ring, torus"),
+    (["--strategies", "sync:3"], "strategy 'sync' takes no parameter"),
+    (["--strategies", "sync,sync"], "strategy 'sync' is listed twice"),
+    (["--strategies", ""], "strategies must be a comma-separated list"),
+    (["--network", "5g"], "unknown network '5g'; valid: 1gbps, 10gbps, 100gbps, ici"),
+    (["--workload", "mnist"], "unknown workload 'mnist'; valid: digits-mlp, digits-cnn"),
+    (["--steps", "0"], "steps must be an integer >= 1, got 0"),
+    (["--steps", "-3"], "steps must be an integer >= 1, got -3"),
+    (["--steps", "ten"], "steps must be an integer >= 1, got 'ten'"),
+    (["--straggler", "0.5"], "straggler must be a number >= 1, got 0.5"),
+    (["--devices", str(DEVICES + 1)], f"more than the {DEVICES} cpu device(s) available"),
+    (["--strategies", f"softsync:{DEVICES + 1}"], f"strategy 'softsync:{DEVICES + 1}':"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys, tmp_path):
+    assert cli.main(["compare", "--steps", "2", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("ddl-jax compare: error: ")
+    assert message in err
+
+
+def test_argparse_errors_also_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compare", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_toml_config_is_checked_by_the_same_code(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('strategies = ["sync", "local:abc"]\n')
+    assert cli.main(["compare", "--config", str(path)]) == 2
+    from_file = capsys.readouterr().err
+    assert cli.main(["compare", "--strategies", "sync,local:abc"]) == 2
+    assert capsys.readouterr().err == from_file
+
+    path.write_text('network = "5g"\nstepz = 3\n')
+    assert cli.main(["compare", "--config", str(path)]) == 2
+    assert "unknown setting(s) stepz; valid: workload, strategies" in capsys.readouterr().err
+
+    # Flags override the file: the file's bad network is never checked.
+    path.write_text('network = "5g"\n')
+    assert cli.main(["compare", "--config", str(path), "--network", "1gbps", "--steps", "0"]) == 2
+    assert "steps must be an integer >= 1" in capsys.readouterr().err
+
+    path.write_text("steps = [\n")
+    assert cli.main(["compare", "--config", str(path)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+    assert cli.main(["compare", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read config" in capsys.readouterr().err
+
+
+def test_make_config_accepts_toml_values():
+    config = make_config({"strategies": ["sync", "topk:0.1"], "steps": 5, "straggler": 2})
+    assert [s.text for s in config.strategies] == ["sync", "topk:0.1"]
+    assert (config.steps, config.straggler, config.network) == (5, 2.0, "1gbps")
+    with pytest.raises(CompareError, match="seed must be an integer >= 0"):
+        make_config({"seed": -1})
+
+
+def _tiny(out, config):
+    config.write_text(
+        'workload = "digits-mlp"\nstrategies = "sync,local:4"\nsteps = 12\neval_every = 4\n'
+    )
+    assert cli.main(["compare", "--config", str(config), "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_same_seed_same_table_and_files_written(tmp_path, capsys):
+    first = _tiny(tmp_path / "a", tmp_path / "c.toml")
+    second = _tiny(tmp_path / "b", tmp_path / "c.toml")
+    printed = capsys.readouterr().out
+    assert "| sync |" in printed and "| local:4 |" in printed
+    exact = ("final", "eval_values", "eval_steps", "eval_bytes", "bytes_per_device_per_step")
+    for a, b in zip(first["runs"], second["runs"], strict=True):
+        assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
+        assert a["eval_steps"] == [4, 8, 12]
+    sync, local = first["runs"]
+    # Local SGD with H = 4 sends a quarter of synchronous SGD's bytes, plus its small loss
+    # all-reduce every step.
+    assert local["bytes_per_device_per_step"] < 0.3 * sync["bytes_per_device_per_step"]
+    assert first["config"]["strategies"] == ["sync", "local:4"]
+    out = tmp_path / "a"
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 3  # header, sync, local:4
+    for name in ("accuracy_vs_steps", "accuracy_vs_bytes", "accuracy_vs_time"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
