@@ -282,14 +282,14 @@ _COMPARE_FLAGS = (
 
 def run_compare(args: argparse.Namespace) -> int:
     """Runs ``ddl-jax compare``; a bad input prints one line to stderr and returns 2."""
-    from ddl_jax._src import compare, compare_specs
+    from ddl_jax._src import compare, compare_config, compare_specs
 
     try:
-        values = compare_specs.read_toml(args.config) if args.config else {}
+        values = compare_config.read_toml(args.config) if args.config else {}
         for key in _COMPARE_FLAGS:
             if getattr(args, key) is not None:
                 values[key] = getattr(args, key)
-        compare.run_compare(compare_specs.make_config(values))
+        compare.run_compare(compare_config.make_config(values))
     except compare_specs.CompareError as e:
         print(f"ddl-jax compare: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -39,12 +39,12 @@ import numpy as np
 
 from ddl_jax._src import compare_report, sim
 from ddl_jax._src.comm import comm_stats
+from ddl_jax._src.compare_config import Config
 from ddl_jax._src.compare_specs import (
     FAMILIES,
     NETWORKS,
     BuildContext,
     CompareError,
-    Config,
     Spec,
 )
 from ddl_jax._src.compare_workloads import Workload, make_workload

@@ -79,6 +79,23 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _zoom(ax: Any, results: dict[str, Any], with_initial: bool) -> None:
+    """Limits the metric's axis to the region near the target, where strategies differ
+    (early evaluations far from it run off the edge)."""
+    w = results["workload"]
+    values = [v for r in results["runs"] for v in r["eval_values"]]
+    if with_initial:
+        values += [r["initial"] for r in results["runs"]]
+    if w["higher_is_better"]:
+        low = w["target"] - 0.2 * max(abs(w["target"]), 1e-9)
+        if min(values) < low:
+            ax.set_ylim(bottom=low, top=max(values) + 0.02 * (max(values) - low))
+    else:
+        high = w["target"] * 1.5
+        if max(values) > high:
+            ax.set_ylim(top=high, bottom=min(values) - 0.02 * (high - min(values)))
+
+
 def figures(results: dict[str, Any], out: Path) -> list[Path]:
     """Writes ``accuracy_vs_steps.png``, ``accuracy_vs_bytes.png`` and
     ``accuracy_vs_time.png`` (the metric's name in place of accuracy for text) to ``out``.
@@ -141,6 +158,7 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
         )
         if log:
             ax.set_xscale("log")
+        _zoom(ax, results, name == "steps")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric + (" (higher is better)" if w["higher_is_better"] else ""))
         ax.set_title(
