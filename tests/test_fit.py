@@ -15,7 +15,7 @@ import pytest
 from conftest import make_batches, mlp_pair, reference_sgd
 
 import ddl_jax as ddl
-from ddl_jax._src import fit as fit_module
+from ddl_jax._src import fit_log
 
 
 def test_fit_trains_like_the_reference_and_records_every_step(mlp):
@@ -154,7 +154,7 @@ def test_without_a_terminal_progress_is_plain_lines_from_process_0(capsys):
 
 
 def test_on_a_terminal_progress_is_a_bar(capsys, monkeypatch):
-    monkeypatch.setattr(fit_module, "_interactive", lambda: True)
+    monkeypatch.setattr(fit_log, "_interactive", lambda: True)
     captured = sgd_run(capsys)
     assert "\r" in captured.out and "4/4" in captured.out
     assert "step 2/4:" not in captured.out
@@ -187,12 +187,12 @@ def test_a_loss_that_falls_or_grows_less_than_100x_does_not_warn(mlp):
         ddl.fit(strategy, params, make_batches(5, 8), steps=5, log_every=1, progress=False)
     assert not [w for w in got if "loss grew" in str(w.message)]
     first = {"step": 1, "loss": 2.0}
-    assert fit_module._growth_warning(first, [{"step": 2, "loss": 150.0}]) is None  # 75x
-    message = fit_module._growth_warning(first, [{"step": 3, "loss": 201.0}])
+    assert fit_log._growth_warning(first, [{"step": 2, "loss": 150.0}]) is None  # 75x
+    message = fit_log._growth_warning(first, [{"step": 3, "loss": 201.0}])
     assert "from 2 at step 1 to 201 at step 3" in message
     # A negative loss (a log-likelihood) that keeps falling is not growth.
     first = {"step": 1, "loss": -0.5}
-    assert fit_module._growth_warning(first, [{"step": 2, "loss": -90.0}]) is None
+    assert fit_log._growth_warning(first, [{"step": 2, "loss": -90.0}]) is None
 
 
 def read_log(path) -> list[dict]:
