@@ -1,0 +1,60 @@
+"""Executes every notebook in ``notebooks/`` (small mode) on this interpreter's kernel."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+nbclient = pytest.importorskip("nbclient")
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("ipykernel")
+
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def execute(path: Path):
+    """Runs ``path`` with ``DDL_NOTEBOOK_SMALL=1``; a cell that raises fails the test."""
+    nb = nbformat.read(path, as_version=4)
+    manager = KernelManager(kernel_name="python3")
+    # the python3 kernel on this interpreter (the venv's), whatever kernelspec is installed
+    manager.kernel_spec.argv = [
+        sys.executable,
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        "{connection_file}",
+    ]
+    client = nbclient.NotebookClient(
+        nb,
+        km=manager,
+        kernel_name="python3",
+        timeout=120,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        # the kernel inherits this environment: small mode, CPU devices
+        mp.setenv("DDL_NOTEBOOK_SMALL", "1")
+        mp.setenv("JAX_PLATFORMS", "cpu")
+        client.execute()
+    return nb
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) == 4
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path):
+    nb = execute(path)
+    if path.stem.startswith("02_"):
+        texts, images = [], 0
+        for cell in nb.cells:
+            for output in cell.get("outputs", []):
+                texts.append(output.get("text", ""))
+                texts.append(output.get("data", {}).get("text/plain", ""))
+                images += "image/png" in output.get("data", {})
+        text = "".join(texts)
+        assert "| strategy" in text and "topk:0.01" in text, text[-2000:]
+        assert images >= 1
