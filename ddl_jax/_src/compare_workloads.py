@@ -115,6 +115,26 @@ def _text_gpt(seed: int, devices: int) -> Workload:
     )
 
 
+#: The digits workloads: name -> (model from rngs, flat images, title, target, default steps).
+_DIGITS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], bool, str, float, int]] = {
+    "digits-mlp": (
+        lambda rngs: models.MLP(64, [128, 128], 10, rngs=rngs),
+        True,
+        "digits MLP 64-128-128-10",
+        0.95,
+        300,
+    ),
+    "digits-cnn": (lambda rngs: models.CNN(rngs=rngs), False, "digits CNN", 0.9, 200),
+    "digits-resnet": (
+        lambda rngs: models.ResNet(rngs=rngs),
+        False,
+        "digits ResNet (batch norm)",
+        0.9,
+        200,
+    ),
+}
+
+
 def make_workload(name: str, *, seed: int, devices: int) -> Workload:
     """Builds the workload ``name`` (one of ``compare_specs.WORKLOADS``).
 
@@ -124,39 +144,10 @@ def make_workload(name: str, *, seed: int, devices: int) -> Workload:
       devices: workers; each sees 16 examples (8 windows for text-gpt) per step.
     """
     rngs = nnx.Rngs(seed)
-    if name == "digits-mlp":
-        model = models.MLP(64, [128, 128], 10, rngs=rngs)
+    if name in _DIGITS:
+        make, flatten, title, target, steps = _DIGITS[name]
         return _classification(
-            model,
-            True,
-            seed,
-            devices,
-            name=name,
-            title="digits MLP 64-128-128-10",
-            target=0.95,
-            steps=300,
-        )
-    if name == "digits-cnn":
-        return _classification(
-            models.CNN(rngs=rngs),
-            False,
-            seed,
-            devices,
-            name=name,
-            title="digits CNN",
-            target=0.9,
-            steps=200,
-        )
-    if name == "digits-resnet":
-        return _classification(
-            models.ResNet(rngs=rngs),
-            False,
-            seed,
-            devices,
-            name=name,
-            title="digits ResNet (batch norm)",
-            target=0.9,
-            steps=200,
+            make(rngs), flatten, seed, devices, name=name, title=title, target=target, steps=steps
         )
     if name == "text-gpt":
         return _text_gpt(seed, devices)
