@@ -82,7 +82,8 @@ def replica_mean(stacked: Any) -> Any:
     )
 
 
-def _abstract(tree: Any) -> Any:
+def abstract(tree: Any) -> Any:
+    """``tree`` as ``jax.ShapeDtypeStruct``s, dtypes as JAX would make its arrays."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 
 
@@ -108,7 +109,7 @@ class Kit(NamedTuple):
     accumulate: int
 
     def shardings(self, specs: Any) -> Any:
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
 
     def stack(self, tree: Any) -> Any:
         """Inside ``make_state``: one copy of ``tree`` per worker (a leading axis of size n)."""
@@ -162,7 +163,7 @@ class Kit(NamedTuple):
 
         def step(state: st.State, batch: st.Batch) -> tuple[st.State, st.Metrics]:
             st.check_batch(batch, divisor, why=why)
-            state_specs = specs(_abstract(state)) if callable(specs) else specs
+            state_specs = specs(abstract(state)) if callable(specs) else specs
             program = jax.shard_map(
                 worker_step,
                 mesh=self.mesh,
@@ -219,7 +220,7 @@ class Kit(NamedTuple):
         def one(params, model_state, batch, key):
             def loss(p):
                 out, new_state = fn(p, model_state, batch, key)
-                st.check_loss_output(_abstract(out), has_aux=has_aux)
+                st.check_loss_output(abstract(out), has_aux=has_aux)
                 if stateful:
                     _check_returned_state(model_state, new_state)
                 value, aux = out if has_aux else (out, {})
@@ -257,7 +258,8 @@ class Kit(NamedTuple):
         return isinstance(self.loss_fn, ml.ModelLoss)
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a spec tree, not a tuple to map over)."""
     return isinstance(x, P)
 
 

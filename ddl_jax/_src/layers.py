@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-MODEL = "model"
+from ddl_jax._src.strategy import MODEL
 
 
 def _bound_axis_size(axis: str) -> int | None:

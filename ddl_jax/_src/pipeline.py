@@ -21,14 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import model_loss as ml
 from ddl_jax._src import strategy as st
-from ddl_jax._src.kit import Kit, prepare
+from ddl_jax._src.kit import Kit, abstract, prepare
 from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline_programs import (
     DATA,
@@ -55,11 +54,6 @@ def _micro_shapes(batch: Any, count: int) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // count, *x.shape[1:]), x.dtype), batch
     )
-
-
-def _abstract(batch: Any) -> Any:
-    """``batch`` as ``jax.ShapeDtypeStruct``s, dtypes as JAX would make its arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
 
 
 def _setup(
@@ -117,7 +111,7 @@ def _setup(
     )
     if example_batch is not None:
         st.check_batch(example_batch, cfg.divisor, why=cfg.why)
-        cfg = cfg._replace(example=_abstract(example_batch))
+        cfg = cfg._replace(example=abstract(example_batch))
         build_stages(cfg, _micro_shapes(cfg.example, cfg.divisor))
     return kit, cfg
 

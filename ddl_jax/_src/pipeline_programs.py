@@ -26,8 +26,7 @@ from ddl_jax._src.flat import FlatView
 from ddl_jax._src.kit import vary
 from ddl_jax._src.model_loss import ModelLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.pipeline_schedules import Schedule, gradient_wait, peak_stash
-
-DATA, STAGE = "data", "stage"
+from ddl_jax._src.strategy import DATA, STAGE
 
 #: A stage's apply: ``(params, x) -> y``, or a ``ModelLoss`` whose
 #: ``fn(params, model_state, x, key) -> (y, new_model_state)`` (a stateful stage).

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.kit import is_spec, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.reducers import checks_vma
 from ddl_jax._src.strategy import DATA, MODEL
@@ -48,18 +48,18 @@ class TensorParallelState(NamedTuple):
 def _full_specs(params: Any, specs: Any) -> Any:
     """One spec per parameter: ``specs`` broadcast from a prefix of params' structure."""
     try:
-        return jax.tree.broadcast(specs, params, is_leaf=_is_spec)
+        return jax.tree.broadcast(specs, params, is_leaf=is_spec)
     except ValueError:
         raise ValueError(
             "specs must have the structure of params, or a prefix of it (see "
-            f"param_specs(module)); got {jax.tree.structure(specs, is_leaf=_is_spec)} for "
+            f"param_specs(module)); got {jax.tree.structure(specs, is_leaf=is_spec)} for "
             f"params {jax.tree.structure(params)}."
         ) from None
 
 
 def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
     specs = _full_specs(params, specs)
-    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
     for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
     ):
@@ -76,10 +76,6 @@ def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
                     f"params{jax.tree_util.keystr(path)} has shape {x.shape}; spec {spec} "
                     f"splits a dimension of {dim} into {size} parts, which does not divide."
                 )
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
 
 
 def tensor_parallel(
@@ -198,7 +194,7 @@ def _state_specs(
             tree,
             full,
             transform_non_params=lambda _: P(*worker),
-            is_leaf=_is_spec,
+            is_leaf=is_spec,
         )
 
     return TensorParallelState(
