@@ -74,30 +74,45 @@ def largest_data_file(step_dir, item="state") -> str:
     return max(files, key=os.path.getsize)
 
 
-def truncate(path) -> None:
+def truncate(path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
+    return path
 
 
-# orbax closes its event loop when the first read of a broken step fails; tensorstore's
-# reads still in flight then report "Event loop is closed" to sys.unraisablehook. Noise only:
-# the test checks that the previous step is restored whole.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def empty_manifest(step_dir):
+    path = step_dir / "state" / "manifest.ocdbt"
+    open(path, "w").close()
+    return path
+
+
+# orbax closes its event loop when the first read of a broken step fails, and tensorstore's
+# reads still in flight then report "Event loop is closed" (one traceback each): the error
+# filter fails the test if one of them gets through.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
-    "target", [largest_data_file, lambda step_dir: step_dir / "state" / "_METADATA"]
+    "damage",
+    [
+        lambda step_dir: truncate(largest_data_file(step_dir)),
+        lambda step_dir: truncate(step_dir / "state" / "_METADATA"),
+        empty_manifest,
+    ],
 )
-def test_a_truncated_latest_step_is_reported_set_aside_and_the_previous_used(tmp_path, target):
+def test_a_damaged_latest_step_is_reported_set_aside_and_the_previous_used(tmp_path, damage):
     strategy = strategy_for("local_sgd")
     batches = make_batches(4, 32)
     whole, _ = train(strategy, batches, 4)
     train(strategy, batches, 4, tmp_path, checkpoint_every=2)
-    path = target(tmp_path / "4")
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
+    damaged = os.path.basename(damage(tmp_path / "4"))
     with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be restored") as got:
         state, history = train(strategy, batches, 4, tmp_path, checkpoint_every=2)
-    # The warning points at the user's call (here train's call to fit), not into ddl_jax.
-    assert {w.filename for w in got if "could not be restored" in str(w.message)} == {__file__}
+    (warning,) = [w for w in got if "could not be restored" in str(w.message)]
+    # One line naming the step, the damaged file and what was done; it points at the
+    # user's call (here train's call to fit), not into ddl_jax.
+    message = str(warning.message)
+    assert "\n" not in message and len(message) < 400 and "tensorstore_spec" not in message
+    assert damaged in message and f"moved it to {tmp_path / 'corrupt-4'}" in message
+    assert warning.filename == __file__
     assert [r["step"] for r in history] == [3, 4]  # resumed from step 2
     chex.assert_trees_all_equal(state, whole)
     assert steps_in(tmp_path) == ["2", "4", "corrupt-4"]  # the bad step is kept aside
@@ -252,7 +267,7 @@ def test_a_model_with_batch_norm_and_dropout_resumes_bitwise_and_loads_without_a
 
 
 # See the test above on orbax's closed-loop noise.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
     "target",
     [
@@ -265,10 +280,12 @@ def test_unreadable_latest_variables_fall_back_and_leave_the_state_usable(tmp_pa
     batches = make_batches(4, 32)
     two, _ = train(strategy, batches, 2)
     whole, _ = train(strategy, batches, 4, tmp_path, checkpoint_every=2)
-    truncate(target(tmp_path / "4"))
+    damaged = os.path.basename(truncate(target(tmp_path / "4")))
     with pytest.warns(UserWarning, match=r"checkpoint step 4 in .* could not be read") as got:
         variables = ddl.checkpoint.load_variables(tmp_path)
-    assert {w.filename for w in got if "could not be read" in str(w.message)} == {__file__}
+    (warning,) = [w for w in got if "could not be read" in str(w.message)]
+    assert warning.filename == __file__
+    assert damaged in str(warning.message) and "\n" not in str(warning.message)
     chex.assert_trees_all_equal(variables, jax.device_get(strategy.params(two)))
     assert steps_in(tmp_path) == ["2", "4"]  # loading changes nothing on disk
     with pytest.raises(ValueError, match="checkpoint step 4 in .* could not be read"):

@@ -31,3 +31,14 @@ def test_multihost_example_trains_on_two_launched_processes():
     ).groups()
     assert (int(processes), int(devices)) == (2, 4)
     assert float(accuracy) >= 0.9
+
+
+def test_the_readme_quickstart_runs_as_written():
+    """Every name the README's quickstart uses is defined in it (a shorter run here)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quickstart") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert "steps=400" in code
+    namespace: dict = {}
+    exec(compile(code.replace("steps=400", "steps=5"), "README.md", "exec"), namespace)
+    assert [r["step"] for r in namespace["history"]] == [1, 2, 3, 4, 5]

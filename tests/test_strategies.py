@@ -225,3 +225,27 @@ def test_batch_norm_and_dropout_compile_once_and_resume_bitwise(name, tmp_path):
     _, _, final = train_save_resume(strategy, variables, tmp_path)
     trained = strategy.params(final)
     assert not np.allclose(trained["batch_stats"]["norm"]["mean"], 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_mesh_axis_the_strategy_does_not_use_is_refused(mlp, name):
+    loss_fn, _ = mlp
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "extra"))
+    with pytest.raises(ValueError, match=r"axis .extra. \(size 4\).*it uses \[") as error:
+        STRATEGIES[name](loss_fn, optax.sgd(0.1), mesh)
+    assert "'data'" in str(error.value)
+    # A size-1 axis it does not use holds no copies: accepted.
+    one = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "extra"))
+    STRATEGIES[name](loss_fn, optax.sgd(0.1), one)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGIES if not n.startswith("pipeline")))
+def test_a_module_loss_passed_as_loss_fn_points_to_loss_from_module(mlp, name):
+    """``loss(model, batch)`` given where ``loss_fn(params, batch)`` belongs: the first
+    argument (the params) gets called, and the error says what to do."""
+    from conftest import mlp_loss
+
+    _, params = mlp
+    strategy = STRATEGIES[name](mlp_loss, optax.sgd(0.1), auto_mesh(2))
+    with pytest.raises(TypeError, match=r"ddl\.flax\.loss_from_module"):
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])

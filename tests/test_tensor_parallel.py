@@ -220,3 +220,25 @@ def test_a_trained_tensor_parallel_model_evaluates_in_fit_and_on_one_device_afte
     ddl.flax.update_module(model, trained)
     exported = jnp.mean(jnp.argmax(model(test["image"]), -1) == test["label"])
     np.testing.assert_allclose(exported, history[-1]["eval"], rtol=1e-6)
+
+
+class EndsColumnParallel(nnx.Module):
+    """A model whose output is split over ``model``: a mistake tensor_parallel names."""
+
+    def __init__(self, rngs):
+        self.out = ddl.layers.ColumnParallelLinear(12, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x)
+
+
+def test_a_model_whose_loss_varies_over_model_gets_a_clear_error():
+    module = EndsColumnParallel(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(
+        module, lambda m, b: ((m(b["x"]) - 1.0) ** 2).mean()
+    )
+    mesh = ddl.make_mesh(data=2, model=4)
+    strategy = tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=param_specs(module))
+    with pytest.raises(ValueError, match="RowParallelLinear") as error:
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])
+    assert "loss differs across the 'model' axis" in str(error.value)

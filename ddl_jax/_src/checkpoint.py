@@ -15,6 +15,9 @@ Layout: every step is a directory ``<directory>/<step>/`` holding two orbax item
 from __future__ import annotations
 
 import os
+import re
+import sys
+import traceback
 import warnings
 from typing import Any
 
@@ -256,6 +259,53 @@ def _state_metadata(manager: ocp.CheckpointManager, step: int) -> Any:
     return _item_metadata(manager, step, STATE)
 
 
+def _reason(error: Exception, directory: epath.Path) -> str:
+    """One short line: the file that failed to read (relative to ``directory``) and why.
+
+    A TensorStore error is a chain ``what: while doing: ... file "<path>": <cause>`` that
+    ends in the JSON spec of the whole store: the line keeps the last file and its cause. An
+    error that names no file (a JSON file cut short) gets the innermost ``path`` its
+    traceback read.
+    """
+    text = re.sub(r"\s*\[tensorstore_spec=.*", "", str(error), flags=re.DOTALL)
+    files = re.findall(r'file "([^"]+)"', text)
+    cause = text.rsplit('": ', 1)[-1] if files else text
+    frames = [frame.f_locals.get("path") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    files = files or [os.fspath(f) for f in frames if isinstance(f, str | os.PathLike)]
+    cause = " ".join(cause.split())
+    cause = cause if len(cause) <= 200 else cause[:199] + "\u2026"
+    where = f"{os.path.relpath(files[-1], os.fspath(directory))}: " if files else ""
+    return f"{where}{type(error).__name__}: {cause}"
+
+
+def _drop_closed_loop_reports() -> None:
+    """Silences the noise of a failed orbax read, and nothing else.
+
+    When the first read of a damaged step fails, orbax closes its event loop while
+    TensorStore's other reads of that step are still in flight; each then reports
+    ``RuntimeError: Event loop is closed`` from ``call_soon_threadsafe`` to
+    ``sys.unraisablehook``, one traceback per read, possibly after the fallback returned.
+    From the first damaged step on, exactly those reports are dropped; every other one
+    goes to the hook that was there before.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_reports", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        if not (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and frames
+            and frames[0].name == "call_soon_threadsafe"
+        ):
+            previous(unraisable)
+
+    hook.drops_closed_loop_reports = True
+    sys.unraisablehook = hook
+
+
 def _all_ok(ok: bool) -> bool:
     # Every process must fall back to the same step, or their collectives would not match.
     if jax.process_count() == 1:
@@ -325,18 +375,15 @@ def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State,
                 ok, error = False, e
             if _all_ok(ok):
                 return state, step
+        _drop_closed_loop_reports()
         moved = _set_aside(manager, step)
-        reason = f"{type(error).__name__}: {error}" if not ok else "unreadable on another process"
+        reason = _reason(error, manager.directory) if not ok else "unreadable on another process"
         warnings.warn(
             f"checkpoint step {step} in {manager.directory} could not be restored "
-            f"({reason[:500]}); moved it to {moved} and trying the previous step.",
+            f"({reason}); moved it to {moved} and trying the previous step.",
             stacklevel=3,
         )
     return None
-
-
-def _reason(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}"[:500]
 
 
 def _read_variables(manager: ocp.CheckpointManager, step: int) -> Variables:
@@ -413,9 +460,10 @@ def load_variables(directory: str | os.PathLike, step: int | None = None) -> Var
                 variables = _read_variables(manager, s)
             except Exception as e:  # any unreadable file is corruption
                 error = e
+                _drop_closed_loop_reports()
             if _all_ok(error is None):
                 return variables
-            reason = "unreadable on another process" if error is None else _reason(error)
+            reason = "unreadable on another process" if error is None else _reason(error, path)
             if step is not None:
                 raise ValueError(
                     f"load_variables: checkpoint step {s} in {path} could not be read ({reason})."

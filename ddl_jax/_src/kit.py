@@ -284,6 +284,18 @@ def _check_returned_state(before: Any, after: Any) -> None:
         )
 
 
+def _check_no_unused_axis(mesh: Mesh, used: tuple[str, ...]) -> None:
+    """Refuses a mesh axis of size > 1 the strategy does not use: its devices would hold
+    redundant copies doing the same work (a size-1 axis costs nothing and is accepted)."""
+    for name in mesh.axis_names:
+        if name not in used and mesh.shape[name] > 1:
+            raise ValueError(
+                f"mesh axis {name!r} (size {mesh.shape[name]}) is not one this strategy uses: "
+                f"it uses {list(dict.fromkeys(used))}, and every device along {name!r} would "
+                "repeat the same work. Build the mesh over those axes only."
+            )
+
+
 def prepare(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -325,6 +337,7 @@ def prepare(
         )
     if axis not in add_axes:
         st.check_mesh_axis(mesh, axis)
+    _check_no_unused_axis(mesh, (axis, *add_axes))
     mesh = explicit_mesh(mesh, add_axes)
     if takes_reducer and reducer is None:
         reducer = allreduce_mean(axis)

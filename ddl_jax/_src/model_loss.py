@@ -65,7 +65,23 @@ def as_model_loss(loss_fn: Callable[..., Any]) -> ModelLoss:
     """``loss_fn`` as a :class:`ModelLoss`: a plain loss gets no state and ignores the key."""
     if isinstance(loss_fn, ModelLoss):
         return loss_fn
-    return ModelLoss(lambda params, state, batch, key: (loss_fn(params, batch), state))
+    return ModelLoss(lambda params, state, batch, key: (call_loss(loss_fn, params, batch), state))
+
+
+def call_loss(loss_fn: Callable[..., Any], params: Params, batch: Any) -> Any:
+    """``loss_fn(params, batch)``, naming the likely mix-up when it calls its first argument:
+    a Flax ``loss(model, batch)`` given where ``loss_fn(params, batch)`` belongs."""
+    try:
+        return loss_fn(params, batch)
+    except TypeError as error:
+        if f"'{type(params).__name__}' object is not callable" not in str(error):
+            raise
+        raise TypeError(
+            f"loss_fn called its first argument, which is the parameters (a "
+            f"{type(params).__name__}), not a model: it looks like a loss(model, batch). "
+            "Strategies take loss_fn(params, batch); make one from the module and its loss "
+            "with `loss_fn, params = ddl.flax.loss_from_module(model, loss)`."
+        ) from error
 
 
 def split_variables(loss_fn: Callable[..., Any], variables: Variables) -> tuple[Params, Any]:

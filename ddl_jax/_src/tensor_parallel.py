@@ -162,6 +162,7 @@ def tensor_parallel(
         local = lax.pcast(state.params, DATA, to="varying")
         key = worker_key(state.model, lax.axis_index(DATA))
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
+        _check_same_over_model({"loss": loss, **aux})
         reducer_state = unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
@@ -175,6 +176,19 @@ def tensor_parallel(
         kit.step(worker_step, state_specs),
         kit.replicated(lambda state: kit.variables(state.params, state.model)),
     )
+
+
+def _check_same_over_model(metrics: dict[str, jax.Array]) -> None:
+    """The loss must be one number per data worker, the same on its ``model`` devices."""
+    for name, value in metrics.items():
+        if MODEL in jax.typeof(value).manual_axis_type.varying:
+            raise ValueError(
+                f"the {name} differs across the 'model' axis: the model's output is still "
+                "split over 'model' (e.g. it ends in a ColumnParallelLinear, whose output "
+                "features are sharded). End the model with a RowParallelLinear (or a "
+                "ParallelMLP / ParallelTransformerBlock, which end in one) or a replicated "
+                "layer, so that every model device sees the whole output."
+            )
 
 
 def _state_specs(
