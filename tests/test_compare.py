@@ -129,3 +129,10 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys):
     assert table.count("\n| ") == 3  # header, sync, local:4
     for name in ("accuracy_vs_steps", "accuracy_vs_bytes", "accuracy_vs_time"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each run's records, from fit's log_file.
+    for run, name in ((sync, "sync"), (local, "local_4")):
+        lines = (out / "logs" / f"{name}.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [r["step"] for r in records] == list(range(1, 13))
+        assert [r["eval"] for r in records if "eval" in r] == run["eval_values"]
+        assert records[-1]["loss"] == run["final_loss"]

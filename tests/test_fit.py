@@ -4,6 +4,8 @@ import json
 import os
 import re
 import shutil
+import struct
+import sys
 import warnings
 
 import chex
@@ -111,6 +113,9 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
         ({"log_file": b"log"}, TypeError, "log_file must be a str or os.PathLike path"),
         ({"log_file": ""}, ValueError, "log_file must name a file, got ''."),
         ({"log_file": "."}, ValueError, "log_file must name a file, got '.' .a directory."),
+        ({"tensorboard_dir": 3}, TypeError, "tensorboard_dir must be a str or os.PathLike path"),
+        ({"tensorboard_dir": ""}, ValueError, "tensorboard_dir must name a directory, got ''."),
+        ({"tensorboard_dir": __file__}, ValueError, "directory, got .*test_fit.py. .a file..$"),
         ({"callbacks": print}, TypeError, "callbacks must be a sequence of callables"),
         ({"callbacks": None}, TypeError, "callbacks must be a sequence of callables"),
         ({"callbacks": [print, 3]}, TypeError, "callbacks.1. must be callable, got 3"),
@@ -225,9 +230,15 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     loss_fn, params = mlp_pair()
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
     batches, path, ckpt = make_batches(6, 8), str(tmp_path / "log.jsonl"), tmp_path / "ckpt"
+    tb = tmp_path / "tb"
     args = {"checkpoint_dir": ckpt, "log_every": 3, "progress": False, "log_file": path}
+    args |= {"tensorboard_dir": tb}
+
+    def tensorboard_shows_the_log():
+        return read_scalars(tb)["loss"] == {r["step"]: r["loss"] for r in read_log(path)}
+
     _, first = ddl.fit(strategy, params, batches, steps=4, checkpoint_every=2, **args)
-    assert read_log(path) == first
+    assert read_log(path) == first and tensorboard_shows_the_log()
     # A crash after step 4's records were written, before its checkpoint was complete, and
     # in the middle of a later write: the run resumes at step 2, as if 3 and 4 never ran.
     shutil.rmtree(ckpt / "4")
@@ -235,10 +246,13 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         f.write('{"step": 5, "lo')
     _, second = ddl.fit(strategy, params, batches, steps=6, **args)
     assert [r["step"] for r in second] == [3, 4, 5, 6]
-    assert read_log(path) == first[:2] + second
+    assert read_log(path) == first[:2] + second and tensorboard_shows_the_log()
     # A run that does not resume (no checkpoint) starts the file afresh.
-    _, third = ddl.fit(strategy, params, batches, steps=2, log_file=path, progress=False)
-    assert read_log(path) == third
+    _, third = ddl.fit(
+        strategy, params, batches, steps=2, log_file=path, tensorboard_dir=tb, progress=False
+    )
+    assert read_log(path) == third and tensorboard_shows_the_log()
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 3
 
 
 def test_a_file_that_is_not_a_log_is_refused_and_left_alone(mlp, tmp_path):
@@ -302,3 +316,76 @@ def test_a_stop_takes_effect_at_the_log_point_that_fetched_it(mlp):
         **{**args, "log_every": 10},
     )
     assert [r["step"] for r in history] == [1, 2, 3]
+
+
+def read_scalars(logdir) -> dict[str, dict[int, float]]:
+    """The scalars of a TensorBoard directory's event files, ``{tag: {step: value}}``, as
+    TensorBoard shows them (a run's start hides the earlier events of its later steps)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):  # TFRecords: length (8 bytes), its crc, data, data's crc
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            if event.session_log.status == event.session_log.START:  # a purge_step
+                for values in scalars.values():
+                    for step in [s for s in values if s >= event.step]:
+                        del values[step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_gets_every_scalar_of_every_record_also_of_a_run_that_raised(
+    mlp, tmp_path, monkeypatch
+):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    logdir = tmp_path / "tb"
+    _, history = ddl.fit(
+        strategy,
+        params,
+        make_batches(5, 8),
+        steps=5,
+        log_every=2,
+        eval_fn=lambda p: {"loss0": loss_fn(p, make_batches(1, 8)[0])},
+        eval_every=3,
+        progress=False,
+        tensorboard_dir=logdir,
+    )
+    scalars = read_scalars(logdir)
+    assert set(scalars) == {"loss", "eval_loss0"}
+    assert scalars["loss"] == {r["step"]: r["loss"] for r in history}
+    evals = {r["step"]: r["eval_loss0"] for r in history if "eval_loss0" in r}
+    assert scalars["eval_loss0"] == evals and list(evals) == [3, 5]
+    # A NaN at step 3, fetched with steps 1 and 2 at step 4: those two are still written.
+    batches = make_batches(4, 8)
+    batches[2]["x"][0, 0] = np.nan
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        ddl.fit(
+            strategy,
+            params,
+            batches,
+            steps=4,
+            log_every=4,
+            progress=False,
+            tensorboard_dir=tmp_path / "raised",
+        )
+    assert list(read_scalars(tmp_path / "raised")["loss"]) == [1, 2]
+    # Only process 0 writes.
+    monkeypatch.setattr(fit_log.jax, "process_index", lambda: 1)
+    ddl.fit(strategy, params, batches, steps=2, progress=False, tensorboard_dir=tmp_path / "p1")
+    assert not (tmp_path / "p1").exists()
+
+
+def test_tensorboard_without_tensorboardx_names_the_extra(mlp, tmp_path, monkeypatch):
+    loss_fn, params = mlp
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX fails
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(ImportError, match=re.escape("pip install 'ddl-jax[tensorboard]'")):
+        ddl.fit(
+            strategy, params, make_batches(2, 8), steps=2, progress=False, tensorboard_dir=tmp_path
+        )

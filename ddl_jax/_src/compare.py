@@ -1,9 +1,10 @@
 """``ddl-jax compare``: every strategy on the same model, data and network, measured alike.
 
 For each strategy of a ``Config``: the same initial variables and the same global batches
-in the same order (one seed), ``ddl.fit`` with an evaluation every ``eval_every`` steps,
-then, on the jitted step, ``ddl.comm_stats`` (bytes each device sends, from the compiled
-HLO) and the compiled step time (median of a few timed calls after compilation).
+in the same order (one seed), ``ddl.fit`` with an evaluation every ``eval_every`` steps
+(its records logged to ``<out>/logs/<strategy>.jsonl``, ``:`` written ``_``), then, on
+the jitted step, ``ddl.comm_stats`` (bytes each device sends, from the compiled HLO) and
+the compiled step time (median of a few timed calls after compilation).
 
 Simulated wall time after k steps, on the chosen network (``ddl.sim``'s alpha-beta model,
 communication after computation, no overlap)::
@@ -130,6 +131,12 @@ def _curves(
     }
 
 
+def log_path(out: str | Path, spec: Spec) -> Path:
+    """The JSON-lines log of ``spec``'s run: ``<out>/logs/<strategy>.jsonl``, with the
+    spec's ``:`` written ``_`` (``local_16.jsonl``), a name every file system takes."""
+    return Path(out) / "logs" / f"{spec.text.replace(':', '_')}.jsonl"
+
+
 def run_one(
     spec: Spec,
     workload: Workload,
@@ -156,6 +163,7 @@ def run_one(
         eval_fn=workload.evaluate,
         eval_every=eval_every,
         log_every=min(10, eval_every),
+        log_file=log_path(config.out, spec),
     )
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
@@ -257,6 +265,6 @@ def run_compare(config: Config) -> dict[str, Any]:
     print()
     print(table, end="")
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and", file=sys.stdout)
-    for path in figures:
+    for path in [*figures, *(log_path(out, spec) for spec in config.strategies)]:
         print(f"  {path}")
     return results

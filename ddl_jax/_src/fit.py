@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddl_jax._src import checkpoint
-from ddl_jax._src.fit_log import TrainingLog
+from ddl_jax._src.fit_log import TrainingLog, summary_writer_class
 from ddl_jax._src.model_loss import Variables
 from ddl_jax._src.strategy import Batch, Metrics, State, Strategy, check_int
 
@@ -57,6 +57,7 @@ def fit(
     keep: int | None = None,
     skip_nonfinite: bool = False,
     log_file: str | os.PathLike | None = None,
+    tensorboard_dir: str | os.PathLike | None = None,
     callbacks: Sequence[Callable[[dict[str, float]], Any]] = (),
 ) -> tuple[State, list[dict[str, float]]]:
     """Trains variables with ``strategy`` for ``steps`` steps, resuming from a checkpoint.
@@ -80,14 +81,14 @@ def fit(
     on the same mesh, dropout masks included). A step that fails to restore is reported
     and the previous one used (see ``ddl.checkpoint.restore_latest``).
 
-    Records (the history's dicts) are passed on to ``log_file``, then to each callback,
-    on process 0, once final: those fetched at a log point (every ``log_every`` steps, each
-    evaluation, the end) before the next step runs, their eval results merged. A callback
-    returning ``True`` stops training there: ``fit`` saves a checkpoint of the last step
-    trained (with ``checkpoint_dir``) and returns the history so far, with no final
-    evaluation. The records fetched with the stopping one are still passed on: to stop at
-    an exact step, use ``log_every=1`` or decide on eval results. Early stopping when
-    ``eval_loss`` has not improved for 5 evaluations, for example::
+    Records (the history's dicts) are passed on to ``log_file`` and ``tensorboard_dir``,
+    then to each callback, on process 0, once final: those fetched at a log point (every
+    ``log_every`` steps, each evaluation, the end) before the next step runs, their eval
+    results merged. A callback returning ``True`` stops training there: ``fit`` saves a
+    checkpoint of the last step trained (with ``checkpoint_dir``) and returns the history
+    so far, with no final evaluation. The records fetched with the stopping one are still
+    passed on: to stop at an exact step, use ``log_every=1`` or decide on eval results.
+    Early stopping when ``eval_loss`` has not improved for 5 evaluations, for example::
 
         evals = []
         def early_stop(record):
@@ -124,6 +125,16 @@ def fit(
         (a skipped step's loss as ``NaN``) as they are passed on, flushed to disk; a run
         that raises still writes those fetched. Lines of steps after the start step (all
         when not resuming) are dropped first, so the file holds each step once.
+      tensorboard_dir: a TensorBoard log directory (``tensorboard --logdir``; created),
+        to which process 0 writes every scalar of each record but ``step`` (``loss``, the
+        strategy's metrics, ``eval``/``eval_<name>``) at its step, with tensorboardX's
+        ``SummaryWriter``, flushed as records are passed on and closed when ``fit`` ends,
+        raised or not. Events of steps after the start step that the directory already
+        holds are hidden (TensorBoard's ``purge_step``), so it shows each step once.
+        Needs the extra ``pip install 'ddl-jax[tensorboard]'``, checked on every process
+        before training. An argument rather than a callback: ``fit`` knows the start step
+        and when the run ends, so it opens and closes the writer itself; a callback sees
+        records only.
       callbacks: ``record -> Any``, called on process 0 with a copy of each record as it is
         passed on; ``True`` (a bool or NumPy bool) stops training on every process.
 
@@ -134,13 +145,15 @@ def fit(
       steps where they ran.
 
     Raises:
+      ImportError: ``tensorboard_dir`` is given and tensorboardX is not installed.
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
       TypeError: ``strategy`` is not a ``ddl.Strategy``, a flag is not a bool, ``log_file``
-        not a path, or ``callbacks`` not a sequence of callables.
+        or ``tensorboard_dir`` not a path, or ``callbacks`` not a sequence of callables.
       ValueError: bad arguments (among them ``checkpoint_every`` or ``keep`` without
         ``checkpoint_dir``, ``eval_every`` without ``eval_fn``, a ``log_file`` that is a
-        directory or not a JSON-lines file), or a checkpoint of a differently shaped state.
+        directory or not a JSON-lines file, a ``tensorboard_dir`` that is a file), or a
+        checkpoint of a differently shaped state.
     """
     settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
     log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
@@ -176,6 +189,7 @@ class _Settings(NamedTuple):
     keep: int | None
     skip_nonfinite: bool
     log_file: str | None
+    tensorboard_dir: str | None
     callbacks: tuple[Callable[[dict[str, float]], Any], ...]
 
 
@@ -268,6 +282,9 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> _Settings:
                 f"fit: {name}={value!r} needs checkpoint_dir, got checkpoint_dir=None; pass "
                 "the directory to save checkpoints to."
             )
+    tensorboard_dir = _check_path("tensorboard_dir", args.tensorboard_dir, directory=True)
+    if tensorboard_dir is not None:
+        summary_writer_class()  # tensorboardX is there, on every process, before training
     return args._replace(
         steps=steps,
         log_every=log_every,
@@ -276,23 +293,28 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> _Settings:
         keep=keep,
         progress=bool(args.progress),
         skip_nonfinite=bool(args.skip_nonfinite),
-        log_file=_check_log_file(args.log_file),
+        log_file=_check_path("log_file", args.log_file, directory=False),
+        tensorboard_dir=tensorboard_dir,
         callbacks=_check_callbacks(args.callbacks),
     )
 
 
-def _check_log_file(log_file: Any) -> str | None:
-    if log_file is None:
+def _check_path(name: str, value: Any, *, directory: bool) -> str | None:
+    """``value`` as a str path naming a file (or a directory), or ``None``."""
+    if value is None:
         return None
-    if not isinstance(log_file, str | os.PathLike) or isinstance(os.fspath(log_file), bytes):
+    if not isinstance(value, str | os.PathLike) or isinstance(os.fspath(value), bytes):
         raise TypeError(
-            f"fit: log_file must be a str or os.PathLike path, or None, got "
-            f"{type(log_file).__name__} {log_file!r}."
+            f"fit: {name} must be a str or os.PathLike path, or None, got "
+            f"{type(value).__name__} {value!r}."
         )
-    path = os.fspath(log_file)
-    if not path or os.path.isdir(path):
-        what = " (a directory)" if path else ""
-        raise ValueError(f"fit: log_file must name a file, got {path!r}{what}.")
+    path = os.fspath(value)
+    isdir = os.path.isdir(path)
+    wrong = (os.path.exists(path) and not isdir) if directory else isdir
+    if not path or wrong:
+        what = f" ({'a file' if directory else 'a directory'})" if path else ""
+        kind = "a directory" if directory else "a file"
+        raise ValueError(f"fit: {name} must name {kind}, got {path!r}{what}.")
     return path
 
 

@@ -1,5 +1,5 @@
 """``fit``'s records: metrics fetched in batches, progress shown, the JSON-lines log file,
-callbacks, and the loss-growth warning."""
+TensorBoard, callbacks, and the loss-growth warning."""
 
 from __future__ import annotations
 
@@ -100,6 +100,22 @@ def _open_log_file(path: str, start: int) -> TextIO:
     return open(path, "a", encoding="utf-8")  # closed by TrainingLog.close
 
 
+def summary_writer_class() -> type:
+    """tensorboardX's ``SummaryWriter``, imported on first use (an optional dependency).
+
+    Raises:
+      ImportError: tensorboardX is not installed (the message names the extra to install).
+    """
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "fit: tensorboard_dir needs tensorboardX, which is not installed; install it with "
+            "pip install 'ddl-jax[tensorboard]'."
+        ) from e
+    return SummaryWriter
+
+
 class TrainingLog:
     """``fit``'s records: metrics fetched from the device in batches, the progress shown
     (a bar that redraws on a terminal, plain lines elsewhere), the loss-growth check."""
@@ -107,7 +123,9 @@ class TrainingLog:
     def __init__(self, settings: _Settings, *, show: bool) -> None:
         self.steps, self.show, self.skipping = settings.steps, show, settings.skip_nonfinite
         self.path, self.callbacks = settings.log_file, settings.callbacks
+        self.tensorboard_dir = settings.tensorboard_dir
         self.file: TextIO | None = None
+        self.writer: Any = None  # tensorboardX's SummaryWriter, on process 0
         self.written = self.passed = 0  # records written to the file, given to callbacks
         self.main = jax.process_index() == 0
         self.start = 0
@@ -127,9 +145,20 @@ class TrainingLog:
             self.bar.write(line, file=sys.stdout)
 
     def open(self) -> None:
-        """Opens the log file (process 0), from the start step on, and the progress bar."""
+        """Opens the log file and the TensorBoard writer (process 0), from the start step
+        on, and the progress bar."""
         if self.path is not None and self.main:
             self.file = _open_log_file(self.path, self.start)
+        if self.tensorboard_dir is not None and self.main:
+            # purge_step: TensorBoard hides the directory's earlier events of steps after the
+            # start step (all when not resuming), so it shows each step once, as the file does.
+            # The suffix keeps runs started in the same second apart, in the order they ran
+            # (the file's name otherwise has the time in seconds, and is overwritten).
+            self.writer = summary_writer_class()(
+                self.tensorboard_dir,
+                purge_step=self.start + 1,
+                filename_suffix=f".{time.time_ns()}",
+            )
         # A bar redraws in place; elsewhere (a launcher, a file) flush prints plain lines.
         self.bar = tqdm(
             total=self.steps,
@@ -211,15 +240,23 @@ class TrainingLog:
         return stop
 
     def write(self) -> None:
-        if self.file is not None and self.written < len(self.history):
-            self.file.writelines(json.dumps(r) + "\n" for r in self.history[self.written :])
+        new = self.history[self.written :]
+        if self.file is not None and new:
+            self.file.writelines(json.dumps(r) + "\n" for r in new)
             self.file.flush()
             os.fsync(self.file.fileno())  # a crashed run keeps what it logged
+        if self.writer is not None and new:
+            for record in new:  # every scalar but the step: loss, metrics, eval results
+                for tag, value in record.items():
+                    if tag != "step":
+                        self.writer.add_scalar(tag, value, global_step=record["step"])
+            self.writer.flush()
         self.written = len(self.history)
 
     def close(self) -> None:
-        if self.file is not None:
+        try:
             self.write()  # a run that raised: the records fetched before
-            self.file.close()
-        if self.bar is not None:
-            self.bar.close()
+        finally:
+            for opened in (self.file, self.writer, self.bar):
+                if opened is not None:
+                    opened.close()
