@@ -1,0 +1,218 @@
+"""Mixed precision: a bfloat16 forward pass over float32 master parameters, any strategy.
+
+The references are the plain loss (float32 compute must be it exactly) and the same loss
+called on hand-cast bfloat16 parameters and inputs.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import bn_dropout_pair, make_batches, mlp_pair
+
+import ddl_jax as ddl
+from ddl_jax._src.precision import mixed_precision
+
+KEY = jax.random.key(3)
+
+
+def bf16(tree):
+    return jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def floating_dtypes(tree) -> set:
+    return {
+        jnp.dtype(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)
+    }
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+def assert_close_gradients(got, want):
+    """bfloat16 gradients near the float32 ones: relative to each entry (rtol 2e-2), or to
+    the largest gradient entry for those exact arithmetic makes ~0 (a bias before batch
+    norm), where rounding noise is all there is."""
+    scale = max(float(np.abs(w).max()) for w in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * scale)
+    # and not merely equal: the backward pass did run in bfloat16
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    assert any(not np.array_equal(g, w) for g, w in pairs)
+
+
+def dot_operand_dtypes(fn, *args) -> set:
+    """The dtypes of every dot_general operand in ``fn``'s jaxpr, sub-jaxprs included."""
+    found = set()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.update(jnp.dtype(v.aval.dtype) for v in eqn.invars)
+        for sub in jax.extend.core.subjaxprs(jaxpr):
+            visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_float32_compute_is_the_plain_loss_exactly():
+    loss_fn, params = mlp_pair()
+    batch = make_batches(1, 16)[0]
+    wrapped = mixed_precision(loss_fn, jnp.float32)
+    value, grads = jax.value_and_grad(wrapped)(params, batch)
+    expected_value, expected_grads = jax.value_and_grad(loss_fn)(params, batch)
+    assert_trees_equal((value, grads), (expected_value, expected_grads))
+
+
+def test_float32_compute_is_the_plain_model_loss_exactly():
+    loss_fn, variables = bn_dropout_pair()
+    wrapped = mixed_precision(loss_fn, jnp.float32)
+    assert isinstance(wrapped, ddl.ModelLoss)
+    np.testing.assert_array_equal(wrapped.seed, loss_fn.seed)
+    params = variables["params"]
+    state = {"batch_stats": variables["batch_stats"]}
+    batch = make_batches(1, 16)[0]
+
+    def run(fn):
+        return jax.value_and_grad(lambda p: fn(p, state, batch, KEY), has_aux=True)(params)
+
+    assert_trees_equal(run(wrapped.fn), run(loss_fn.fn))
+
+
+def test_bfloat16_forward_with_float32_gradients():
+    loss_fn, params = mlp_pair()
+    batch = make_batches(1, 16)[0]
+    wrapped = mixed_precision(loss_fn)
+    # the matmuls run in bfloat16, forward and backward
+    assert dot_operand_dtypes(wrapped, params, batch) == {jnp.dtype(jnp.bfloat16)}
+    assert dot_operand_dtypes(jax.grad(wrapped), params, batch) == {jnp.dtype(jnp.bfloat16)}
+    # the value is the hand-cast loss, returned as float32
+    value, grads = jax.value_and_grad(wrapped)(params, batch)
+    assert value.dtype == jnp.float32
+    np.testing.assert_array_equal(value, loss_fn(bf16(params), bf16(batch)).astype(jnp.float32))
+    # the gradient of the float32 master params is float32 and near the float32 gradient
+    assert floating_dtypes(grads) == {jnp.dtype(jnp.float32)}
+    assert_close_gradients(grads, jax.grad(loss_fn)(params, batch))
+
+
+def test_bfloat16_model_loss_keeps_its_state_dtype_and_seed():
+    loss_fn, variables = bn_dropout_pair()
+    wrapped = mixed_precision(loss_fn)
+    np.testing.assert_array_equal(wrapped.seed, loss_fn.seed)
+    params = variables["params"]
+    state = {"batch_stats": variables["batch_stats"]}
+    batch = make_batches(1, 16)[0]
+    (value, new_state), grads = jax.value_and_grad(
+        lambda p: wrapped.fn(p, state, batch, KEY), has_aux=True
+    )(params)
+    assert value.dtype == jnp.float32
+    assert floating_dtypes(grads) == {jnp.dtype(jnp.float32)}
+    assert floating_dtypes(new_state) == {jnp.dtype(jnp.float32)}
+    expected, expected_state = loss_fn.fn(bf16(params), state, bf16(batch), KEY)
+    np.testing.assert_array_equal(value, expected.astype(jnp.float32))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, b.astype(jnp.float32)),
+        new_state,
+        expected_state,
+    )
+    assert_close_gradients(grads, jax.grad(lambda p: loss_fn.fn(p, state, batch, KEY)[0])(params))
+
+
+def test_only_floating_leaves_are_cast_and_aux_comes_back_float32():
+    seen = {}
+
+    def loss_fn(params, batch):
+        seen.update(w=params["w"].dtype, n=params["n"].dtype, x=batch["x"].dtype)
+        seen.update(y=batch["y"].dtype)
+        value = jnp.mean(batch["x"] @ params["w"])
+        return value, {"twice": 2 * value, "count": params["n"]}
+
+    params = {"w": jnp.ones((3, 2)), "n": jnp.int32(4)}
+    batch = {"x": jnp.ones((4, 3)), "y": jnp.zeros(4, jnp.int32)}
+    value, aux = mixed_precision(loss_fn)(params, batch)
+    assert seen == {"w": jnp.bfloat16, "n": jnp.int32, "x": jnp.bfloat16, "y": jnp.int32}
+    assert (value.dtype, aux["twice"].dtype, aux["count"].dtype) == (
+        jnp.float32,
+        jnp.float32,
+        jnp.int32,
+    )
+    mixed_precision(loss_fn, cast_batch=False)(params, batch)
+    assert (seen["w"], seen["x"]) == (jnp.bfloat16, jnp.float32)
+
+
+@pytest.mark.parametrize("reducer", [None, "cast"], ids=["float32-reduce", "bfloat16-reduce"])
+def test_data_parallel_trains_with_float32_master_state(reducer):
+    loss_fn, params = mlp_pair()
+    strategy = ddl.data_parallel(
+        mixed_precision(loss_fn),
+        optax.sgd(0.1, momentum=0.9),
+        ddl.make_mesh(data=8),
+        reducer=ddl.compression.cast(jnp.bfloat16) if reducer else None,
+    )
+    step = jax.jit(strategy.step)
+    state = strategy.init(params)
+    batch = make_batches(1, 64)[0]
+    losses = []
+    for _ in range(10):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert floating_dtypes(strategy.params(state)) == {jnp.dtype(jnp.float32)}
+    assert floating_dtypes(state.opt_state) == {jnp.dtype(jnp.float32)}
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_data_parallel_model_loss_keeps_float32_batch_statistics():
+    loss_fn, variables = bn_dropout_pair()
+    strategy = ddl.data_parallel(mixed_precision(loss_fn), optax.adam(1e-2), ddl.make_mesh(data=8))
+    state, _ = ddl.fit(strategy, variables, make_batches(3, 64), steps=3, progress=False)
+    trained = strategy.params(state)
+    assert floating_dtypes(trained) == {jnp.dtype(jnp.float32)}
+    assert floating_dtypes(state.opt_state) == {jnp.dtype(jnp.float32)}
+    assert not np.allclose(trained["batch_stats"]["norm"]["mean"], 0.0)
+
+
+def test_local_sgd_with_a_bfloat16_reducer_trains():
+    loss_fn, params = mlp_pair()
+    strategy = ddl.local_sgd(
+        mixed_precision(loss_fn),
+        optax.sgd(0.1),
+        ddl.make_mesh(data=8),
+        period=2,
+        reducer=ddl.compression.cast(jnp.bfloat16),
+    )
+    step = jax.jit(strategy.step)
+    state = strategy.init(params)
+    batch = make_batches(1, 64)[0]
+    losses = []
+    for _ in range(8):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert floating_dtypes(strategy.params(state)) == {jnp.dtype(jnp.float32)}
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compute_dtype": jnp.int32}, ValueError, "compute_dtype must be a floating dtype"),
+        ({"compute_dtype": jnp.complex64}, ValueError, "compute_dtype must be a floating"),
+        ({"compute_dtype": "not a dtype"}, TypeError, "compute_dtype must be a floating"),
+        ({"compute_dtype": None}, TypeError, "compute_dtype must be a floating dtype"),
+        ({"cast_batch": "yes"}, TypeError, "cast_batch must be a bool"),
+        ({"loss_fn": 3}, TypeError, "loss_fn must be a callable .* or a ddl.ModelLoss"),
+        ({"loss_fn": ddl.ModelLoss(fn=3)}, TypeError, "loss_fn.fn must be callable"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    args = {"loss_fn": lambda params, batch: 0.0, **kwargs}
+    with pytest.raises(error, match=match):
+        mixed_precision(**args)
