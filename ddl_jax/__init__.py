@@ -16,6 +16,7 @@ from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.fit import fit, guard_nonfinite
+from ddl_jax._src.fsdp import FSDPState, fsdp
 from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
@@ -23,6 +24,7 @@ from ddl_jax._src.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.pipeline import pipeline
 from ddl_jax._src.pipeline_programs import DDGState, PipelineState
 from ddl_jax._src.pipeline_stages import pipeline_stages
+from ddl_jax._src.precision import mixed_precision
 from ddl_jax._src.reducers import allreduce_mean, chain
 from ddl_jax._src.staleness import (
     ComputeTime,
@@ -43,6 +45,7 @@ __all__ = [
     "ComputeTime",
     "DDGState",
     "DataParallelState",
+    "FSDPState",
     "GossipState",
     "LocalSGDState",
     "ModelLoss",
@@ -63,12 +66,14 @@ __all__ = [
     "downpour",
     "fit",
     "flax",
+    "fsdp",
     "gossip",
     "guard_nonfinite",
     "launch",
     "layers",
     "local_sgd",
     "make_mesh",
+    "mixed_precision",
     "mixing_matrix",
     "models",
     "pipeline",

@@ -25,6 +25,7 @@ DEVICES = len(jax.devices())
         ("topk:0.01", Spec("topk:0.01", "topk", 0.01)),
         ("powersgd:2", Spec("powersgd:2", "powersgd", 2)),
         ("ssp:0", Spec("ssp:0", "ssp", 0)),
+        ("fsdp", Spec("fsdp:3", "fsdp", 3)),
         ("gossip:torus", Spec("gossip:torus", "gossip", "torus")),
     ],
 )
@@ -41,6 +42,7 @@ BAD = [
     (["--strategies", "local:abc"], "expected the period H, an integer >= 1"),
     (["--strategies", "topk:2"], "expected the ratio of entries sent, a number in (0, 1]"),
     (["--strategies", "gossip:star"], "expected a topology, one of ring, torus"),
+    (["--strategies", "fsdp:4"], "expected the ZeRO stage, 1, 2 or 3"),
     (["--strategies", "sync:3"], "strategy 'sync' takes no parameter"),
     (["--strategies", "sync,sync"], "strategy 'sync' is listed twice"),
     (["--strategies", ""], "strategies must be a comma-separated list"),

@@ -111,6 +111,12 @@ STRATEGIES = {
     "pipeline_1f1b": one_stage_pipeline("1f1b", 2),
     "pipeline_ddg": one_stage_pipeline("ddg", 1),
     "tensor_parallel": replicated_tensor_parallel,
+    **{
+        f"fsdp_stage_{stage}": lambda loss_fn, opt, mesh, s=stage: ddl.fsdp(
+            loss_fn, opt, mesh, stage=s
+        )
+        for stage in (1, 2, 3)
+    },
 }
 
 LOSSY = {

@@ -19,6 +19,7 @@ from ddl_jax import compression
 from ddl_jax._src import sim
 from ddl_jax._src.async_sgd import async_sgd
 from ddl_jax._src.data_parallel import data_parallel
+from ddl_jax._src.fsdp import STAGES, fsdp
 from ddl_jax._src.gossip import TOPOLOGIES, gossip
 from ddl_jax._src.local_sgd import local_sgd
 from ddl_jax._src.reducers import allreduce_mean
@@ -43,6 +44,7 @@ WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
 DEFAULT_STRATEGIES = (
     "sync",
     "ring",
+    "fsdp:3",
     "local:16",
     "diloco:16",
     "topk:0.01",
@@ -120,6 +122,13 @@ def _topology(text: str) -> str:
     return text
 
 
+def _stage(text: str) -> int:
+    value = int(text)
+    if value not in STAGES:
+        raise ValueError
+    return value
+
+
 def _none(text: str) -> None:
     raise ValueError
 
@@ -167,6 +176,13 @@ FAMILIES: dict[str, Family] = {
         None,
         "",
         "synchronous data parallelism, explicit ring all-reduce",
+    ),
+    "fsdp": Family(
+        lambda stage, ctx: fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
+        _stage,
+        "3",
+        "the ZeRO stage, 1, 2 or 3 (e.g. fsdp:3)",
+        "sharded data parallelism (ZeRO / FSDP): state split over the workers",
     ),
     "local": Family(
         lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h),

@@ -148,7 +148,8 @@ class Kit(NamedTuple):
         *,
         divisor: int | None = None,
         why: str | None = None,
-    ) -> Callable[[st.State, st.Batch], tuple[st.State, st.Metrics]]:
+        out_specs: Specs | None = None,
+    ) -> Callable[[st.State, st.Batch], tuple[Any, st.Metrics]]:
         """``Strategy.step``: checks the global batch, shards it over the worker axis and
         runs ``worker_step(state, local_batch) -> (state, metrics)`` under ``shard_map``
         (state by ``specs``, metrics replicated).
@@ -156,6 +157,9 @@ class Kit(NamedTuple):
         Args:
           divisor: what the global batch must divide by (default ``n * accumulate``);
             ``why`` says what it is made of.
+          out_specs: for a worker step that returns something other than a new state
+            (``ddl.fsdp``'s gradient shards), its ``PartitionSpec``s, or a function of the
+            abstract state returning them; the state's specs by default.
         """
         divisor = self.n * self.accumulate if divisor is None else divisor
         why = why or f"{self.n} workers on axis {self.axis!r} x accumulate={self.accumulate}"
@@ -164,11 +168,13 @@ class Kit(NamedTuple):
         def step(state: st.State, batch: st.Batch) -> tuple[st.State, st.Metrics]:
             st.check_batch(batch, divisor, why=why)
             state_specs = specs(abstract(state)) if callable(specs) else specs
+            out = state_specs if out_specs is None else out_specs
+            out = out(abstract(state)) if callable(out) else out
             program = jax.shard_map(
                 worker_step,
                 mesh=self.mesh,
                 in_specs=(state_specs, P(self.axis)),
-                out_specs=(state_specs, P()),
+                out_specs=(out, P()),
                 check_vma=vma,
             )
             sharding = NamedSharding(self.mesh, P(self.axis))

@@ -45,7 +45,7 @@ class TensorParallelState(NamedTuple):
     model: ModelVars
 
 
-def _full_specs(params: Any, specs: Any) -> Any:
+def full_specs(params: Any, specs: Any) -> Any:
     """One spec per parameter: ``specs`` broadcast from a prefix of params' structure."""
     try:
         return jax.tree.broadcast(specs, params, is_leaf=is_spec)
@@ -57,8 +57,8 @@ def _full_specs(params: Any, specs: Any) -> Any:
         ) from None
 
 
-def _check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
-    specs = _full_specs(params, specs)
+def check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
+    specs = full_specs(params, specs)
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
     for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
@@ -151,7 +151,7 @@ def tensor_parallel(
     state_specs = functools.partial(_state_specs, specs, optimizer, reducer)
 
     def make_state(params: Any, model: ModelVars) -> TensorParallelState:
-        _check_specs(params, specs, kit.mesh)
+        check_specs(params, specs, kit.mesh)
         reducer_state = kit.stack(reducer.init(params))
         return TensorParallelState(params, optimizer.init(params), reducer_state, model)
 
@@ -162,7 +162,7 @@ def tensor_parallel(
         local = lax.pcast(state.params, DATA, to="varying")
         key = worker_key(state.model, lax.axis_index(DATA))
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
-        _check_same_over_model({"loss": loss, **aux})
+        check_same_over_model({"loss": loss, **aux})
         reducer_state = unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
@@ -178,7 +178,7 @@ def tensor_parallel(
     )
 
 
-def _check_same_over_model(metrics: dict[str, jax.Array]) -> None:
+def check_same_over_model(metrics: dict[str, jax.Array]) -> None:
     """The loss must be one number per data worker, the same on its ``model`` devices."""
     for name, value in metrics.items():
         if MODEL in jax.typeof(value).manual_axis_type.varying:
@@ -199,7 +199,7 @@ def _state_specs(
 ) -> TensorParallelState:
     """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
 
-    full = _full_specs(state.params, specs)
+    full = full_specs(state.params, specs)
 
     def like_params(transform, tree, worker):
         return optax.tree_map_params(
