@@ -124,3 +124,25 @@ def test_bad_arguments():
         ddl.models.GPT(context=0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="image_shape must be"):
         ddl.models.ResNet((8, 8), rngs=nnx.Rngs(0))
+
+
+def test_gpt_in_bfloat16_computes_in_bfloat16_over_float32_parameters():
+    """dtype=bfloat16: the same float32 parameters, matrix products in bfloat16, float32
+    logits close to the float32 model's."""
+    wide = ddl.models.GPT(**GPT_SIZE, rngs=nnx.Rngs(0))
+    half = ddl.models.GPT(**GPT_SIZE, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    for model in (wide, half):
+        model.eval()
+    params = nnx.state(half, nnx.Param)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    x = byte_tokens(2, 8)
+    products = [
+        e.outvars[0].aval.dtype
+        for e in jax.make_jaxpr(half)(x).jaxpr.eqns
+        if e.primitive.name == "dot_general"
+    ]
+    assert len(products) >= 6 and products.count(jnp.bfloat16) >= len(products) - 2
+    logits = half(x)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, wide(x), atol=0.05)
+    assert not np.array_equal(logits, wide(x))

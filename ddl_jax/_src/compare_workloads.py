@@ -71,7 +71,7 @@ def _classification(model: nnx.Module, flatten: bool, seed: int, devices: int, *
     )
 
 
-def _text_gpt(seed: int, devices: int) -> Workload:
+def _text_gpt(seed: int, devices: int, compute_dtype: Any = None) -> Workload:
     context = 64
     train, validation = data.text()
     model = models.GPT(
@@ -80,6 +80,7 @@ def _text_gpt(seed: int, devices: int) -> Workload:
         heads=4,
         layers=2,
         dropout=0.1,
+        dtype=compute_dtype,
         rngs=nnx.Rngs(params=seed, dropout=seed + 1),
     )
 
@@ -135,13 +136,14 @@ _DIGITS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], bool, str, float, int
 }
 
 
-def make_workload(name: str, *, seed: int, devices: int) -> Workload:
+def make_workload(name: str, *, seed: int, devices: int, compute_dtype: Any = None) -> Workload:
     """Builds the workload ``name`` (one of ``compare_specs.WORKLOADS``).
 
     Args:
       name: ``"digits-mlp"``, ``"digits-cnn"``, ``"digits-resnet"`` or ``"text-gpt"``.
       seed: seed of the initialisation, the data order and dropout.
       devices: workers; each sees 16 examples (8 windows for text-gpt) per step.
+      compute_dtype: text-gpt only: the dtype its layers compute in (see ``ddl.models.GPT``).
     """
     rngs = nnx.Rngs(seed)
     if name in _DIGITS:
@@ -150,5 +152,5 @@ def make_workload(name: str, *, seed: int, devices: int) -> Workload:
             make(rngs), flatten, seed, devices, name=name, title=title, target=target, steps=steps
         )
     if name == "text-gpt":
-        return _text_gpt(seed, devices)
+        return _text_gpt(seed, devices, compute_dtype)
     raise ValueError(f"unknown workload {name!r}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -140,15 +140,15 @@ class ResNet(nnx.Module):
 class _DecoderBlock(nnx.Module):
     """Pre-LayerNorm causal self-attention and MLP, each followed by dropout."""
 
-    def __init__(self, features: int, heads: int, dropout: float, *, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(features, rngs=rngs)
+    def __init__(self, features: int, heads: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
-            heads, features, decode=False, keep_rngs=False, rngs=rngs
+            heads, features, decode=False, keep_rngs=False, dtype=dtype, rngs=rngs
         )
         self.drop1 = nnx.Dropout(dropout, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(features, rngs=rngs)
-        self.up = nnx.Linear(features, 4 * features, rngs=rngs)
-        self.down = nnx.Linear(4 * features, features, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(features, 4 * features, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(4 * features, features, dtype=dtype, rngs=rngs)
         self.drop2 = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
@@ -177,6 +177,9 @@ class GPT(nnx.Module):
       layers: transformer blocks.
       dropout: dropout rate in [0, 1).
       tied: the output head is the transpose of the token embedding.
+      dtype: the dtype every layer computes in (``jnp.bfloat16`` for mixed precision: the
+        parameters stay float32, LayerNorm statistics are taken in float32, the logits
+        come back float32); ``None``: the parameters' dtype.
       rngs: parameter initialisation and the dropout stream.
     """
 
@@ -190,6 +193,7 @@ class GPT(nnx.Module):
         dropout: float = 0.1,
         *,
         tied: bool = True,
+        dtype: Any = None,
         rngs: nnx.Rngs,
     ):
         _check_positive(
@@ -201,14 +205,16 @@ class GPT(nnx.Module):
             raise ValueError(f"GPT: dropout must be in [0, 1), got {dropout!r}.")
         self.context = context
         init = nnx.initializers.normal(0.02)
-        self.embed = nnx.Embed(vocab, features, embedding_init=init, rngs=rngs)
-        self.positions = nnx.Embed(context, features, embedding_init=init, rngs=rngs)
+        self.embed = nnx.Embed(vocab, features, embedding_init=init, dtype=dtype, rngs=rngs)
+        self.positions = nnx.Embed(context, features, embedding_init=init, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.blocks = nnx.List(
-            [_DecoderBlock(features, heads, dropout, rngs=rngs) for _ in range(layers)]
+            [_DecoderBlock(features, heads, dropout, dtype=dtype, rngs=rngs) for _ in range(layers)]
         )
-        self.ln = nnx.LayerNorm(features, rngs=rngs)
-        self.head = None if tied else nnx.Linear(features, vocab, use_bias=False, rngs=rngs)
+        self.ln = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
+        self.head = (
+            None if tied else nnx.Linear(features, vocab, use_bias=False, dtype=dtype, rngs=rngs)
+        )
 
     def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | jax.Array | None = None) -> jax.Array:
         """Next-token logits ``float32[batch, t, vocab]`` of tokens ``int[batch, t]``.
@@ -231,7 +237,8 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x = block(x, mask, rngs)
         x = self.ln(x)
-        return self.embed.attend(x) if self.head is None else self.head(x)
+        logits = self.embed.attend(x) if self.head is None else self.head(x)
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
 
 
 def bits_per_byte(loss_nats: _Loss) -> _Loss:

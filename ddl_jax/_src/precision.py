@@ -88,6 +88,12 @@ def mixed_precision(
     float32 (at least). There is no loss scaling: bfloat16 has float32's range; with
     ``float16``, small gradients may flush to zero.
 
+    A Flax layer computes in the dtype of what it is given unless its ``dtype`` says
+    otherwise, with one exception: a normalisation layer (``LayerNorm``, ``BatchNorm``)
+    left at ``dtype=None`` takes its statistics in float32 and returns float32, so
+    everything after it computes in float32 again. For such a model set the layers'
+    ``dtype`` (``ddl.models.GPT(dtype=jnp.bfloat16)`` does) instead of wrapping its loss.
+
     Reduction precision is the strategy's choice, independent of this one: with
     ``ddl.data_parallel`` or ``ddl.local_sgd`` pass ``reducer=ddl.compression.cast(dtype)``
     to send gradients as ``dtype`` (summed in float32); ``ddl.fsdp`` takes
