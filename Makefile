@@ -28,6 +28,7 @@ bench: install
 	$(BIN)/python benchmarks/gradient_compression.py
 	$(BIN)/python -P benchmarks/async.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/ddg_stability.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

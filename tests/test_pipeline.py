@@ -212,9 +212,11 @@ def ddg_step_by_step(stages, lr, params, batches, m_):
     At global tick t stage k forwards micro-batch t-k with its weights before the tick, and
     updates with the gradient of micro-batch j = t-2(K-1)+k: stage k re-run from its stored
     input h_j with its current weights, pulled back along the error delta_j that stage k+1
-    computed on tick t-1 (the last stage differentiates its own loss at once).
+    computed on tick t-1 (the last stage differentiates its own loss at once). ``lr``: one
+    SGD learning rate, or one per stage.
     """
     k_ = len(stages)
+    lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * k_
     micro = [
         {key: v[i * len(v) // m_ : (i + 1) * len(v) // m_] for key, v in b.items()}
         for b in batches
@@ -240,10 +242,37 @@ def ddg_step_by_step(stages, lr, params, batches, m_):
             y, vjp = jax.vjp(run, params[k], inputs[k, j])
             grad_p, grad_x = vjp(jnp.ones_like(y) if k == k_ - 1 else deltas[k, j])
             new_deltas[k - 1, j] = grad_x
-            params[k] = jax.tree.map(lambda w, g: w - lr * g, params[k], grad_p)
+            params[k] = jax.tree.map(lambda w, g, k=k: w - lrs[k] * g, params[k], grad_p)
         inputs.update(outputs)
         deltas = new_deltas
     return params
+
+
+def test_pipelines_pass_each_stage_its_delay_as_staleness():
+    """The optimizer receives each stage's gradient delay as the optax extra argument
+    ``staleness``: 2(K-1-k) under DDG, 0 under GPipe. With ``ddl.scale_by_staleness()``
+    DDG's stage k steps at lr / max(2(K-1-k), 1); a scale of 1 is plain training, bit for
+    bit."""
+    k_ = 2
+    stages, params = split_mlp(k_)
+    batches = make_batches(3, 8, seed=1)
+    mesh = ddl.make_mesh(data=1, stage=k_)
+    sgd = optax.sgd(0.1)
+
+    def run(optimizer, schedule="ddg"):
+        ddg = {"schedule": "ddg", "example_batch": batches[0]} if schedule == "ddg" else {}
+        strategy = pipeline(stages, xent, optimizer, mesh, microbatches=2, **ddg)
+        return train(strategy, params, batches)[0]
+
+    scaled = run(optax.chain(sgd, ddl.scale_by_staleness()))
+    lrs = [0.1 / max(2 * (k_ - 1 - k), 1) for k in range(k_)]  # 0.05, 0.1
+    expected = jax.jit(lambda p, b: ddg_step_by_step(stages, lrs, p, b, 2))(params, batches)
+    chex.assert_trees_all_close(scaled, expected, atol=1e-5)
+    one = ddl.scale_by_staleness(lambda tau: jnp.ones_like(tau))
+    chex.assert_trees_all_equal(run(optax.chain(sgd, one)), run(sgd))
+    # GPipe's gradients are exact (tau = 0): the inverse rule's scale is 1.
+    unscaled = run(optax.chain(sgd, ddl.scale_by_staleness()), "gpipe")
+    chex.assert_trees_all_equal(unscaled, run(sgd, "gpipe"))
 
 
 def test_ddg_on_data_by_stage_mesh_averages_each_tick_over_data_workers():
@@ -418,7 +447,7 @@ def test_bad_input_fails_with_clear_errors():
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2.0)
     misspelt = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "pipe"))
     with pytest.raises(
-        ValueError, match=re.escape("the mesh has no 'stage' axis (its axes: ['data', 'pipe'])")
+        ValueError, match=re.escape("mesh axis 'pipe' (size 2) is not one this strategy uses")
     ):
         pipeline(stages, xent, optax.sgd(0.1), misspelt, microbatches=2)
     with pytest.raises(TypeError, match="reducer must be an optax.GradientTransformation"):

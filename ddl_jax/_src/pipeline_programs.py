@@ -97,11 +97,20 @@ class PipelineConfig(NamedTuple):
         return next((a for a in self.applies if isinstance(a, ModelLoss)), self.loss_fn)
 
     def update(
-        self, params: jax.Array, opt_state: Any, reducer_state: Any, grads: jax.Array
+        self,
+        params: jax.Array,
+        opt_state: Any,
+        reducer_state: Any,
+        grads: jax.Array,
+        staleness: jax.Array | float = 0.0,
     ) -> tuple[jax.Array, Any, Any]:
-        """One stage's reducer and optimizer step on its flat vector."""
+        """One stage's reducer and optimizer step on its flat vector; the optimizer gets
+        the gradient's delay in this stage's updates as the optax extra argument
+        ``staleness`` (what ``ddl.scale_by_staleness`` reads)."""
         grads, reducer_state = self.reducer.update(grads, reducer_state, params)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        tau = jnp.asarray(staleness, jnp.float32)
+        optimizer = optax.with_extra_args_support(self.optimizer)
+        updates, opt_state = optimizer.update(grads, opt_state, params, staleness=tau)
         return optax.apply_updates(params, updates), opt_state, reducer_state
 
 
@@ -384,7 +393,7 @@ def ddg_step(
         # Micro-batch j_f has reached stage k (the last stage's j_b is j_f).
         s = jnp.where(j_f >= 0, new_s, s)
         valid = j_b >= 0
-        new = cfg.update(p, opt_state, reducer_state, grad_p)
+        new = cfg.update(p, opt_state, reducer_state, grad_p, staleness=2 * (last - k))
         p, opt_state, reducer_state = jax.tree.map(
             lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
         )
