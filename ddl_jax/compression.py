@@ -1,7 +1,16 @@
-"""Gradient compression as reducers: pass one as ``reducer=`` to a strategy."""
+"""Gradient compression as reducers: pass one as ``reducer=`` to a strategy (the
+``scatter_*`` ones to ``ddl.fsdp``, which reduce-scatters)."""
 
 from ddl_jax._src.compression import CastState, QSGDState, SignState, cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import PowerSGDState, power_sgd
+from ddl_jax._src.compression_scatter import (
+    ScatterReducer,
+    ScatterState,
+    ScatterTopKState,
+    scatter_cast,
+    scatter_qsgd,
+    scatter_top_k,
+)
 from ddl_jax._src.compression_sparse import ThresholdState, TopKState, threshold, top_k
 from ddl_jax._src.compression_wire import reducer_metrics
 
@@ -9,6 +18,9 @@ __all__ = [
     "CastState",
     "PowerSGDState",
     "QSGDState",
+    "ScatterReducer",
+    "ScatterState",
+    "ScatterTopKState",
     "SignState",
     "ThresholdState",
     "TopKState",
@@ -16,6 +28,9 @@ __all__ = [
     "power_sgd",
     "qsgd",
     "reducer_metrics",
+    "scatter_cast",
+    "scatter_qsgd",
+    "scatter_top_k",
     "sign",
     "threshold",
     "top_k",

@@ -117,6 +117,10 @@ STRATEGIES = {
         )
         for stage in (1, 2, 3)
     },
+    # all of each chunk sent: the exact reduce-scatter, with error-feedback state
+    "fsdp_scatter_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.fsdp(
+        loss_fn, opt, mesh, reducer=ddl.compression.scatter_top_k(1.0)
+    ),
 }
 
 LOSSY = {

@@ -20,9 +20,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src import compression_wire as wire
 from ddl_jax._src import strategy as st
-from ddl_jax._src.kit import is_spec, prepare, vary
+from ddl_jax._src.compression_scatter import ScatterReducer
+from ddl_jax._src.compression_wire import reducer_metrics
+from ddl_jax._src.kit import is_spec, prepare, restack, unstack, vary
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.strategy import DATA, MODEL
 from ddl_jax._src.tensor_parallel import check_same_over_model, check_specs, full_specs
@@ -39,12 +40,15 @@ class FSDPState(NamedTuple):
       params: model parameters, split over ``model`` by ``specs``; at stage 3 also split over
         ``data`` on each one's shard dimension, at stages 1 and 2 whole on every data worker.
       opt_state: optimizer state, split over ``data`` (and ``model``) like stage 3's params.
+      reducer_state: each data worker's scatter-reducer state (error-feedback residuals),
+        a leading axis ``P("data", ...)``; ``()`` without a reducer.
       model: model state (batch statistics), replicated and averaged over ``data`` after
         each step; the run's key and step count (see ``ddl.ModelVars``).
     """
 
     params: Any
     opt_state: Any
+    reducer_state: Any
     model: ModelVars
 
 
@@ -98,7 +102,7 @@ def fsdp(
     *,
     stage: int = 3,
     specs: Any = REPLICATED,
-    reduce_dtype: Any = None,
+    reducer: ScatterReducer | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
 ) -> st.Strategy:
@@ -142,14 +146,18 @@ def fsdp(
       stage: 1, 2 or 3 (above).
       specs: each parameter's ``PartitionSpec`` over ``model`` (``ddl.layers.param_specs``),
         or a prefix; ``P()`` (the default) keeps every parameter whole over ``model``.
-      reduce_dtype: the dtype gradients are averaged in (e.g. ``jnp.bfloat16`` halves the
-        traffic; the mean comes back in the parameters' dtype); ``None``: their own.
+      reducer: at stages 2 and 3, how the gradient chunks travel to their owners: a scatter
+        reducer, ``ddl.compression.scatter_cast(jnp.bfloat16)`` (half the bytes, summed in
+        float32), ``scatter_qsgd(levels)`` or ``scatter_top_k(ratio)`` (error feedback on
+        each worker's chunks); ``None``: an exact ``psum_scatter``. Parameters no dimension
+        of which N divides are averaged whole (``pmean``). Not with ``model`` > 1.
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
 
     Returns:
       A ``Strategy`` whose state is an ``FSDPState``; ``params(state)`` gathers the
-      parameters. Metrics: ``loss`` and the aux values, averaged over the global batch.
+      parameters. Metrics: ``loss`` and the aux values, averaged over the global batch, and
+      the reducer's ``compression_ratio`` (a float32 reduce-scatter's bytes / bytes sent).
 
     Example:
       >>> import jax.numpy as jnp
@@ -169,10 +177,7 @@ def fsdp(
     kit = prepare(loss_fn, optimizer, mesh, DATA, accumulate, has_aux, add_axes=(DATA, MODEL))
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}.")
-    if reduce_dtype is not None:
-        reduce_dtype = jnp.dtype(reduce_dtype)
-        if not jnp.issubdtype(reduce_dtype, jnp.floating):
-            raise ValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}.")
+    _check_reducer(reducer, stage, kit.mesh)
     n, mesh = kit.n, kit.mesh
     layout_of = functools.partial(layout, specs=specs, mesh=mesh)
 
@@ -180,31 +185,42 @@ def fsdp(
         where = layout_of(state.params)
         params = where.sharded if stage == 3 else where.whole
         opt_specs = _like_params(optimizer, state.opt_state, where.sharded)
-        return FSDPState(params, opt_specs, ModelVars(P(), P(), P()))
+        return FSDPState(params, opt_specs, P(DATA), ModelVars(P(), P(), P()))
 
-    def out_specs(state: FSDPState) -> tuple[Any, ModelVars]:
-        return layout_of(state.params).sharded, ModelVars(P(), P(), P())
+    def out_specs(state: FSDPState) -> tuple[Any, Any, ModelVars]:
+        return layout_of(state.params).sharded, P(DATA), ModelVars(P(), P(), P())
 
     def make_state(params: Any, model: ModelVars) -> FSDPState:
         check_specs(params, specs, mesh)
-        return FSDPState(params, optimizer.init(params), model)
+        reducer_state = ()
+        if reducer is not None:
+            dims = layout_of(jax.eval_shape(lambda: params)).dims
+            reducer_state = kit.stack(reducer.init(jax.tree.map(_chunks_of(n), params, dims)))
+        return FSDPState(params, optimizer.init(params), reducer_state, model)
 
     def gather(x: jax.Array, dim: int | None) -> jax.Array:
         return x if dim is None else lax.all_gather(x, DATA, axis=dim, tiled=True)
 
     def reduce(g: jax.Array, dim: int | None) -> jax.Array:
         """This worker's part of the mean gradient: its shard (whole if ``dim`` is None)."""
-        if dim is not None and stage > 1 and reduce_dtype is not None:
-            return _reduce_scatter_in(reduce_dtype, g, dim, n).astype(g.dtype)
-        wire_ = g.astype(reduce_dtype or g.dtype)
-        if dim is None or stage == 1:
-            mean = lax.pmean(wire_, DATA)
-            if dim is not None:  # stage 1: this worker's shard of the all-reduced gradient
-                size = g.shape[dim] // n
-                mean = lax.dynamic_slice_in_dim(mean, lax.axis_index(DATA) * size, size, dim)
-        else:
-            mean = lax.psum_scatter(wire_, DATA, scatter_dimension=dim, tiled=True) / n
-        return mean.astype(g.dtype)
+        if dim is not None and stage > 1:
+            return lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / n
+        mean = lax.pmean(g, DATA)
+        if dim is None:
+            return mean
+        size = g.shape[dim] // n  # stage 1: this worker's shard of the all-reduced gradient
+        return lax.dynamic_slice_in_dim(mean, lax.axis_index(DATA) * size, size, dim)
+
+    def reduce_all(grads: Any, dims: Any, reducer_state: Any) -> tuple[Any, Any, dict]:
+        """Gradient shards, the reducer's new state and its metrics."""
+        if reducer is None:
+            return jax.tree.map(reduce, grads, dims), reducer_state, {}
+        chunks = jax.tree.map(_chunks_of(n), grads, dims)
+        shards, new = reducer.update(chunks, unstack(reducer_state))
+        whole = jax.tree.map(
+            lambda g, d, s: lax.pmean(g, DATA) if d is None else s, grads, dims, shards
+        )
+        return whole, restack(new), reducer_metrics(new)
 
     def worker_step(state: FSDPState, batch: Any, dims: Any) -> tuple[Any, dict]:
         params = state.params
@@ -215,21 +231,21 @@ def fsdp(
         key = worker_key(state.model, lax.axis_index(DATA))
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
         check_same_over_model({"loss": loss, **aux})
-        grads = jax.tree.map(reduce, grads, dims)
+        grads, reducer_state, wire = reduce_all(grads, dims, state.reducer_state)
         model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
-        return (grads, model), lax.pmean({"loss": loss, **aux}, DATA)
+        return (grads, reducer_state, model), lax.pmean({"loss": loss, **aux, **wire}, DATA)
 
     def step(state: FSDPState, batch: Any) -> tuple[FSDPState, dict]:
         where = layout_of(jax.eval_shape(lambda: state.params))
         program = kit.step(
             functools.partial(worker_step, dims=where.dims), state_specs, out_specs=out_specs
         )
-        (grads, model), metrics = program(state, batch)
+        (grads, reducer_state, model), metrics = program(state, batch)
         shards = state.params if stage == 3 else _place(state.params, where.sharded, mesh)
         updates, opt_state = optimizer.update(grads, state.opt_state, shards)
         shards = optax.apply_updates(shards, updates)
         params = shards if stage == 3 else _place(shards, where.whole, mesh)
-        return FSDPState(params, opt_state, model), metrics
+        return FSDPState(params, opt_state, reducer_state, model), metrics
 
     return st.Strategy(
         kit.init(make_state, state_specs),
@@ -238,14 +254,40 @@ def fsdp(
     )
 
 
-def _reduce_scatter_in(dtype: Any, g: jax.Array, dim: int, n: int) -> jax.Array:
-    """The mean of worker gradients ``g``'s shard ``axis_index`` along ``dim``, sent as
-    ``dtype`` and summed in float32: a reduce-scatter as one ``all_to_all`` of the chunks'
-    bits (a ``psum_scatter`` in bfloat16 is computed in float32 on some backends, CPU
-    among them, which would send float32)."""
-    chunks = jnp.stack(jnp.split(g, n, axis=dim)).astype(dtype)
-    received = wire.from_bits(wire.scatter_to_owners(wire.to_bits(chunks), DATA), dtype)
-    return received.astype(jnp.float32).sum(axis=0) / n
+def _chunks_of(n: int) -> Any:
+    """``(g, dim) ->`` g cut along ``dim`` into its n owners' chunks ``[n, *shard]``, or
+    ``None`` for a parameter that is not split (``dim`` None): a scatter reducer's input."""
+
+    def chunks(g: Any, dim: int | None) -> Any:
+        return None if dim is None else jnp.stack(jnp.split(g, n, axis=dim))
+
+    return chunks
+
+
+def _check_reducer(reducer: Any, stage: int, mesh: Mesh) -> None:
+    if reducer is None:
+        return
+    if not isinstance(reducer, ScatterReducer):
+        raise TypeError(
+            "fsdp: reducer must be a scatter reducer (ddl.compression.scatter_cast, "
+            "scatter_qsgd or scatter_top_k), got "
+            f"{type(reducer).__name__}. fsdp reduce-scatters gradients, each chunk to its "
+            "owner; the all-reduce reducers of the other strategies (ddl.allreduce_mean, "
+            "ddl.compression.cast, qsgd, top_k, ...) average whole gradients, and sign and "
+            "power_sgd encode whole tensors (one scale, low-rank factors), which a chunk is "
+            "not."
+        )
+    if stage == 1:
+        raise ValueError(
+            "fsdp: stage 1 all-reduces the gradients; a scatter reducer needs the "
+            "reduce-scatter of stage 2 or 3."
+        )
+    if mesh.shape[MODEL] > 1:
+        raise ValueError(
+            "fsdp: a scatter reducer works on a data-only mesh (model axis of size 1); with "
+            f"tensor parallelism (model={mesh.shape[MODEL]}) use the exact reduce-scatter "
+            "(reducer=None)."
+        )
 
 
 def _place(tree: Any, specs: Any, mesh: Mesh) -> Any:

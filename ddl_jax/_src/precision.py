@@ -97,7 +97,8 @@ def mixed_precision(
     Reduction precision is the strategy's choice, independent of this one: with
     ``ddl.data_parallel`` or ``ddl.local_sgd`` pass ``reducer=ddl.compression.cast(dtype)``
     to send gradients as ``dtype`` (summed in float32); ``ddl.fsdp`` takes
-    ``reduce_dtype=``. Without either, gradients are reduced in float32.
+    ``reducer=ddl.compression.scatter_cast(dtype)``. Without either, gradients are reduced
+    in float32.
 
     References:
       Micikevicius et al., "Mixed precision training", ICLR 2018, arXiv:1710.03740.
