@@ -176,19 +176,19 @@ def test_scatter_reducers_against_their_rules_written_in_numpy():
     # Error feedback: what was not sent goes out later; three more calls send the rest.
     np.testing.assert_allclose(in_shard_map(top, chunks, flush=3), exact, rtol=1e-5, atol=1e-6)
     # QSGD: each entry within norm / s of the truth (one bucket per chunk here), and
-    # unbiased: over 64 steps (fresh noise each) the error of the mean shrinks as 1/8.
+    # unbiased: over 16 steps (fresh noise each) the error of the mean shrinks as 1/4.
     qsgd = ddl.compression.scatter_qsgd(4)
     once = in_shard_map(qsgd, chunks)
     bound = np.linalg.norm(chunks, axis=-1, keepdims=True).max(axis=0) / 4
     assert np.all(np.abs(once - exact) <= bound)
-    mean = in_shard_map(qsgd, chunks, repeat=63) / 64
+    mean = in_shard_map(qsgd, chunks, repeat=15) / 16
     rms = [np.sqrt(np.mean((x - exact) ** 2)) for x in (once, mean)]
-    assert rms[1] < 0.25 * rms[0]
+    assert rms[1] < 0.4 * rms[0]
 
 
 def test_compressed_reduce_scatter_trains():
     loss_fn, params = wide_mlp()
-    batches = [batch_of(64)] * 30  # one batch learnt by heart: the loss must fall far
+    batches = [batch_of(64)] * 20  # one batch learnt by heart: the loss must fall far
     mesh = ddl.make_mesh(data=8)
     for reducer in (
         ddl.compression.scatter_top_k(0.1),
