@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, mlp_loss, reference_sgd
+from conftest import make_batches, mlp_loss, reference_sgd, train
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,14 +67,6 @@ def run_reducer(reducer, grads: dict, n: int):
     program, state, grads = reducer_program(reducer, grads, n)
     state, outs = jax.tree.map(np.asarray, program(state, grads))
     return jax.tree.map(lambda o: o.sum(0), outs), outs, state
-
-
-def train(strategy, params, batches):
-    step = jax.jit(strategy.step, donate_argnums=0)
-    state = strategy.init(params)
-    for batch in batches:
-        state, metrics = step(state, batch)
-    return state, metrics
 
 
 # -- identity settings ----------------------------------------------------------------------

@@ -7,20 +7,13 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_batches, reference_sgd, worker_shards
+from conftest import train as run
 from flax import nnx
 
 import ddl_jax as ddl
 from ddl_jax._src.comm import collectives
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
-
-
-def run(strategy, params, batches):
-    step = jax.jit(strategy.step, donate_argnums=0)
-    state = strategy.init(params)
-    for batch in batches:
-        state, metrics = step(state, batch)
-    return state, metrics
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

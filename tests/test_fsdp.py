@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, mlp_loss, reference_sgd
+from conftest import make_batches, mlp_loss, reference_sgd, train
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,14 +37,6 @@ def batch_of(size: int, seed: int = 0) -> dict:
         "x": rng.normal(size=(size, 12)).astype(np.float32),
         "y": rng.integers(0, 16, size).astype(np.int32),
     }
-
-
-def train(strategy, params, batches):
-    step = jax.jit(strategy.step, donate_argnums=0)
-    state = strategy.init(params)
-    for batch in batches:
-        state, metrics = step(state, batch)
-    return state, metrics
 
 
 @pytest.mark.parametrize("stage", STAGES)
