@@ -29,6 +29,7 @@ bench: install
 	$(BIN)/python -P benchmarks/async.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/ddg_stability.py
+	$(BIN)/python benchmarks/fsdp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
