@@ -12,6 +12,7 @@ from ddl_jax import (
     schedules,
     sim,
 )
+from ddl_jax._src.adasum import adasum
 from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
@@ -53,6 +54,7 @@ __all__ = [
     "PipelineState",
     "Strategy",
     "TensorParallelState",
+    "adasum",
     "allreduce_mean",
     "async_sgd",
     "chain",
