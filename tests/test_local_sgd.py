@@ -1,12 +1,14 @@
 """local_sgd against N workers simulated one after another on one device."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, reference_sgd, worker_shards
+from conftest import bn_dropout_pair, make_batches, reference_sgd, worker_shards
 
 import ddl_jax as ddl
 
@@ -202,3 +204,283 @@ def test_a_synchronising_step_is_priced_with_its_branch(mlp):
     assert synced - local == pytest.approx(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * param_bytes / 1e9)
     with pytest.raises(ValueError, match="is not one of stats.branches"):
         ddl.sim.estimate_step_time(stats, net, branch="nope")
+
+
+# The schedules: PyTorch's averagers' rules (torch/distributed/algorithms/model_averaging),
+# and averaging within contiguous groups of workers.
+
+
+class PeriodicModelAveragerRule:
+    """When ``PeriodicModelAverager(period, warmup_steps).average_parameters()`` averages
+    (over all workers): its counter starts at 0 and grows by one per call, averaging or not."""
+
+    def __init__(self, period, warmup_steps):
+        self.period, self.warmup_steps, self.step = period, warmup_steps, 0
+
+    def group_size(self, n):
+        averages = self.step >= self.warmup_steps and (
+            (self.step - self.warmup_steps) % self.period == 0
+        )
+        self.step += 1
+        return n if averages else 0
+
+
+class HierarchicalModelAveragerRule:
+    """``HierarchicalModelAverager(period_group_size_dict, warmup_steps)``: from the warm-up
+    on, the largest period dividing the counter itself picks the group size."""
+
+    def __init__(self, period_group_size_dict, warmup_steps):
+        self.groups, self.warmup_steps, self.step = dict(period_group_size_dict), warmup_steps, 0
+
+    def group_size(self, n):
+        size = 0
+        if self.step >= self.warmup_steps:
+            size = next((self.groups[p] for p in reversed(self.groups) if self.step % p == 0), 0)
+        self.step += 1
+        return size
+
+
+class LocalStepsRule:
+    """This library's default: the largest period dividing the number of local steps since
+    the warm-up picks the group size."""
+
+    def __init__(self, period_group_size_dict, warmup_steps):
+        self.groups, self.warmup_steps, self.step = dict(period_group_size_dict), warmup_steps, 0
+
+    def group_size(self, n):
+        local_steps = self.step - self.warmup_steps + 1
+        self.step += 1
+        if local_steps < 1:
+            return 0
+        return next((self.groups[p] for p in reversed(self.groups) if local_steps % p == 0), 0)
+
+
+def reference_group_averaging(
+    loss_fn, opt, params, batches, *, n, warmup, rule, average_opt_state=False
+):
+    """Every worker's replica after training on its rows of each batch: gradients averaged
+    over all workers in the first ``warmup`` steps; after step t, replicas averaged within
+    blocks of ``rule.group_size(n)`` consecutive workers (none for 0)."""
+    replicas, states, sizes = [params] * n, [opt.init(params)] * n, []
+    grad = jax.jit(jax.grad(loss_fn))
+
+    @jax.jit
+    def apply(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for t, batch in enumerate(batches):
+        shards = worker_shards(batch, n)
+        grads = [grad(replicas[i], shards[i]) for i in range(n)]
+        if t < warmup:
+            grads = [mean_tree(grads)] * n
+        for i in range(n):
+            replicas[i], states[i] = apply(grads[i], states[i], replicas[i])
+        size = rule.group_size(n)
+        sizes.append(size)
+        for start in range(0, n, size) if size else ():
+            block = slice(start, start + size)
+            replicas[block] = [mean_tree(replicas[block])] * size
+            if average_opt_state:
+                states[block] = [mean_tree(states[block])] * size
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *replicas), sizes
+
+
+def run_steps(strategy, params, batches):
+    """The final state and every step's metrics."""
+    step, state, history = jax.jit(strategy.step), strategy.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(metrics)
+    return state, history
+
+
+def toy_loss(params, batch):
+    return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+
+
+def synchronised_after(n=8, steps=12, **kwargs):
+    """The steps (from 0) after which a local_sgd of ``kwargs`` synchronises, and the sizes
+    of the groups it averages then (all ``n`` without a hierarchy)."""
+    strategy = ddl.local_sgd(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=n), **kwargs)
+    batches = [{"x": np.ones(n, np.float32), "y": np.ones(n, np.float32)}] * steps
+    _, history = run_steps(strategy, {"w": jnp.zeros(())}, batches)
+    synced = [t for t, m in enumerate(history) if m["synchronised"]]
+    sizes = [int(history[t].get("sync_group_size", n)) for t in synced]
+    return synced, sizes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "steps", "sizes"),
+    [
+        ({"period": 4, "warmup_sync_steps": 2}, [5, 9], [8, 8]),
+        ({"period": 4, "warmup_sync_steps": 2, "schedule": "torch"}, [2, 6, 10], [8, 8, 8]),
+        ({"period": 3}, [2, 5, 8, 11], [8] * 4),
+        ({"period": 3, "schedule": "torch"}, [0, 3, 6, 9], [8] * 4),
+        ({"hierarchy": {2: 2, 4: 8}}, [1, 3, 5, 7, 9, 11], [2, 8] * 3),
+        ({"hierarchy": {2: 2, 4: 8}, "schedule": "torch"}, [0, 2, 4, 6, 8, 10], [8, 2] * 3),
+        (
+            {"hierarchy": {2: 2, 4: 8}, "schedule": "torch", "warmup_sync_steps": 3},
+            [4, 6, 8, 10],
+            [8, 2, 8, 2],
+        ),
+        (
+            {"hierarchy": ((1, 2), (2, 4), (6, 8)), "warmup_sync_steps": 1},
+            list(range(1, 12)),
+            [2, 4, 2, 4, 2, 8, 2, 4, 2, 4, 2],
+        ),
+    ],
+)
+def test_schedules_synchronise_after_these_steps(kwargs, steps, sizes):
+    assert synchronised_after(**kwargs) == (steps, sizes)
+
+
+@pytest.mark.parametrize(("period", "warmup"), [(3, 0), (4, 2), (2, 3), (1, 0)])
+def test_torch_schedule_is_periodic_model_averagers(mlp, period, warmup):
+    """schedule="torch" averages exactly when PeriodicModelAverager would, replica by replica."""
+    loss_fn, params = mlp
+    n, batches = 4, make_batches(9, 32)
+    strategy = ddl.local_sgd(
+        loss_fn,
+        optax.adam(1e-2),
+        ddl.make_mesh(data=n),
+        period=period,
+        warmup_sync_steps=warmup,
+        schedule="torch",
+    )
+    state, history = run_steps(strategy, params, batches)
+    expected, sizes = reference_group_averaging(
+        loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches,
+        n=n,
+        warmup=warmup,
+        rule=PeriodicModelAveragerRule(period, warmup),
+    )
+    assert [float(m["synchronised"]) for m in history] == [float(s > 0) for s in sizes]
+    chex.assert_trees_all_close(state.params, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "hierarchy", "warmup", "momentum"),
+    [
+        ("ddl", {2: 2, 4: 8}, 0, None),
+        ("torch", {2: 2, 4: 8}, 0, None),
+        ("torch", {2: 2, 4: 8}, 3, None),
+        ("ddl", ((1, 2), (2, 4), (6, 8)), 2, 0.9),
+    ],
+)
+def test_hierarchy_averages_replicas_within_groups(mlp, schedule, hierarchy, warmup, momentum):
+    """Against replicas averaged within blocks of workers at the steps of the schedule's rule
+    (torch: HierarchicalModelAverager's); with momentum, its buffers averaged alike."""
+    loss_fn, params = mlp
+    n, batches, opt = 8, make_batches(10, 32), optax.sgd(0.1, momentum=momentum)
+    strategy = ddl.local_sgd(
+        loss_fn,
+        opt,
+        ddl.make_mesh(data=n),
+        hierarchy=hierarchy,
+        warmup_sync_steps=warmup,
+        schedule=schedule,
+        average_optimizer_state=momentum is not None,
+    )
+    state, history = run_steps(strategy, params, batches)
+    rule = {"ddl": LocalStepsRule, "torch": HierarchicalModelAveragerRule}[schedule]
+    expected, sizes = reference_group_averaging(
+        loss_fn,
+        opt,
+        params,
+        batches,
+        n=n,
+        warmup=warmup,
+        rule=rule(dict(hierarchy), warmup),
+        average_opt_state=momentum is not None,
+    )
+    assert [int(m["sync_group_size"]) for m in history] == sizes
+    assert 0 < sizes.count(n) < len([s for s in sizes if s])  # both levels ran
+    chex.assert_trees_all_close(state.params, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "outer"),
+    [("ddl", 2, None), ("torch", 3, optax.sgd(0.7, momentum=0.9, nesterov=True))],
+)
+def test_one_level_hierarchy_is_plain_local_sgd(mlp, schedule, warmup, outer):
+    """((H, N),) is period=H (under torch when H divides W, where PyTorch's averagers agree)."""
+    loss_fn, params = mlp
+    n, batches, mesh = 8, make_batches(8, 32), ddl.make_mesh(data=8)
+    common = {"warmup_sync_steps": warmup, "schedule": schedule, "outer_optimizer": outer}
+    plain = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, period=3, **common)
+    levels = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, hierarchy=((3, n),), **common)
+    a, plain_history = run_steps(plain, params, batches)
+    b, level_history = run_steps(levels, params, batches)
+    assert [m["synchronised"] for m in plain_history] == [m["synchronised"] for m in level_history]
+    chex.assert_trees_all_equal(a.params, b.params)
+    chex.assert_trees_all_equal(a.anchor, b.anchor)
+
+
+def test_a_group_average_leaves_equal_replicas_and_batch_statistics_per_group():
+    loss_fn, variables = bn_dropout_pair()
+    strategy = ddl.local_sgd(
+        loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), hierarchy={2: 2, 4: 8}
+    )
+    state, history = run_steps(strategy, variables, make_batches(2, 32))
+    assert float(history[-1]["sync_group_size"]) == 2.0
+    for leaf in jax.tree.leaves((state.params, state.model.state)):
+        pairs = np.asarray(leaf).reshape(4, 2, -1)
+        assert (pairs[:, 0] == pairs[:, 1]).all()  # bitwise: a pair's replicas are equal
+        assert (pairs[0, 0] != pairs[1, 0]).any()  # pairs differ
+
+
+@pytest.mark.parametrize(("hierarchy", "rounds"), [({2: 2, 4: 8}, 1), ({2: 4, 4: 8}, 3)])
+def test_a_group_average_sends_the_parameters_once_per_round_within_the_group(
+    mlp, hierarchy, rounds
+):
+    """G - 1 ppermute rounds of the parameters, each pair inside one block of G workers;
+    the top level is the one all-reduce of plain local SGD."""
+    loss_fn, params = mlp
+    n = 8
+    size = min(hierarchy.values())
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), hierarchy=hierarchy)
+    state, [batch] = strategy.init(params), make_batches(1, 32)
+    step = jax.jit(strategy.step)
+    stats = ddl.comm_stats(step, state, batch)
+    assert stats.bytes_by_kind == {"all-reduce": 2 * (n - 1) / n * 4}  # the loss metric only
+    kinds = {label: {op.kind for op in stats.ops if op.branch == label} for label in stats.branches}
+    [group] = [label for label, k in kinds.items() if k == {"collective-permute"}]
+    assert stats.branches[group] == rounds * param_bytes
+    assert [stats.branches[label] for label, k in kinds.items() if k == {"all-reduce"}] == [
+        2 * (n - 1) / n * param_bytes
+    ] * 2  # the synchronisation and the warm-up's catch-up
+    hlo = step.lower(state, batch).compile().as_text()
+    pairs = re.findall(
+        r"\{(\d+),(\d+)\}", " ".join(re.findall(r"source_target_pairs=\{.*?\}\}", hlo))
+    )
+    assert pairs and all(int(s) // size == int(t) // size for s, t in pairs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"period": 2, "schedule": "pytorch"},
+            ValueError,
+            "schedule must be one of 'ddl', 'torch'",
+        ),
+        ({}, ValueError, "takes period=H or hierarchy=.*exactly one"),
+        ({"period": 4, "hierarchy": {4: 8}}, ValueError, "exactly one"),
+        ({"hierarchy": ((4, 2), (2, 8))}, ValueError, r"periods must increase.*\[4, 2\]"),
+        ({"hierarchy": ((2, 3), (4, 8))}, ValueError, "group sizes must increase, each dividing"),
+        ({"hierarchy": ((2, 4), (4, 4))}, ValueError, "group sizes must increase"),
+        ({"hierarchy": {2: 2, 4: 4}}, ValueError, "last group size must be the number of work"),
+        ({"hierarchy": ((0, 8),)}, ValueError, r"hierarchy\[0\]'s period must be an int >= 1"),
+        ({"hierarchy": ()}, TypeError, "hierarchy must be a non-empty sequence of"),
+        ({"hierarchy": ((2, 2, 8),)}, TypeError, r"\(period, group_size\) pairs"),
+        ({"hierarchy": 4}, TypeError, "hierarchy must be"),
+    ],
+)
+def test_bad_schedules_and_hierarchies(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ddl.local_sgd(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=8), **kwargs)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +46,9 @@ def local_sgd(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    period: int,
+    period: int | None = None,
+    hierarchy: Sequence[tuple[int, int]] | Mapping[int, int] | None = None,
+    schedule: str = "ddl",
     outer_optimizer: optax.GradientTransformation | None = None,
     average_optimizer_state: bool = False,
     warmup_sync_steps: int = 0,
@@ -68,18 +72,58 @@ def local_sgd(
     all-reduced every step, so replicas stay equal) and local steps start after them
     (post-local SGD); the anchor is reset to the replicas at the end of the warm-up.
 
+    **Schedules.** Steps are counted t = 0, 1, 2, ... (the step counter before the step);
+    steps t < W are the warm-up under both schedules. A synchronisation follows step t when
+
+    * ``schedule="ddl"`` (the default): t >= W and (t - W + 1) % H == 0, i.e. after every H
+      local steps: t = W + H - 1, W + 2H - 1, ... Every replica trains H steps between
+      synchronisations.
+    * ``schedule="torch"``: t >= W and (t - W) % H == 0, PyTorch's
+      ``PeriodicModelAverager(period=H, warmup_steps=W).average_parameters()`` called after
+      every optimizer step (its own counter starts at 0 and counts every call): t = W,
+      W + H, W + 2H, ..., i.e. after the first local step, then every H. It is that averager
+      with the post-local SGD DDP hook (``start_localSGD_iter=W``, no gradient all-reduce
+      after the warm-up); the model state and ``average_optimizer_state`` stay this
+      builder's.
+
+    For H = 4, W = 2: "ddl" synchronises after steps 5, 9, 13, ...; "torch" after steps
+    2, 6, 10, 14, ... (both all-reduce gradients in steps 0 and 1).
+
+    **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, G_L))`` (or a dict ``{H_1: G_1,
+    ...}``, PyTorch's ``HierarchicalModelAverager(period_group_size_dict)``) replaces
+    ``period``: periods increase, group sizes increase and each divides the next, and
+    G_L = N, the number of workers. The level synchronising after a step is the one with
+    the largest period dividing the step's count; level l averages the replicas (and model
+    state, and optimizer states with ``average_optimizer_state``) exactly within contiguous
+    blocks of G_l workers on ``axis`` (workers ``k G_l, ..., (k+1) G_l - 1``), and the
+    top level is the synchronisation above, through ``reducer`` and ``outer_optimizer``.
+    The count is t - W + 1 under "ddl" (local steps since the warm-up), so ``((H, N),)`` is
+    ``period=H``; under "torch" it is t itself, with t >= W, as ``HierarchicalModelAverager``
+    counts (so for one level it matches ``PeriodicModelAverager`` only when H divides W).
+    With ``{2: 2, 4: 8}`` on 8 workers and W = 0: "ddl" averages pairs after steps 1, 5, 9,
+    ... and all 8 after steps 3, 7, ...; "torch" all 8 after steps 0, 4, 8, ... and pairs
+    after steps 2, 6, .... A group average is G_l - 1 ``ppermute`` rounds inside the block
+    (each sends the parameters once: (G_l - 1) x the parameter bytes per worker, none of it
+    leaving the block), summed in worker order, so a group's replicas are equal bitwise.
+
     References:
       Zinkevich et al., "Parallelized stochastic gradient descent", NeurIPS 2010.
       Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020, arXiv:1808.07217.
       Douillard et al., "DiLoCo: distributed low-communication training of language models",
       2023, arXiv:2311.08105 (inner AdamW; outer ``optax.sgd(0.7, momentum=0.9,
       nesterov=True)``).
+      Wang et al., "Demystifying why local aggregation helps: convergence analysis of
+      hierarchical SGD", 2020, arXiv:2010.12998.
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
       optimizer: the inner optax optimizer, one state per worker.
       mesh: a mesh with axis ``axis``.
-      period: H, local steps between synchronisations, >= 1.
+      period: H, local steps between synchronisations, >= 1; give it or ``hierarchy``.
+      hierarchy: ``(period, group_size)`` pairs (or a dict), averaging nested groups of
+        workers at nested periods (above); give it or ``period``.
+      schedule: ``"ddl"`` (after every H local steps) or ``"torch"`` (PyTorch's averagers'
+        steps), above.
       outer_optimizer: applied to the averaged pseudo-gradient at each synchronisation;
         ``None`` is plain averaging.
       average_optimizer_state: also average the workers' inner optimizer states when
@@ -93,11 +137,14 @@ def local_sgd(
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values,
-      ``synchronised`` (1.0 on steps that ended with a synchronisation) and the reducer's
-      metrics (``compression_ratio`` of the last exchange for a compressing reducer).
-      ``params(state)`` is the mean of the replicas.
+      ``synchronised`` (1.0 on steps that ended with a synchronisation, a group's included)
+      and the reducer's metrics (``compression_ratio`` of the last exchange for a
+      compressing reducer); with ``hierarchy``, ``sync_group_size`` (the size of the groups
+      that averaged after the step, 0.0 if none). ``params(state)`` is the mean of the
+      replicas.
 
     Example:
+      >>> import jax
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
@@ -111,16 +158,46 @@ def local_sgd(
       ...     state, metrics = strategy.step(state, batch)
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
+
+      The steps each schedule synchronises after, for H = 4 and W = 2:
+
+      >>> def synchronised_steps(**kwargs):
+      ...     s = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, warmup_sync_steps=2, **kwargs)
+      ...     state, step, steps = s.init({"w": jnp.zeros(())}), jax.jit(s.step), []
+      ...     for t in range(12):
+      ...         state, metrics = step(state, batch)
+      ...         steps += [t] * int(metrics["synchronised"])
+      ...     return steps
+      >>> synchronised_steps(period=4), synchronised_steps(period=4, schedule="torch")
+      ([5, 9], [2, 6, 10])
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
-    period = check_int("period", period, minimum=1)
+    levels = _levels(period, hierarchy, kit.n, axis)
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}."
+        )
     warmup_sync_steps = check_int("warmup_sync_steps", warmup_sync_steps, minimum=0)
     if outer_optimizer is not None:
         check_transform(
             "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
+    # A level fires after step t >= W when its period divides t + offset: the local steps
+    # since the warm-up (ddl), HierarchicalModelAverager's counter t or
+    # PeriodicModelAverager's t - W (torch).
+    if schedule == "ddl":
+        offset = 1 - warmup_sync_steps
+    else:
+        offset = 0 if hierarchy is not None else -warmup_sync_steps
     cfg = _Config(
-        kit, optimizer, outer_optimizer, period, warmup_sync_steps, average_optimizer_state
+        kit,
+        optimizer,
+        outer_optimizer,
+        levels,
+        offset,
+        hierarchy is not None,
+        warmup_sync_steps,
+        average_optimizer_state,
     )
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -130,11 +207,63 @@ def local_sgd(
     )
 
 
+#: The valid values of ``local_sgd``'s ``schedule``.
+SCHEDULES = ("ddl", "torch")
+
+
+def _levels(period: Any, hierarchy: Any, n: int, axis: str) -> tuple[tuple[int, int], ...]:
+    """``(period, group_size)`` per level, periods increasing, the last group all ``n``."""
+    if (period is None) == (hierarchy is None):
+        raise ValueError(
+            "local_sgd takes period=H or hierarchy=((H_1, G_1), ..., (H_L, N)), exactly one; "
+            f"got period={period!r}, hierarchy={hierarchy!r}."
+        )
+    if period is not None:
+        return ((check_int("period", period, minimum=1), n),)
+    pairs = list(hierarchy.items()) if isinstance(hierarchy, Mapping) else hierarchy
+    if (
+        isinstance(pairs, str | bytes)
+        or not isinstance(pairs, Sequence)
+        or not pairs
+        or not all(isinstance(p, Sequence) and len(p) == 2 for p in pairs)
+    ):
+        raise TypeError(
+            "hierarchy must be a non-empty sequence of (period, group_size) pairs or a dict "
+            f"{{period: group_size}}, e.g. ((2, 2), (4, {n})); got {hierarchy!r}."
+        )
+    levels = tuple(
+        (
+            check_int(f"hierarchy[{i}]'s period", h, minimum=1),
+            check_int(f"hierarchy[{i}]'s group size", g, minimum=1),
+        )
+        for i, (h, g) in enumerate(pairs)
+    )
+    periods, sizes = [h for h, _ in levels], [g for _, g in levels]
+    if any(a >= b for a, b in itertools.pairwise(periods)):
+        raise ValueError(
+            f"hierarchy's periods must increase (the largest period dividing a step picks its "
+            f"group), got {periods}."
+        )
+    if any(a >= b or b % a for a, b in itertools.pairwise(sizes)):
+        raise ValueError(
+            f"hierarchy's group sizes must increase, each dividing the next (nested groups), "
+            f"got {sizes}."
+        )
+    if sizes[-1] != n:
+        raise ValueError(
+            f"hierarchy's last group size must be the number of workers on axis {axis!r}, "
+            f"{n}, got {sizes[-1]}."
+        )
+    return levels
+
+
 class _Config(NamedTuple):
     kit: Kit
     optimizer: optax.GradientTransformation
     outer: optax.GradientTransformation | None
-    period: int
+    levels: tuple[tuple[int, int], ...]  # (period, group size), the last all workers
+    offset: int  # a level fires after step t >= warmup when (t + offset) % its period == 0
+    hierarchical: bool
     warmup: int
     average_optimizer_state: bool
 
@@ -169,17 +298,29 @@ def _worker_step(
     updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
-    # 2: a synchronisation through the outer step.
-    outer_sync = ~warm & ((step - warmup + 1) % cfg.period == 0)
-    branch = jnp.where(outer_sync, 2, jnp.where(step == warmup - 1, 1, 0))
+    # 2: a synchronisation through the outer step; 3 + l: level l's group average. The
+    # level with the largest period that fires wins.
+    branch = jnp.where(step == warmup - 1, 1, 0)
+    branches = [
+        _keep,
+        functools.partial(_catch_up, axis=axis),
+        functools.partial(_synchronise, cfg=cfg),
+    ]
+    sizes = [0, 0, cfg.kit.n]
+    for period, size in cfg.levels:
+        fires = ~warm & ((step + cfg.offset) % period == 0)
+        branch = jnp.where(fires, 2 if size == cfg.kit.n else len(branches), branch)
+        if size != cfg.kit.n:
+            branches.append(functools.partial(_group_average, cfg=cfg, size=size))
+            sizes.append(size)
     carry = (params, opt_state, state.anchor, state.outer_opt_state)
     carry = (*carry, unstack(state.reducer_state), model_state)
-    catch_up = functools.partial(_catch_up, axis=axis)
-    sync = functools.partial(_synchronise, cfg=cfg)
-    carry = lax.switch(branch, [_keep, catch_up, sync], carry)
+    carry = lax.switch(branch, branches, carry)
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
-    metrics["synchronised"] = (branch == 2).astype(jnp.float32)
+    metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
+    if cfg.hierarchical:
+        metrics["sync_group_size"] = jnp.asarray(sizes, jnp.float32)[branch]
     model = ModelVars(restack(model_state), state.model.key, step + 1)
     new = LocalSGDState(
         restack(params), restack(opt_state), anchor, outer_state, restack(reducer_state), model
@@ -228,3 +369,33 @@ def _synchronise(carry: Carry, cfg: _Config) -> Carry:
         opt_state = _average(opt_state, axis)
     params = lax.pcast(anchor, axis, to="varying")
     return params, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis)
+
+
+def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
+    """Replicas (and model, optimizer states) averaged within blocks of ``size`` workers."""
+    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
+    mean = functools.partial(_block_mean, axis=cfg.kit.axis, n=cfg.kit.n, size=size)
+    if cfg.average_optimizer_state:
+        opt_state = mean(opt_state)
+    return mean(params), opt_state, anchor, outer_state, reducer_state, mean(model_state)
+
+
+def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:
+    """Each floating leaf's mean over the worker's block ``k size, ..., (k+1) size - 1``.
+
+    ``shard_map`` collectives take no ``axis_index_groups``, so the block's members arrive
+    by ``size - 1`` ``ppermute`` rounds within the block (round r: from the member r places
+    before); each worker sums them in member order, so the block's results are equal.
+    """
+    me = lax.axis_index(axis)
+    position = me % size
+    rounds = [[(s, s - s % size + (s % size + r) % size) for s in range(n)] for r in range(1, size)]
+
+    def one(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.inexact) or size == 1:
+            return x
+        arrived = jnp.stack([x] + [lax.ppermute(x, axis, perm) for perm in rounds])
+        by_member = arrived[(position - jnp.arange(size)) % size]  # member j's value at j
+        return jnp.sum(by_member, axis=0) / size
+
+    return jax.tree.map(one, tree)
