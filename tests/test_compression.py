@@ -16,7 +16,7 @@ from ddl_jax._src import compression_wire as wire
 from ddl_jax._src import kit
 from ddl_jax._src.comm import collectives
 from ddl_jax._src.compression import _dequantise, _quantise, cast, qsgd, sign
-from ddl_jax._src.compression_lowrank import power_sgd
+from ddl_jax._src.compression_lowrank import _power_sgd, power_sgd
 from ddl_jax._src.compression_sparse import threshold, top_k
 from ddl_jax._src.reducers import PermuteReducer, checks_vma
 
@@ -537,3 +537,244 @@ def test_reducer_metrics_finds_the_compressor_in_a_chain():
     }
     with pytest.raises(ValueError, match="several compression_ratio fields"):
         wire.reducer_metrics(optax.chain(cast(), top_k(0.1)).init(params))
+
+
+# -- power_sgd's options (PyTorch's powerSGD_hook) --------------------------------------------
+
+
+def ring_bytes(entries: int, n: int) -> float:
+    """Bytes a device sends all-reducing ``entries`` float32 numbers over ``n`` workers."""
+    return 2 * (n - 1) / n * 4 * entries
+
+
+def rank_r_step(g: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One power iteration on the matrix ``g`` from ``q``: the update ``P Q^T`` and new ``Q``."""
+    p = np.linalg.qr(g @ q)[0]
+    q = g.T @ p
+    return p @ q.T, q
+
+
+def test_power_sgd_start_iter_sends_the_plain_mean_first():
+    n, steps, start = 4, 5, 2
+    grads = random_grads(steps, n, seed=8)
+    _, outs, state = run_reducer(power_sgd(1, start_iter=start), grads, n)
+    _, plain, _ = run_reducer(ddl.allreduce_mean(), grads, n)
+    later = jax.tree.map(lambda g: g[start:], grads)
+    _, fresh, fresh_state = run_reducer(power_sgd(1), later, n)
+    for k in SHAPES:
+        np.testing.assert_array_equal(outs[k][:start], plain[k][:start])
+        np.testing.assert_allclose(outs[k][start:], fresh[k], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(outs["w"][start:], plain["w"][start:], atol=1e-3)
+    np.testing.assert_array_equal(state.step, steps)
+    np.testing.assert_allclose(state.residual[0], fresh_state.residual[0], atol=1e-6)
+    # One program holds both exchanges, each charged as a branch (per step of the scan).
+    program, init, placed = reducer_program(power_sgd(1, start_iter=start), grads, n)
+    branches = ddl.comm_stats(program, init, placed).branches
+    sent = 1 * sum(SHAPES["w"]) + SHAPES["b"][0]
+    dense = sum(int(np.prod(s)) for s in SHAPES.values())
+    assert sorted(branches.values()) == [steps * ring_bytes(sent, n), steps * ring_bytes(dense, n)]
+
+
+def test_power_sgd_start_iter_reports_a_dense_ratio_until_it_compresses(mlp):
+    loss_fn, params = mlp
+    reducer = power_sgd(2, start_iter=2)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), reducer=reducer)
+    state = strategy.init(params)
+    step = jax.jit(strategy.step)
+    ratios = []
+    for batch in make_batches(4, 32):
+        state, metrics = step(state, batch)
+        ratios.append(float(metrics["compression_ratio"]))
+    assert ratios[0] == ratios[1] == 1.0
+    assert ratios[2] == ratios[3] > 1.0
+
+
+def test_power_sgd_min_compression_rate_sends_a_matrix_dense_unless_its_factors_win():
+    """A 10 x 32 kernel at rank 8: factors of 8 (10 + 32) = 336 entries against 320."""
+    n = 4
+    rng = np.random.default_rng(9)
+    grads = {"w": rng.normal(size=(1, n, 10, 32)).astype(np.float32)}
+
+    def sent(reducer):
+        program, state, placed = reducer_program(reducer, grads, n)
+        return ddl.comm_stats(program, state, placed).bytes_per_device
+
+    assert sent(power_sgd(8)) == pytest.approx(ring_bytes(320, n))  # PyTorch's default, 2
+    assert sent(power_sgd(8, min_compression_rate=0)) == pytest.approx(ring_bytes(336, n))
+    assert sent(power_sgd(2)) == pytest.approx(ring_bytes(84, n))  # 84 * 2 < 320
+    # Sent dense: the exact mean, no residual or Q kept for it.
+    _, outs, state = run_reducer(power_sgd(8), grads, n)
+    np.testing.assert_allclose(outs["w"][0, 0], grads["w"][0].mean(0), rtol=1e-6, atol=1e-7)
+    assert state.residual == () and state.q == ()
+    assert float(state.compression_ratio[0]) == 1.0
+
+
+def test_power_sgd_never_sends_more_than_dense_for_small_layers():
+    n = 4
+    shapes = {"a": (3, 4), "b": (10, 32), "c": (16, 5), "d": (12, 16), "e": (64, 8)}
+    shapes |= {"conv": (3, 3, 2, 8), "bias": (7,)}
+    rng = np.random.default_rng(10)
+    grads = {k: rng.normal(size=(1, n, *s)).astype(np.float32) for k, s in shapes.items()}
+    dense = sum(int(np.prod(s)) for s in shapes.values())
+
+    def expected(rank):  # PyTorch's rule, written out
+        entries = 0
+        for s in shapes.values():
+            size = int(np.prod(s))
+            if len(s) < 2:
+                entries += size
+                continue
+            a, b = sorted((size // s[-1], s[-1]))
+            r = min(rank, a)
+            entries += r * (a + b) if r * (a + b) * 2.0 < size else size
+        return entries
+
+    for rank in (1, 2):
+        program, state, placed = reducer_program(power_sgd(rank), grads, n)
+        sent = ddl.comm_stats(program, state, placed).bytes_per_device
+        assert sent == pytest.approx(ring_bytes(expected(rank), n))
+        assert sent <= ring_bytes(dense, n)
+    assert expected(1) < expected(2) < expected(4) == dense  # rank 4: nothing is worth it
+
+
+def test_power_sgd_without_error_feedback_approximates_the_mean_gradient_afresh():
+    n, steps, rank = 4, 4, 2
+    grads = random_grads(steps, n, seed=11)
+    reducer = power_sgd(rank, use_error_feedback=False)
+    q = np.asarray(reducer.init({k: jnp.zeros(s) for k, s in SHAPES.items()}).q[0])
+    _, outs, state = run_reducer(reducer, grads, n)
+    assert state.residual == ()  # no residual leaves: the state is Q, the step and the ratio
+    assert len(jax.tree.leaves(state)) == 3
+    for t in range(steps):
+        mean = grads["w"][t].mean(0).astype(np.float64)  # 6 x 20: the [a, b] view itself
+        expected, q = rank_r_step(mean, q)
+        np.testing.assert_allclose(outs["w"][t, 0], expected, atol=2e-5)
+        np.testing.assert_allclose(outs["b"][t, 0], grads["b"][t].mean(0), rtol=1e-6, atol=1e-7)
+        assert np.linalg.matrix_rank(outs["w"][t, 0], tol=1e-4) == rank
+
+
+def test_power_sgd_without_warm_start_draws_q_per_step_from_the_seed():
+    n, steps, seed = 2, 3, 5
+    one = random_grads(1, n, seed=12)
+    grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
+
+    def outputs(seed):
+        reducer = power_sgd(1, use_error_feedback=False, warm_start=False, seed=seed)
+        _, outs, state = run_reducer(reducer, grads, n)
+        assert state.q == () and state.residual == ()
+        return outs["w"][:, 0]
+
+    got = outputs(seed)
+    np.testing.assert_array_equal(got, outputs(seed))  # reproducible
+    assert not np.allclose(got, outputs(seed + 1), atol=1e-4)
+    mean = one["w"][0].mean(0).astype(np.float64)
+    for t in range(steps):
+        key = jax.random.fold_in(jax.random.key(seed), t)
+        q = np.asarray(jax.random.normal(jax.random.fold_in(key, 0), (20, 1)), np.float64)
+        np.testing.assert_allclose(got[t], rank_r_step(mean, q)[0], atol=2e-5)
+    assert not np.allclose(got[0], got[1], atol=1e-4)  # same gradient, a different Q
+
+
+def test_power_sgd_batches_matrices_of_one_view():
+    """Same-view matrices (a transposed one and a conv kernel included) stacked: the same
+    updates as matrix by matrix, in fewer all-reduces."""
+    n, steps = 4, 2
+    shapes = {f"w{i}": (8, 24) for i in range(4)}
+    shapes |= {"t": (24, 8), "conv": (3, 3, 4, 8), "u": (8, 36), "b": (24,)}
+    rng = np.random.default_rng(13)
+    grads = {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in shapes.items()}
+    options = dict(
+        start_iter=0,
+        min_compression_rate=2.0,
+        use_error_feedback=True,
+        warm_start=True,
+        seed=0,
+        axis="data",
+    )
+    results = []
+    for batch in (True, False):
+        program, state, placed = reducer_program(_power_sgd(2, **options, batch=batch), grads, n)
+        compiled = program.lower(state, placed).compile()  # once: run and read
+        ops = collectives(compiled.as_text())
+        sent = sum(max(op.sent) * op.count for op in ops)
+        results.append((compiled(state, placed), sum(op.kind == "all-reduce" for op in ops), sent))
+    (got, ops, sent), (want, ops_unbatched, sent_unbatched) = results
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)  # outputs and state
+    assert sent == pytest.approx(sent_unbatched)
+    assert ops <= 2 < 7 <= ops_unbatched  # P and Q (with the bias): seven matrices
+
+
+def test_power_sgd_full_rank_compressing_every_matrix_is_the_mean():
+    """min_compression_rate=0 runs the power iteration on a 6 x 20 matrix at rank 6, which
+    sends more than the matrix (6 * 26 > 120); the default sends it dense."""
+    n = 4
+    grads = random_grads(2, n, seed=14)
+    for reducer, entries in ((power_sgd(6, min_compression_rate=0), 6 * 26), (power_sgd(6), 120)):
+        _, outs, _ = run_reducer(reducer, grads, n)
+        for k in SHAPES:
+            np.testing.assert_allclose(outs[k][:, 0], grads[k].mean(1), atol=1e-5)
+        program, state, placed = reducer_program(reducer, grads, n)
+        sent = ddl.comm_stats(program, state, placed).bytes_per_device
+        assert sent == pytest.approx(2 * ring_bytes(entries + 13, n))  # two steps
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(min_compression_rate=0), dict(min_compression_rate=0, start_iter=2, warm_start=False)],
+)
+def test_power_sgd_state_survives_local_sgds_synchronisation_branch(mlp, options):
+    # Full rank on every kernel (compressed, not sent dense): exact, with Q and the step
+    # passing through local SGD's branch and power_sgd's own.
+    loss_fn, params = mlp
+    batches = make_batches(2, 32)
+    reducer = power_sgd(16, **options)
+    strategy = ddl.local_sgd(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=1, reducer=reducer
+    )
+    state, _ = train(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: power_sgd(2, start_iter=-1), ValueError, "start_iter must be an int >= 0, got -1"),
+        (lambda: power_sgd(2, start_iter=2.0), ValueError, "start_iter must be an int >= 0"),
+        (
+            lambda: power_sgd(2, min_compression_rate=-1),
+            ValueError,
+            "power_sgd: min_compression_rate must be a finite real number >= 0, got -1",
+        ),
+        (
+            lambda: power_sgd(2, min_compression_rate=float("nan")),
+            ValueError,
+            "min_compression_rate must be a finite real number >= 0, got nan",
+        ),
+        (
+            lambda: power_sgd(2, use_error_feedback=1),
+            TypeError,
+            "power_sgd: use_error_feedback must be a bool, got 1",
+        ),
+        (
+            lambda: power_sgd(2, warm_start="no"),
+            TypeError,
+            "power_sgd: warm_start must be a bool, got 'no'",
+        ),
+    ],
+)
+def test_power_sgd_bad_options_raise_clear_errors(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_power_sgd_refuses_a_state_of_other_parameters():
+    state = power_sgd(2).init({"w": jnp.zeros((6, 20))})
+    program = jax.shard_map(
+        lambda g: power_sgd(2).update(g, state)[0],
+        mesh=ddl.make_mesh(data=2),
+        in_specs=P(),
+        out_specs=P(),
+    )
+    with pytest.raises(ValueError, match="power_sgd: the state holds 1 residual arrays, the "):
+        program({"w": jnp.zeros((6, 20)), "v": jnp.zeros((6, 20))})
