@@ -89,6 +89,10 @@ STRATEGIES = {
     "data_parallel_power_sgd_full_rank": lambda loss_fn, opt, mesh: ddl.data_parallel(
         loss_fn, opt, mesh, reducer=ddl.compression.power_sgd(16)
     ),
+    # one worker's Adasum is its own gradient
+    "data_parallel_adasum": lambda loss_fn, opt, mesh: ddl.data_parallel(
+        loss_fn, opt, mesh, reducer=ddl.adasum()
+    ),
     "local_sgd_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.local_sgd(
         loss_fn, opt, mesh, period=2, reducer=ddl.compression.top_k(1.0)
     ),

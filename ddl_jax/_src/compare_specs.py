@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from ddl_jax import compression
 from ddl_jax._src import sim
+from ddl_jax._src.adasum import adasum
 from ddl_jax._src.async_sgd import async_sgd
 from ddl_jax._src.data_parallel import data_parallel
 from ddl_jax._src.fsdp import STAGES, fsdp
@@ -50,6 +51,7 @@ DEFAULT_STRATEGIES = (
     "topk:0.01",
     "sign",
     "powersgd:4",
+    "adasum",
     "async",
     "softsync:2",
     "ssp:2",
@@ -218,6 +220,13 @@ FAMILIES: dict[str, Family] = {
         "4",
         "the rank, an integer >= 1 (e.g. powersgd:4)",
         "PowerSGD low-rank gradients with error feedback",
+    ),
+    "adasum": Family(
+        _reduced(lambda _: adasum()),
+        _none,
+        None,
+        "",
+        "Adasum: gradients combined by adaptive summation (Horovod)",
     ),
     "async": Family(
         _async("async"),
