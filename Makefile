@@ -22,6 +22,7 @@ test: install
 	$(BIN)/python -m pytest
 
 bench: install
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]' || echo "no PyTorch: benchmarks/peers.py's PyTorch rows say 'not installed'"
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/allreduce.py
 	$(BIN)/python benchmarks/averaging.py
@@ -30,6 +31,7 @@ bench: install
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/ddg_stability.py
 	$(BIN)/python benchmarks/fsdp.py
+	$(BIN)/python benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,259 @@
+"""PyTorch DDP side by side with ``ddl.data_parallel``: 1 and 2 processes, one core each.
+
+The same MLP (784-1024-1024-10), the same initial weights (drawn once with numpy and
+loaded into every framework), the same synthetic batches (256 examples per process) and
+plain SGD (lr 0.01) train under three programs: ``ddl.data_parallel`` (JAX's distributed
+runtime with gloo CPU collectives, via ``ddl.launch.initialize``), PyTorch
+``DistributedDataParallel`` (gloo), and a hand-written ``jax.shard_map`` + ``pmean`` step.
+Each runs with N = 1 and N = 2 processes, each process pinned with ``taskset`` to its own
+core and limited to one thread, every run under a hard timeout. Rounds are interleaved
+(each round starts every configuration once, in a rotated order), so drift in the
+machine's speed hits all alike. Reports the median global samples/s with the min..max
+spread, ddl / DDP at N = 2, and each program's scaling efficiency
+(samples/s at N = 2 / (2 x samples/s at N = 1)); writes benchmarks/results/peers.md and
+peers.json. Without PyTorch (the ``bench`` extra: ``pip install -e '.[bench]'``) its rows
+say "not installed".
+
+    python benchmarks/peers.py [--rounds 7] [--steps 60] [--quick]
+"""
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROGRAMS = {
+    "ddl": "ddl.data_parallel",
+    "torch": "PyTorch DDP",
+    "hand": "hand-written shard_map + pmean",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(program: str, n: int, cores: list[int], config: dict, timeout: float) -> dict:
+    """Starts ``n`` worker processes of ``program``; returns process 0's report or an error."""
+    port = free_port()
+    # One thread per process: taskset pins each process to one core (XLA's CPU thread
+    # pools follow the affinity), --xla_cpu_multi_thread_eigen=false keeps Eigen's kernels
+    # on the calling thread, and the OpenMP / MKL variables (with torch.set_num_threads(1)
+    # in the worker) do the same for PyTorch. XLA has no thread-count flag
+    # (intra_op_parallelism_threads is TensorFlow's and XLA_FLAGS rejects it).
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+        "JAX_PLATFORMS": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    worker = Path(__file__).parent / "_peers_worker.py"
+    procs = [
+        subprocess.Popen(
+            # -P keeps benchmarks/ off sys.path: its scripts' names may shadow modules.
+            [
+                "taskset",
+                "-c",
+                str(cores[i]),
+                sys.executable,
+                "-P",
+                str(worker),
+                program,
+                str(n),
+                str(i),
+                str(port),
+                json.dumps(config),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    deadline = time.monotonic() + timeout
+    outs, errors = [], []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate()
+            return {"error": f"timed out after {timeout:.0f} s"}
+        outs.append(out)
+        errors.append(err)
+    if any(p.returncode for p in procs):
+        tail = errors[0].strip().splitlines()[-3:] or errors[-1].strip().splitlines()[-3:]
+        return {"error": f"exit codes {[p.returncode for p in procs]}: {' | '.join(tail)}"}
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=256, help="examples per process")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 10 steps")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 10, 2
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(
+            f"benchmarks/peers.py needs 2 CPU cores, one per process, but this process may "
+            f"run on {len(cores)} ({cores}). Run it where 2 cores are available."
+        )
+    sizes = [784, 1024, 1024, 10]
+    torch_installed = importlib.util.find_spec("torch") is not None
+    programs = [p for p in PROGRAMS if p != "torch" or torch_installed]
+    configs = [(p, n) for n in (1, 2) for p in programs]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # Initial weights: He-normal kernels (in, out) and zero biases, from one seed.
+        rng = np.random.default_rng(0)
+        weights = {}
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            weights[f"w{i}"] = (rng.normal(size=(a, b)) * np.sqrt(2 / a)).astype(np.float32)
+            weights[f"b{i}"] = np.zeros(b, np.float32)
+        np.savez(Path(tmp) / "weights.npz", **weights)
+        config = {
+            "weights": str(Path(tmp) / "weights.npz"),
+            "sizes": sizes,
+            "batch": args.batch,
+            "batches": 4,
+            "seed": 1,
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "steps": args.steps,
+        }
+        runs = {c: [] for c in configs}
+        for r in range(args.rounds):
+            shift = r % len(configs)
+            for program, n in configs[shift:] + configs[:shift]:
+                result = run_once(program, n, cores, config, args.timeout)
+                runs[program, n].append(result)
+                if "error" in result:
+                    note = result["error"]
+                else:
+                    rate = n * args.batch * args.steps / result["seconds"]
+                    note = f"{rate:,.0f} samples/s, loss {result['last_loss']:.4f}"
+                print(f"round {r + 1}/{args.rounds}  {program:5s} N={n}: {note}", flush=True)
+
+    rows = []
+    for program, n in configs:
+        good = [x for x in runs[program, n] if "error" not in x]
+        rates = [n * args.batch * args.steps / x["seconds"] for x in good]
+        rows.append(
+            {
+                "program": program,
+                "processes": n,
+                "samples_per_s": statistics.median(rates) if rates else None,
+                "min": min(rates, default=None),
+                "max": max(rates, default=None),
+                "rounds_ok": len(good),
+                "errors": [x["error"] for x in runs[program, n] if "error" in x],
+                "first_loss": good[0]["first_loss"] if good else None,
+                "last_loss": good[0]["last_loss"] if good else None,
+                "round_samples_per_s": rates,
+            }
+        )
+    by = {(r["program"], r["processes"]): r for r in rows}
+    efficiency = {}
+    for program in programs:
+        one, two = by[program, 1]["samples_per_s"], by[program, 2]["samples_per_s"]
+        efficiency[program] = two / (2 * one) if one and two else None
+
+    def ratio(n: int) -> float | None:
+        if not torch_installed:
+            return None
+        a, b = by["ddl", n]["samples_per_s"], by["torch", n]["samples_per_s"]
+        return a / b if a and b else None
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [
+        f"MLP {'-'.join(map(str, sizes))}, {args.batch} examples per process, SGD "
+        f"{args.lr}, same initial weights and batches; N processes x 1 core x 1 thread "
+        f"(gloo); median (min..max) of {args.rounds} interleaved rounds of {args.steps} "
+        f"timed steps after {args.warmup} warm-up steps",
+        "",
+        "| program | N=1 samples/s | N=2 samples/s | scaling efficiency | loss of the first "
+        "step (N=1 / N=2) |",
+        "|---|---|---|---|---|",
+    ]
+    for program, label in PROGRAMS.items():
+        if program not in programs:
+            lines.append(f"| {label} | not installed | not installed | not installed | - |")
+            continue
+        cells = []
+        for n in (1, 2):
+            r = by[program, n]
+            cell = (
+                f"{r['samples_per_s']:,.0f} ({r['min']:,.0f}..{r['max']:,.0f})"
+                if r["samples_per_s"]
+                else "failed"
+            )
+            if r["errors"]:
+                cell += f" [{len(r['errors'])} failed]"
+            cells.append(cell)
+        losses = " / ".join(fmt(by[program, n]["first_loss"], ".5f") for n in (1, 2))
+        lines.append(
+            f"| {label} | {cells[0]} | {cells[1]} | {fmt(efficiency[program], '.2f')} | {losses} |"
+        )
+    lines += [
+        "",
+        f"ddl / PyTorch DDP samples/s: N=1 **{fmt(ratio(1), '.2f')}**, "
+        f"N=2 **{fmt(ratio(2), '.2f')}**"
+        + ("" if torch_installed else " (PyTorch not installed: pip install -e '.[bench]')"),
+        "",
+        "scaling efficiency = samples/s at N=2 / (2 x samples/s at N=1)",
+    ]
+    finals = {
+        n: [by[p, n]["last_loss"] for p in programs if by[p, n]["last_loss"] is not None]
+        for n in (1, 2)
+    }
+    agree = all(max(v) - min(v) <= 1e-3 for v in finals.values() if v)
+    lines.append(
+        "losses after the last timed step agree across programs (within 1e-3): "
+        f"{agree} (N=1: {', '.join(f'{x:.5f}' for x in finals[1])}; "
+        f"N=2: {', '.join(f'{x:.5f}' for x in finals[2])})"
+    )
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "peers.md").write_text(text + "\n")
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"sizes": sizes},
+        "cores": cores,
+        "torch_installed": torch_installed,
+        "rows": rows,
+        "scaling_efficiency": efficiency,
+        "losses_agree": agree,
+        "ddl_over_torch": {"1": ratio(1), "2": ratio(2)},
+    }
+    (args.out / "peers.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
