@@ -284,9 +284,10 @@ def _drop_closed_loop_reports() -> None:
     When the first read of a damaged step fails, orbax closes its event loop while
     TensorStore's other reads of that step are still in flight; each then reports
     ``RuntimeError: Event loop is closed`` from ``call_soon_threadsafe`` to
-    ``sys.unraisablehook``, one traceback per read, possibly after the fallback returned.
-    From the first damaged step on, exactly those reports are dropped; every other one
-    goes to the hook that was there before.
+    ``sys.unraisablehook``, one traceback per read, as soon as the failure happens or after
+    the fallback returned. Installed before the first read of a restore, the filter drops
+    exactly those reports from then on; every other one goes to the hook that was there
+    before.
     """
     previous = sys.unraisablehook
     if getattr(previous, "drops_closed_loop_reports", False):
@@ -358,6 +359,7 @@ def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State,
     # Called only directly by the functions users call (restore_latest, fit), so the
     # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    _drop_closed_loop_reports()  # before any read: the reports can come at once
     for step in sorted(manager.all_steps(), reverse=True):
         _check_has_state(manager, step)  # not corruption: no fallback
         try:
@@ -375,7 +377,6 @@ def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State,
                 ok, error = False, e
             if _all_ok(ok):
                 return state, step
-        _drop_closed_loop_reports()
         moved = _set_aside(manager, step)
         reason = _reason(error, manager.directory) if not ok else "unreadable on another process"
         warnings.warn(
@@ -448,6 +449,7 @@ def load_variables(directory: str | os.PathLike, step: int | None = None) -> Var
                 "ddl.fit(checkpoint_dir=...) or ddl.checkpoint.export."
             )
         failed = []
+        _drop_closed_loop_reports()  # before any read: the reports can come at once
         for s in steps if step is None else [step]:
             if not (_step_dir(manager, s) / VARIABLES).exists():
                 raise ValueError(
@@ -460,7 +462,6 @@ def load_variables(directory: str | os.PathLike, step: int | None = None) -> Var
                 variables = _read_variables(manager, s)
             except Exception as e:  # any unreadable file is corruption
                 error = e
-                _drop_closed_loop_reports()
             if _all_ok(error is None):
                 return variables
             reason = "unreadable on another process" if error is None else _reason(error, path)
