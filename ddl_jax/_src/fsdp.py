@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src import strategy as st
 from ddl_jax._src.compression_scatter import ScatterReducer
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.kit import is_spec, prepare, restack, unstack, vary
+from ddl_jax._src.kit import abstract, is_spec, prepare, restack, unstack, vary
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.strategy import DATA, MODEL
 from ddl_jax._src.tensor_parallel import check_same_over_model, check_specs, full_specs
@@ -115,28 +115,21 @@ def fsdp(
     * stage 1: the optimizer state is split over the workers (1/N each). Gradients are
       all-reduced, each worker updates its shard of the parameters, and the new parameters
       are all-gathered.
-    * stage 2: also the gradient: it is reduce-scattered, so each worker receives only the
-      mean of its shard. Same traffic as one all-reduce (``(N-1)/N D`` out in each of the
-      reduce-scatter and the all-gather).
+    * stage 2: also the gradient, reduce-scattered: each worker receives the mean of its
+      shard; the traffic of one all-reduce (``(N-1)/N D`` in each of the two collectives).
     * stage 3: also the parameters: each worker stores its shard only and all-gathers every
       parameter (one all-gather each) for the forward and backward; memory for parameters
       and optimizer state is 1/N of ``data_parallel``'s.
 
-    A separate builder, not a ``data_parallel`` option, because its state is laid out
-    differently (sharded, not replicated) and because it also takes ``specs``: on a
-    ``data`` x ``model`` mesh, a model built from ``ddl.layers`` runs Megatron tensor
-    parallelism over ``model`` inside each data worker, with each parameter's ``model``
-    block further split over ``data`` (MaxText's layout).
-
-    The optimizer sees the parameters with their own shapes, sharded; ``jax.jit`` runs it
-    on each worker's shard and inserts what a tree-wide transform needs (the global norm
-    of ``optax.clip_by_global_norm`` is one scalar all-reduce), so every optax transform
-    gives what it gives on one device.
+    Its own builder, as its state is sharded and it takes ``specs``: on a ``data`` x
+    ``model`` mesh a ``ddl.layers`` model runs Megatron over ``model``, each parameter's
+    block further split over ``data`` (MaxText's layout). The optimizer runs on the sharded
+    arrays under ``jax.jit``, so a tree-wide transform (``clip_by_global_norm``) gets the
+    scalar all-reduce it needs and every optax transform acts as on one device.
 
     References:
-      Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter
-      models", SC 2020, arXiv:1910.02054; Zhao et al., "PyTorch FSDP", VLDB 2023,
-      arXiv:2304.11277.
+      Rajbhandari et al., "ZeRO", SC 2020, arXiv:1910.02054; Zhao et al., "PyTorch FSDP",
+      VLDB 2023, arXiv:2304.11277.
 
     Args:
       loss_fn: ``(params, batch) -> loss`` or a ``ddl.ModelLoss`` (batch norm, dropout:
@@ -181,62 +174,32 @@ def fsdp(
     n, mesh = kit.n, kit.mesh
     layout_of = functools.partial(layout, specs=specs, mesh=mesh)
 
-    def state_specs(state: FSDPState) -> FSDPState:
-        where = layout_of(state.params)
-        params = where.sharded if stage == 3 else where.whole
-        opt_specs = _like_params(optimizer, state.opt_state, where.sharded)
-        return FSDPState(params, opt_specs, P(DATA), ModelVars(P(), P(), P()))
-
-    def out_specs(state: FSDPState) -> tuple[Any, Any, ModelVars]:
-        return layout_of(state.params).sharded, P(DATA), ModelVars(P(), P(), P())
+    state_specs = functools.partial(_state_specs, layout_of, optimizer, stage)
 
     def make_state(params: Any, model: ModelVars) -> FSDPState:
         check_specs(params, specs, mesh)
         reducer_state = ()
         if reducer is not None:
-            dims = layout_of(jax.eval_shape(lambda: params)).dims
+            dims = layout_of(abstract(params)).dims
             reducer_state = kit.stack(reducer.init(jax.tree.map(_chunks_of(n), params, dims)))
         return FSDPState(params, optimizer.init(params), reducer_state, model)
-
-    def gather(x: jax.Array, dim: int | None) -> jax.Array:
-        return x if dim is None else lax.all_gather(x, DATA, axis=dim, tiled=True)
-
-    def reduce(g: jax.Array, dim: int | None) -> jax.Array:
-        """This worker's part of the mean gradient: its shard (whole if ``dim`` is None)."""
-        if dim is not None and stage > 1:
-            return lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / n
-        mean = lax.pmean(g, DATA)
-        if dim is None:
-            return mean
-        size = g.shape[dim] // n  # stage 1: this worker's shard of the all-reduced gradient
-        return lax.dynamic_slice_in_dim(mean, lax.axis_index(DATA) * size, size, dim)
-
-    def reduce_all(grads: Any, dims: Any, reducer_state: Any) -> tuple[Any, Any, dict]:
-        """Gradient shards, the reducer's new state and its metrics."""
-        if reducer is None:
-            return jax.tree.map(reduce, grads, dims), reducer_state, {}
-        chunks = jax.tree.map(_chunks_of(n), grads, dims)
-        shards, new = reducer.update(chunks, unstack(reducer_state))
-        whole = jax.tree.map(
-            lambda g, d, s: lax.pmean(g, DATA) if d is None else s, grads, dims, shards
-        )
-        return whole, restack(new), reducer_metrics(new)
 
     def worker_step(state: FSDPState, batch: Any, dims: Any) -> tuple[Any, dict]:
         params = state.params
         if stage == 3:
-            params = jax.tree.map(gather, params, dims)
+            params = jax.tree.map(_gather, params, dims)
         # A data-varying view, so that each worker differentiates its own loss.
         local = vary(params, (DATA,))
         key = worker_key(state.model, lax.axis_index(DATA))
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
         check_same_over_model({"loss": loss, **aux})
-        grads, reducer_state, wire = reduce_all(grads, dims, state.reducer_state)
+        grads, reducer_state, wire = _reduce(grads, dims, state.reducer_state, stage, reducer)
         model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
         return (grads, reducer_state, model), lax.pmean({"loss": loss, **aux, **wire}, DATA)
 
     def step(state: FSDPState, batch: Any) -> tuple[FSDPState, dict]:
-        where = layout_of(jax.eval_shape(lambda: state.params))
+        where = layout_of(abstract(state.params))
+        out_specs = (where.sharded, P(DATA), ModelVars(P(), P(), P()))
         program = kit.step(
             functools.partial(worker_step, dims=where.dims), state_specs, out_specs=out_specs
         )
@@ -252,6 +215,47 @@ def fsdp(
         step,
         kit.replicated(lambda state: kit.variables(state.params, state.model)),
     )
+
+
+def _state_specs(
+    layout_of: Any, optimizer: optax.GradientTransformation, stage: int, state: FSDPState
+) -> FSDPState:
+    """Where each part of the state lives (see ``FSDPState``)."""
+    where = layout_of(state.params)
+    params = where.sharded if stage == 3 else where.whole
+    opt_specs = _like_params(optimizer, state.opt_state, where.sharded)
+    return FSDPState(params, opt_specs, P(DATA), ModelVars(P(), P(), P()))
+
+
+def _gather(x: jax.Array, dim: int | None) -> jax.Array:
+    """Inside ``shard_map``: the whole parameter from this worker's shard."""
+    return x if dim is None else lax.all_gather(x, DATA, axis=dim, tiled=True)
+
+
+def _mean_shard(g: jax.Array, dim: int | None, stage: int) -> jax.Array:
+    """This worker's part of the mean gradient: its shard (whole if ``dim`` is None)."""
+    n = lax.axis_size(DATA)
+    if dim is not None and stage > 1:
+        return lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / n
+    mean = lax.pmean(g, DATA)
+    if dim is None:
+        return mean
+    size = g.shape[dim] // n  # stage 1: this worker's shard of the all-reduced gradient
+    return lax.dynamic_slice_in_dim(mean, lax.axis_index(DATA) * size, size, dim)
+
+
+def _reduce(
+    grads: Any, dims: Any, reducer_state: Any, stage: int, reducer: ScatterReducer | None
+) -> tuple[Any, Any, dict]:
+    """Inside ``shard_map``: gradient shards, the reducer's new state and its metrics."""
+    if reducer is None:
+        return jax.tree.map(lambda g, d: _mean_shard(g, d, stage), grads, dims), reducer_state, {}
+    chunks = jax.tree.map(_chunks_of(lax.axis_size(DATA)), grads, dims)
+    shards, new = reducer.update(chunks, unstack(reducer_state))
+    whole = jax.tree.map(
+        lambda g, d, s: lax.pmean(g, DATA) if d is None else s, grads, dims, shards
+    )
+    return whole, restack(new), reducer_metrics(new)
 
 
 def _chunks_of(n: int) -> Any:
