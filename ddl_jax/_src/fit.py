@@ -105,8 +105,7 @@ def fit(
         ``ddl.flax.loss_from_module`` returns them; ``strategy.params(state)`` gives the
         same layout). Not modified; the strategy places a copy.
       batches: iterable of global batches (e.g. ``ddl.data.batches(train, 256)``), or
-        ``start -> iterable`` from batch ``start`` on (``lambda s: ddl.data.batches(train,
-        256, start=s)``: a resumed run skips to its data position without replaying it).
+        ``start -> iterable`` from batch ``start`` on (a resumed run skips to its data).
       steps: total number of training steps (including resumed ones), >= 1.
       eval_fn: ``variables -> scalar | dict of scalars``, run on
         ``strategy.params(state)`` every ``eval_every`` steps and after the last step;
@@ -122,19 +121,11 @@ def fit(
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
         instead of stopping training.
       log_file: a JSON-lines file (parents created) to which process 0 appends the records
-        (a skipped step's loss as ``NaN``) as they are passed on, flushed to disk; a run
-        that raises still writes those fetched. Lines of steps after the start step (all
-        when not resuming) are dropped first, so the file holds each step once.
-      tensorboard_dir: a TensorBoard log directory (``tensorboard --logdir``; created),
-        to which process 0 writes every scalar of each record but ``step`` (``loss``, the
-        strategy's metrics, ``eval``/``eval_<name>``) at its step, with tensorboardX's
-        ``SummaryWriter``, flushed as records are passed on and closed when ``fit`` ends,
-        raised or not. Events of steps after the start step that the directory already
-        holds are hidden (TensorBoard's ``purge_step``), so it shows each step once.
-        Needs the extra ``pip install 'ddl-jax[tensorboard]'``, checked on every process
-        before training. An argument rather than a callback: ``fit`` knows the start step
-        and when the run ends, so it opens and closes the writer itself; a callback sees
-        records only.
+        as they are passed on, flushed; on start, lines after the start step are dropped.
+      tensorboard_dir: a TensorBoard log directory (created) to which process 0 writes
+        every scalar of each record but ``step`` at its step (tensorboardX, the extra
+        ``pip install 'ddl-jax[tensorboard]'``), each step once across resumes. An
+        argument, not a callback: ``fit`` knows where the run starts and when it ends.
       callbacks: ``record -> Any``, called on process 0 with a copy of each record as it is
         passed on; ``True`` (a bool or NumPy bool) stops training on every process.
 
@@ -148,12 +139,9 @@ def fit(
       ImportError: ``tensorboard_dir`` is given and tensorboardX is not installed.
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
-      TypeError: ``strategy`` is not a ``ddl.Strategy``, a flag is not a bool, ``log_file``
-        or ``tensorboard_dir`` not a path, or ``callbacks`` not a sequence of callables.
-      ValueError: bad arguments (among them ``checkpoint_every`` or ``keep`` without
-        ``checkpoint_dir``, ``eval_every`` without ``eval_fn``, a ``log_file`` that is a
-        directory or not a JSON-lines file, a ``tensorboard_dir`` that is a file), or a
-        checkpoint of a differently shaped state.
+      TypeError, ValueError: bad arguments (e.g. ``checkpoint_every`` without
+        ``checkpoint_dir``, a ``log_file`` that is a directory), or a checkpoint of a
+        differently shaped state (``ValueError``).
     """
     settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
     log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
