@@ -281,15 +281,11 @@ def pipeline(
       forward pass locked, so their stage k sees a gradient delayed by K-1-k iterations;
       here the forward is pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs
       M ticks, so M updates of micro-batch size; the pipeline stays full across steps.
-      The delay narrows the stable learning rates (``benchmarks/ddg_stability.py``,
-      ``docs/figures.md``): on a digits MLP with M = 4, DDG trained without collapses or
-      dips up to SGD lr 0.02 (momentum 0.9) and Adam 3e-3 at K = 2, and dipped at every
-      tested rate at K = 4, while GPipe trained at every one (up to 0.1 and 1e-2). With
-      ``ddl.scale_by_staleness`` (below) the earlier stages take smaller steps: SGD then
-      trains at 0.05 (K = 2) and Adam at 1e-3 (K = 4), still short of GPipe's range.
+      The delay narrows the stable learning rates (``docs/figures.md``): DDG on the digits
+      MLP is stable up to SGD 0.02 and Adam 3e-3 at K = 2, at no tested rate at K = 4;
+      ``ddl.scale_by_staleness`` (below) widens that, short of GPipe's range.
 
-    Stage inputs are rematerialised: a stage keeps the input of each micro-batch in flight
-    and re-runs its forward for the backward (as GPipe does).
+    A stage keeps each in-flight micro-batch's input and re-runs its forward (as GPipe).
 
     Model state and randomness (stateful stages: ``pipeline_stages`` of modules with
     BatchNorm or Dropout; see ``docs/design.md``, section 2): stage k's model state lives
@@ -317,11 +313,9 @@ def pipeline(
     ``threshold``'s entry budgets and ``qsgd``'s buckets are per stage), and masks and
     ``optax.multi_transform`` labels get one array per stage instead of the tree.
     ``ddl.compression.power_sgd`` would find no matrices, so it is refused (``ValueError``).
-    The optimizer also receives the optax extra argument ``staleness``: the delay of stage
-    k's gradient in its own updates, ``2(K-1-k)`` under ``"ddg"`` and 0 under ``"gpipe"``
-    and ``"1f1b"`` (transforms that take no extra arguments ignore it). So
-    ``optax.chain(optimizer, ddl.scale_by_staleness())`` gives DDG's earlier stages smaller
-    steps, ``lr / max(2(K-1-k), 1)``, and changes nothing under GPipe and 1F1B.
+    The optimizer also receives optax's extra argument ``staleness``, stage k's gradient
+    delay (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer,
+    ddl.scale_by_staleness())`` gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
 
     Args:
       stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
@@ -334,20 +328,16 @@ def pipeline(
         stage's seed. NNX modules convert with ``pipeline_stages``.
       loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch
         (a plain function: model state and dropout belong in the stages).
-      optimizer: optax transform applied per stage to its flat parameter vector (exact for
-        element-wise optimizers such as SGD or Adam; see above), called with the extra
-        argument ``staleness`` (the stage's gradient delay).
-      mesh: a mesh with a ``stage`` axis of size K (and optionally ``data``), e.g.
-        ``ddl.make_mesh(data=2, stage=4)``; a mesh without ``stage`` means K=1.
+      optimizer: optax transform applied per stage to its flat parameter vector (see
+        above; it also receives ``staleness``).
+      mesh: a mesh with a ``stage`` axis of size K (none: K = 1) and optionally ``data``.
       microbatches: M, micro-batches per data worker per step; the global batch must
         divide by ``data`` x M.
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"ddg"``.
-      example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``); required by
-        ``"ddg"`` with K > 1, whose state stashes activations of the batch's shape. Every
-        later batch must have these shapes.
+      example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``), required by
+        ``"ddg"`` with K > 1 (its state stashes activations); later batches share its shapes.
       reducer: reduces each stage's flat gradient vector over ``data`` (default
-        ``ddl.allreduce_mean("data")``); its state starts as ``reducer.init`` of the stage's
-        flat parameter vector on every data worker. Not ``ddl.compression.power_sgd``.
+        ``ddl.allreduce_mean("data")``). Not ``ddl.compression.power_sgd``.
 
     Returns:
       A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
