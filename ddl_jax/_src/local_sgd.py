@@ -80,38 +80,26 @@ def local_sgd(
       synchronisations.
     * ``schedule="torch"``: t >= W and (t - W) % H == 0, PyTorch's
       ``PeriodicModelAverager(period=H, warmup_steps=W).average_parameters()`` called after
-      every optimizer step (its own counter starts at 0 and counts every call): t = W,
-      W + H, W + 2H, ..., i.e. after the first local step, then every H. It is that averager
-      with the post-local SGD DDP hook (``start_localSGD_iter=W``, no gradient all-reduce
-      after the warm-up); the model state and ``average_optimizer_state`` stay this
-      builder's.
+      every optimizer step: t = W, W + H, ..., after the first local step, then every H
+      (with the post-local SGD DDP hook, ``start_localSGD_iter=W``).
 
     For H = 4, W = 2: "ddl" synchronises after steps 5, 9, 13, ...; "torch" after steps
     2, 6, 10, 14, ... (both all-reduce gradients in steps 0 and 1).
 
-    **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, G_L))`` (or a dict ``{H_1: G_1,
-    ...}``, PyTorch's ``HierarchicalModelAverager(period_group_size_dict)``) replaces
-    ``period``: periods increase, group sizes increase and each divides the next, and
-    G_L = N, the number of workers. The level synchronising after a step is the one with
-    the largest period dividing the step's count; level l averages the replicas (and model
+    **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, PyTorch's
+    ``HierarchicalModelAverager(period_group_size_dict)``) replaces ``period``: after a step,
+    the largest period dividing its count picks the level, which averages replicas (model
     state, and optimizer states with ``average_optimizer_state``) exactly within contiguous
-    blocks of G_l workers on ``axis`` (workers ``k G_l, ..., (k+1) G_l - 1``), and the
-    top level is the synchronisation above, through ``reducer`` and ``outer_optimizer``.
-    The count is t - W + 1 under "ddl" (local steps since the warm-up), so ``((H, N),)`` is
-    ``period=H``; under "torch" it is t itself, with t >= W, as ``HierarchicalModelAverager``
-    counts (so for one level it matches ``PeriodicModelAverager`` only when H divides W).
-    With ``{2: 2, 4: 8}`` on 8 workers and W = 0: "ddl" averages pairs after steps 1, 5, 9,
-    ... and all 8 after steps 3, 7, ...; "torch" all 8 after steps 0, 4, 8, ... and pairs
-    after steps 2, 6, .... A group average is G_l - 1 ``ppermute`` rounds inside the block
-    (each sends the parameters once: (G_l - 1) x the parameter bytes per worker, none of it
-    leaving the block), summed in worker order, so a group's replicas are equal bitwise.
+    blocks of G_l workers, by G_l - 1 ``ppermute`` rounds inside the block ((G_l - 1) x the
+    parameter bytes per worker); the top level is the synchronisation above. The count is
+    t - W + 1 under "ddl" (``((H, N),)`` is ``period=H``) and t (t >= W) under "torch", as
+    PyTorch's hierarchical averager counts.
 
     References:
       Zinkevich et al., "Parallelized stochastic gradient descent", NeurIPS 2010.
       Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020, arXiv:1808.07217.
-      Douillard et al., "DiLoCo: distributed low-communication training of language models",
-      2023, arXiv:2311.08105 (inner AdamW; outer ``optax.sgd(0.7, momentum=0.9,
-      nesterov=True)``).
+      Douillard et al., "DiLoCo", 2023, arXiv:2311.08105 (inner AdamW; outer
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
       Wang et al., "Demystifying why local aggregation helps: convergence analysis of
       hierarchical SGD", 2020, arXiv:2010.12998.
 
@@ -136,12 +124,9 @@ def local_sgd(
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values,
-      ``synchronised`` (1.0 on steps that ended with a synchronisation, a group's included)
-      and the reducer's metrics (``compression_ratio`` of the last exchange for a
-      compressing reducer); with ``hierarchy``, ``sync_group_size`` (the size of the groups
-      that averaged after the step, 0.0 if none). ``params(state)`` is the mean of the
-      replicas.
+      A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
+      (1.0 after a synchronisation, a group's included), the reducer's metrics, and with
+      ``hierarchy`` ``sync_group_size`` (0.0 if none). ``params(state)``: the replicas' mean.
 
     Example:
       >>> import jax
@@ -158,21 +143,38 @@ def local_sgd(
       ...     state, metrics = strategy.step(state, batch)
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
-
-      The steps each schedule synchronises after, for H = 4 and W = 2:
-
-      >>> def synchronised_steps(**kwargs):
-      ...     s = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, warmup_sync_steps=2, **kwargs)
-      ...     state, step, steps = s.init({"w": jnp.zeros(())}), jax.jit(s.step), []
-      ...     for t in range(12):
-      ...         state, metrics = step(state, batch)
-      ...         steps += [t] * int(metrics["synchronised"])
-      ...     return steps
-      >>> synchronised_steps(period=4), synchronised_steps(period=4, schedule="torch")
-      ([5, 9], [2, 6, 10])
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
-    levels = _levels(period, hierarchy, kit.n, axis)
+    cfg = _configure(
+        kit,
+        optimizer,
+        outer_optimizer,
+        period,
+        hierarchy,
+        schedule,
+        warmup_sync_steps,
+        average_optimizer_state,
+    )
+    specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
+    return Strategy(
+        kit.init(functools.partial(_make_state, cfg), specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
+    )
+
+
+def _configure(
+    kit: Any,
+    optimizer: optax.GradientTransformation,
+    outer_optimizer: optax.GradientTransformation | None,
+    period: Any,
+    hierarchy: Any,
+    schedule: str,
+    warmup_sync_steps: Any,
+    average_optimizer_state: bool,
+) -> _Config:
+    """``local_sgd``'s arguments checked, and its schedule as periods and an offset."""
+    levels = _levels(period, hierarchy, kit.n, kit.axis)
     if schedule not in SCHEDULES:
         raise ValueError(
             f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}."
@@ -189,7 +191,7 @@ def local_sgd(
         offset = 1 - warmup_sync_steps
     else:
         offset = 0 if hierarchy is not None else -warmup_sync_steps
-    cfg = _Config(
+    return _Config(
         kit,
         optimizer,
         outer_optimizer,
@@ -198,12 +200,6 @@ def local_sgd(
         hierarchy is not None,
         warmup_sync_steps,
         average_optimizer_state,
-    )
-    specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
-    return Strategy(
-        kit.init(functools.partial(_make_state, cfg), specs),
-        kit.step(functools.partial(_worker_step, cfg), specs),
-        kit.replica_variables(),
     )
 
 
