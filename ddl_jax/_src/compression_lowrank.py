@@ -224,6 +224,18 @@ def power_sgd(
     )
 
 
+def _check_has_matrix(leaves: list) -> None:
+    # No leaves at all is optax.tree_map_params's placeholder, not a model.
+    if leaves and not any(np.ndim(p) >= 2 for p in leaves):
+        raise ValueError(
+            "power_sgd: no parameter is a matrix (leaf shapes "
+            f"{[tuple(np.shape(p)) for p in leaves]}), so PowerSGD would compress "
+            "nothing and run a dense all-reduce; use ddl.allreduce_mean() for such a "
+            "model. power_sgd therefore cannot be used with ddl.pipeline either, whose "
+            "reducer sees each stage's parameters as one flat vector."
+        )
+
+
 def _power_sgd(
     rank: int,
     *,
@@ -255,15 +267,7 @@ def _power_sgd(
 
     def init(params: Any) -> PowerSGDState:
         leaves = jax.tree.leaves(params)
-        # No leaves at all is optax.tree_map_params's placeholder, not a model.
-        if leaves and not any(np.ndim(p) >= 2 for p in leaves):
-            raise ValueError(
-                "power_sgd: no parameter is a matrix (leaf shapes "
-                f"{[tuple(np.shape(p)) for p in leaves]}), so PowerSGD would compress "
-                "nothing and run a dense all-reduce; use ddl.allreduce_mean() for such a "
-                "model. power_sgd therefore cannot be used with ddl.pipeline either, whose "
-                "reducer sees each stage's parameters as one flat vector."
-            )
+        _check_has_matrix(leaves)
         plan = plan_of(leaves)
         residual = tuple(jnp.zeros(np.shape(leaves[leaf]), jnp.float32) for leaf in plan.compressed)
         qs = tuple(draw_q(jax.random.key(seed), plan))
