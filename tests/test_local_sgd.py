@@ -17,10 +17,17 @@ def mean_tree(trees):
     return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
 
 
+def mean_field(states, name):
+    """Every worker's optimizer state with field `name` (Adam's mu or nu) replaced by the mean."""
+    mean = mean_tree([s[0]._asdict()[name] for s in states])
+    return [(s[0]._replace(**{name: mean}), *s[1:]) for s in states]
+
+
 def reference_local_sgd(
-    loss_fn, opt, params, batches, *, n, period, warmup=0, average_opt_state=False
+    loss_fn, opt, params, batches, *, n, period, warmup=0, average_opt_state=False, fields=()
 ):
-    """Each worker trains on its rows of every batch; replicas averaged every `period` steps."""
+    """Each worker trains on its rows of every batch; replicas averaged every `period` steps,
+    Adam's state fields (name, period) every such period."""
     replicas, states = [params] * n, [opt.init(params)] * n
     for t, batch in enumerate(batches):
         shards = worker_shards(batch, n)
@@ -34,6 +41,9 @@ def reference_local_sgd(
             replicas = [mean_tree(replicas)] * n
             if average_opt_state:
                 states = [mean_tree(states)] * n
+        for name, every in fields:
+            if t >= warmup and (t - warmup + 1) % every == 0:
+                states = mean_field(states, name)
     return mean_tree(replicas)
 
 
@@ -84,6 +94,62 @@ def test_matches_workers_simulated_on_one_device(mlp, period, warmup, average_op
         average_opt_state=average_opt_state,
     )
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("periods", "warmup"), [({"mu": 4, "nu": 6}, 0), ({"nu": 3}, 2)])
+def test_desloc_averages_each_adam_moment_on_its_own_period(mlp, periods, warmup):
+    loss_fn, params = mlp
+    n, batches = 4, make_batches(11, 32)
+    strategy = ddl.local_sgd(
+        loss_fn,
+        optax.adam(1e-2),
+        ddl.make_mesh(data=n),
+        period=2,
+        warmup_sync_steps=warmup,
+        state_periods=periods,
+    )
+    state, metrics = run(strategy, params, batches)
+    expected = reference_local_sgd(
+        loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches,
+        n=n,
+        period=2,
+        warmup=warmup,
+        fields=periods.items(),
+    )
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+    for name, every in periods.items():  # the last step, t = 10, synchronised every such name
+        assert float(metrics[f"synchronised_{name}"]) == float((10 - warmup + 1) % every == 0)
+
+
+def test_desloc_with_the_parameters_period_is_averaging_the_optimizer_state(mlp):
+    loss_fn, params = mlp
+    batches, mesh = make_batches(6, 32), ddl.make_mesh(data=4)
+    every = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, period=3, average_optimizer_state=True)
+    desloc = ddl.local_sgd(
+        loss_fn, optax.adam(1e-2), mesh, period=3, state_periods={"mu": 3, "nu": 3}
+    )
+    chex.assert_trees_all_equal(run(desloc, params, batches)[0], run(every, params, batches)[0])
+
+
+def test_desloc_moment_syncs_send_the_moments_bytes(mlp):
+    """One more conditional branch than plain local SGD: mu's all-reduce, mu's bytes."""
+    loss_fn, params = mlp
+    n, batch = 8, make_batches(1, 32)[0]
+    mu_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))  # Adam's mu: the params' shape
+
+    def branches(**kwargs):
+        strategy = ddl.local_sgd(
+            loss_fn, optax.adam(1e-2), ddl.make_mesh(data=n), period=2, **kwargs
+        )
+        stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+        return sorted(stats.branches.values())
+
+    plain, desloc = branches(), branches(state_periods={"mu": 6})
+    assert len(desloc) == len(plain) + 1
+    assert sorted([*plain, 2 * (n - 1) / n * mu_bytes]) == desloc
 
 
 def test_warmup_is_synchronous_sgd_whatever_the_reducer(mlp):
@@ -184,6 +250,13 @@ def test_only_the_synchronising_branch_communicates_parameters(mlp):
         ({"period": 2, "warmup_sync_steps": -1}, ValueError, "warmup_sync_steps must be"),
         ({"period": 2, "outer_optimizer": 0.7}, TypeError, "outer_optimizer must be an optax"),
         ({"period": 2, "reducer": "psum"}, TypeError, "reducer must be an optax"),
+        ({"period": 2, "state_periods": ["mu"]}, TypeError, "state_periods must be a dict"),
+        ({"period": 2, "state_periods": {"mu": 0}}, ValueError, r"state_periods\['mu'\] must"),
+        (
+            {"period": 2, "state_periods": {"mu": 4}, "average_optimizer_state": True},
+            ValueError,
+            "give one",
+        ),
     ],
 )
 def test_bad_arguments(mlp, kwargs, error, match):
@@ -484,3 +557,12 @@ def test_a_group_average_sends_the_parameters_once_per_round_within_the_group(
 def test_bad_schedules_and_hierarchies(kwargs, error, match):
     with pytest.raises(error, match=match):
         ddl.local_sgd(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=8), **kwargs)
+
+
+def test_desloc_names_a_field_the_optimizer_state_lacks(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.local_sgd(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2), period=2, state_periods={"nu": 4}
+    )
+    with pytest.raises(ValueError, match="state_periods names 'nu'"):
+        strategy.init(params)

@@ -51,6 +51,7 @@ def local_sgd(
     schedule: str = "ddl",
     outer_optimizer: optax.GradientTransformation | None = None,
     average_optimizer_state: bool = False,
+    state_periods: Mapping[str, int] | None = None,
     warmup_sync_steps: int = 0,
     reducer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
@@ -86,6 +87,14 @@ def local_sgd(
     For H = 4, W = 2: "ddl" synchronises after steps 5, 9, 13, ...; "torch" after steps
     2, 6, 10, 14, ... (both all-reduce gradients in steps 0 and 1).
 
+    **Desynced optimizer states (DES-LOC).** ``state_periods={"mu": K_u, "nu": K_v}``
+    averages each named field of the inner optimizer's state (here Adam's first and second
+    moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) over the workers on its own period,
+    counted as the parameters' period is (after every K local steps under "ddl"), while
+    parameters keep ``period``. DES-LOC recommends K_u = 3 H and K_v = 6 H; a field whose
+    period is H is ``average_optimizer_state=True`` for that field. Each moment sync is an
+    all-reduce of that moment's bytes.
+
     **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, PyTorch's
     ``HierarchicalModelAverager(period_group_size_dict)``) replaces ``period``: after a step,
     the largest period dividing its count picks the level, which averages replicas (model
@@ -100,6 +109,8 @@ def local_sgd(
       Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020, arXiv:1808.07217.
       Douillard et al., "DiLoCo", 2023, arXiv:2311.08105 (inner AdamW; outer
       ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+      Iacob et al., "DES-LOC: Desynced low communication adaptive optimizers for training
+      foundation models", 2025, arXiv:2505.22549.
       Wang et al., "Demystifying why local aggregation helps: convergence analysis of
       hierarchical SGD", 2020, arXiv:2010.12998.
 
@@ -116,6 +127,9 @@ def local_sgd(
         ``None`` is plain averaging.
       average_optimizer_state: also average the workers' inner optimizer states when
         synchronising (otherwise each worker keeps its own).
+      state_periods: ``{field: period}``: average these named fields of the inner
+        optimizer's state every ``period`` local steps each (DES-LOC, above); not with
+        ``average_optimizer_state``.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included.
@@ -125,8 +139,10 @@ def local_sgd(
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
-      (1.0 after a synchronisation, a group's included), the reducer's metrics, and with
-      ``hierarchy`` ``sync_group_size`` (0.0 if none). ``params(state)``: the replicas' mean.
+      (1.0 after a synchronisation, a group's included), the reducer's metrics, with
+      ``hierarchy`` ``sync_group_size`` (0.0 if none), with ``state_periods``
+      ``synchronised_<field>`` (1.0 when that field was averaged). ``params(state)``: the
+      replicas' mean.
 
     Example:
       >>> import jax
@@ -154,6 +170,7 @@ def local_sgd(
         schedule,
         warmup_sync_steps,
         average_optimizer_state,
+        state_periods,
     )
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -172,6 +189,7 @@ def _configure(
     schedule: str,
     warmup_sync_steps: Any,
     average_optimizer_state: bool,
+    state_periods: Any,
 ) -> _Config:
     """``local_sgd``'s arguments checked, and its schedule as periods and an offset."""
     levels = _levels(period, hierarchy, kit.n, kit.axis)
@@ -200,6 +218,28 @@ def _configure(
         hierarchy is not None,
         warmup_sync_steps,
         average_optimizer_state,
+        _state_periods(state_periods, average_optimizer_state),
+    )
+
+
+def _state_periods(
+    state_periods: Any, average_optimizer_state: bool
+) -> tuple[tuple[str, int], ...]:
+    """``state_periods`` checked, as ``(field, period)`` pairs."""
+    if state_periods is None:
+        return ()
+    if not isinstance(state_periods, Mapping) or not all(isinstance(k, str) for k in state_periods):
+        raise TypeError(
+            "state_periods must be a dict {field: period} of optimizer-state fields, e.g. "
+            f'{{"mu": 48, "nu": 96}} for Adam; got {state_periods!r}.'
+        )
+    if average_optimizer_state:
+        raise ValueError(
+            "state_periods and average_optimizer_state=True both say when the optimizer "
+            "state is averaged; give one."
+        )
+    return tuple(
+        (k, check_int(f"state_periods[{k!r}]", h, minimum=1)) for k, h in state_periods.items()
     )
 
 
@@ -262,13 +302,22 @@ class _Config(NamedTuple):
     hierarchical: bool
     warmup: int
     average_optimizer_state: bool
+    state_periods: tuple[tuple[str, int], ...]  # DES-LOC: (optimizer-state field, period)
 
 
 def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
     kit, outer = cfg.kit, cfg.outer
+    opt_state = cfg.optimizer.init(params)
+    for name, _ in cfg.state_periods:
+        nodes = jax.tree.leaves(opt_state, is_leaf=functools.partial(_has_field, name=name))
+        if not any(_has_field(node, name) for node in nodes):
+            raise ValueError(
+                f"state_periods names {name!r}, but the inner optimizer's state has no such "
+                f"field; its state: {jax.tree.map(jnp.shape, opt_state)}."
+            )
     return LocalSGDState(
         params=kit.stack(params),
-        opt_state=kit.stack(cfg.optimizer.init(params)),
+        opt_state=kit.stack(opt_state),
         anchor=params,
         outer_opt_state=optax.EmptyState() if outer is None else outer.init(params),
         reducer_state=kit.stack(kit.reducer.init(params)),
@@ -315,6 +364,11 @@ def _worker_step(
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
     metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
+    for name, period in cfg.state_periods:
+        fires = ~warm & ((step + cfg.offset) % period == 0)
+        average = functools.partial(_average_field, name=name, axis=axis)
+        opt_state = lax.cond(fires, average, _keep, opt_state)
+        metrics[f"synchronised_{name}"] = fires.astype(jnp.float32)
     if cfg.hierarchical:
         metrics["sync_group_size"] = jnp.asarray(sizes, jnp.float32)[branch]
     model = ModelVars(restack(model_state), state.model.key, step + 1)
@@ -336,6 +390,21 @@ def _average(tree: Any, axis: str) -> Any:
         return lax.pcast(lax.pmean(x, axis), axis, to="varying")
 
     return jax.tree.map(one, tree)
+
+
+def _has_field(node: Any, name: str) -> bool:
+    return isinstance(node, tuple) and name in getattr(node, "_fields", ())
+
+
+def _average_field(tree: Any, name: str, axis: str) -> Any:
+    """``tree`` with field ``name`` of each named tuple in it averaged over ``axis``."""
+
+    def one(node: Any) -> Any:
+        if not _has_field(node, name):
+            return node
+        return node._replace(**{name: _average(getattr(node, name), axis)})
+
+    return jax.tree.map(one, tree, is_leaf=functools.partial(_has_field, name=name))
 
 
 def _keep(carry: Any) -> Any:
