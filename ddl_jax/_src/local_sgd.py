@@ -70,30 +70,19 @@ def local_sgd(
     every synchronisation; dropout keys differ per worker and step.
 
     With ``warmup_sync_steps`` = W > 0 the first W steps are synchronous (gradients
-    all-reduced every step, so replicas stay equal) and local steps start after them
-    (post-local SGD); the anchor is reset to the replicas at the end of the warm-up.
+    all-reduced, replicas equal), then local steps start (post-local SGD).
 
-    **Schedules.** Steps are counted t = 0, 1, 2, ... (the step counter before the step);
-    steps t < W are the warm-up under both schedules. A synchronisation follows step t when
+    **Schedules.** Steps count t = 0, 1, ... (the counter before the step); steps t < W
+    are the warm-up. A synchronisation follows step t >= W when (t - W + 1) % H == 0 under
+    ``schedule="ddl"`` (the default: after every H local steps), or (t - W) % H == 0 under
+    ``schedule="torch"``: PyTorch's ``PeriodicModelAverager(period=H, warmup_steps=W)``
+    called after every optimizer step (with the post-local SGD hook's
+    ``start_localSGD_iter=W``), after the first local step and then every H. For H = 4,
+    W = 2: "ddl" after steps 5, 9, 13, ...; "torch" after 2, 6, 10, ...
 
-    * ``schedule="ddl"`` (the default): t >= W and (t - W + 1) % H == 0, i.e. after every H
-      local steps: t = W + H - 1, W + 2H - 1, ... Every replica trains H steps between
-      synchronisations.
-    * ``schedule="torch"``: t >= W and (t - W) % H == 0, PyTorch's
-      ``PeriodicModelAverager(period=H, warmup_steps=W).average_parameters()`` called after
-      every optimizer step: t = W, W + H, ..., after the first local step, then every H
-      (with the post-local SGD DDP hook, ``start_localSGD_iter=W``).
-
-    For H = 4, W = 2: "ddl" synchronises after steps 5, 9, 13, ...; "torch" after steps
-    2, 6, 10, 14, ... (both all-reduce gradients in steps 0 and 1).
-
-    **Desynced optimizer states (DES-LOC).** ``state_periods={"mu": K_u, "nu": K_v}``
-    averages each named field of the inner optimizer's state (here Adam's first and second
-    moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) over the workers on its own period,
-    counted as the parameters' period is (after every K local steps under "ddl"), while
-    parameters keep ``period``. DES-LOC recommends K_u = 3 H and K_v = 6 H; a field whose
-    period is H is ``average_optimizer_state=True`` for that field. Each moment sync is an
-    all-reduce of that moment's bytes.
+    **DES-LOC.** ``state_periods={"mu": K_u, "nu": K_v}`` averages each named field of the
+    inner optimizer's state (Adam's moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) on
+    its own period, counted as ``period`` is; the paper recommends K_u = 3H, K_v = 6H.
 
     **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, PyTorch's
     ``HierarchicalModelAverager(period_group_size_dict)``) replaces ``period``: after a step,
@@ -127,9 +116,7 @@ def local_sgd(
         ``None`` is plain averaging.
       average_optimizer_state: also average the workers' inner optimizer states when
         synchronising (otherwise each worker keeps its own).
-      state_periods: ``{field: period}``: average these named fields of the inner
-        optimizer's state every ``period`` local steps each (DES-LOC, above); not with
-        ``average_optimizer_state``.
+      state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included.
@@ -145,12 +132,8 @@ def local_sgd(
       replicas' mean.
 
     Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> import ddl_jax as ddl
-      >>> def loss_fn(params, batch):
-      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> import jax.numpy as jnp, optax, ddl_jax as ddl
+      >>> loss_fn = lambda params, b: jnp.mean((b["x"] * params["w"] - b["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
       >>> mesh = ddl.make_mesh(data=8)
       >>> strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
