@@ -14,11 +14,14 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.kit import prepare, restack, unstack
+from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.strategy import Strategy, check_int
+from ddl_jax._src.strategy import Strategy, check_int, check_real
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+# The stream of the shared link draws: fold_in(fold_in(key, step), _LINK_STREAM). Worker w
+# draws fold_in(fold_in(key, step), w) for w < N, so no worker's dropout key coincides.
+_LINK_STREAM = 0xFFFFFFFF
 
 
 def _torus_shape(n: int) -> tuple[int, int]:
@@ -98,6 +101,35 @@ def _check_mixing(weights: Any, topology: str, n: int) -> np.ndarray:
     return w
 
 
+def link_masks(
+    key: Any, step: Any, n: int, *, drop: float = 0.0, churn: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+    """The unreliable network of one gossip step: which messages arrive, who is present.
+
+    Drawn from the run's shared key (``ModelVars.key``) and the step, the same on every
+    worker and restored with a checkpoint: ``k = fold_in(fold_in(key, step), 2**32 - 1)``;
+    message losses ``bernoulli(fold_in(k, 0), drop, (n, n))``, absences
+    ``bernoulli(fold_in(k, 1), churn, (n,))``.
+
+    Args:
+      key: the run's key data, ``uint32[2]``.
+      step: the step count.
+      n: the number of workers.
+      drop: the probability that one message (a (sender, receiver) pair, this step) is lost.
+      churn: the probability that a worker is absent this step.
+
+    Returns:
+      ``(arrives, present)``: ``arrives[i, j]`` whether worker j's model reaches worker i
+      (false if the message is lost or either is absent; the diagonal is not a message),
+      ``present[i]`` whether worker i takes part in the step.
+    """
+    base = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl="threefry2x32")
+    k = jax.random.fold_in(jax.random.fold_in(base, step), _LINK_STREAM)
+    lost = jax.random.bernoulli(jax.random.fold_in(k, 0), drop, (n, n))
+    present = ~jax.random.bernoulli(jax.random.fold_in(k, 1), churn, (n,))
+    return ~lost & present[:, None] & present[None, :], present
+
+
 class GossipState(NamedTuple):
     """State of :func:`gossip`.
 
@@ -123,6 +155,8 @@ def gossip(
     *,
     topology: str = "ring",
     mixing_weights: Any = None,
+    drop: float = 0.0,
+    churn: float = 0.0,
     consensus_every: int = 10,
     accumulate: int = 1,
     has_aux: bool = False,
@@ -138,6 +172,18 @@ def gossip(
     Models travel by ``ppermute``, one round per neighbour: each device sends
     ``degree x parameter bytes`` per step and there is no global all-reduce.
 
+    **Unreliable workers** ("dropped, not accumulated"). With ``drop`` = p each message
+    (worker j's model to worker i, this step) is lost with probability p; with ``churn`` = q
+    each worker is absent with probability q (no local step: its parameters, optimizer and
+    model state stay as they were; it sends and receives nothing), independently every step,
+    so it is back at the next step it is drawn present. A receiver keeps a lost message's
+    weight on its own model: ``W'_ij = W_ij [j's message arrives]``,
+    ``W'_ii = 1 - sum_{j != i} W'_ij``. ``W'`` is row-stochastic but no longer doubly
+    stochastic, so the replicas' average drifts from the average of ``theta_j + u_j``: a lost
+    update is dropped, not accumulated for a later round. The draws come from the run's key
+    and the step (:func:`link_masks`), the same on every worker and resumed with a
+    checkpoint. With ``drop = churn = 0`` the step is the reliable one, unchanged.
+
     References:
       Lian et al., "Can decentralized algorithms outperform centralized algorithms?",
       NeurIPS 2017, arXiv:1705.09056. Assran et al., "Stochastic gradient push",
@@ -150,6 +196,8 @@ def gossip(
       topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
       mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
         default ``mixing_matrix(topology, N)``.
+      drop: probability in [0, 1) that a message is lost.
+      churn: probability in [0, 1) that a worker is absent for a step.
       consensus_every: measure ``consensus_distance`` every this many steps (it costs an
         all-reduce of the parameters, so not every step); 0 never.
       accumulate: micro-batches per worker per step.
@@ -157,9 +205,12 @@ def gossip(
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``GossipState``; metrics ``loss``, aux values and (unless
-      ``consensus_every=0``) ``consensus_distance`` as last measured. ``params(state)`` is
-      the mean of the replicas.
+      A ``Strategy`` with ``GossipState``; metrics ``loss`` and aux values (with ``churn``,
+      over the present workers), unless ``consensus_every=0`` ``consensus_distance`` as last
+      measured (after the mixing of a step t with ``t % consensus_every == 0``), with
+      ``drop`` ``messages_dropped`` (the fraction of this step's messages between present
+      workers that were lost), with ``churn`` ``workers_present`` (their number this step).
+      ``params(state)`` is the mean of the replicas.
 
     Example:
       >>> import jax.numpy as jnp
@@ -176,6 +227,7 @@ def gossip(
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
+    drop, churn = _probability("drop", drop), _probability("churn", churn)
     n = kit.n
     perms = neighbour_permutations(topology, n)
     w = (
@@ -193,33 +245,95 @@ def gossip(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    mix = functools.partial(_mix, axis=axis, weights=w, perms=perms)
-    consensus_distance = functools.partial(_consensus_distance, axis=axis)
-
-    def worker_step(state: GossipState, batch: Any) -> tuple[GossipState, dict[str, jax.Array]]:
-        params, opt_state = unstack(state.params), unstack(state.opt_state)
-        key = worker_key(state.model, lax.axis_index(axis))
-        (loss, aux), grads, model_state = kit.value_and_grad(
-            params, unstack(state.model.state), batch, key
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params, model_state = mix((optax.apply_updates(params, updates), model_state))
-        metrics = lax.pmean({"loss": loss, **aux}, axis)
-        distance = state.consensus_distance
-        if consensus_every:
-            distance = lax.cond(
-                state.model.step % consensus_every == 0,
-                consensus_distance,
-                lambda _: state.consensus_distance,
-                params,
-            )
-            metrics["consensus_distance"] = distance
-        model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
-        return GossipState(restack(params), restack(opt_state), distance, model), metrics
-
+    cfg = _Config(kit, optimizer, w, perms, drop, churn, consensus_every)
     return Strategy(
-        kit.init(make_state, specs), kit.step(worker_step, specs), kit.replica_variables()
+        kit.init(make_state, specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
     )
+
+
+def _probability(name: str, value: Any) -> float:
+    value = check_real(name, value, minimum=0.0)
+    if value >= 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}.")
+    return value
+
+
+class _Config(NamedTuple):
+    kit: Kit
+    optimizer: optax.GradientTransformation
+    weights: np.ndarray
+    perms: list[tuple[int, ...]]
+    drop: float
+    churn: float
+    consensus_every: int
+
+
+def _worker_step(
+    cfg: _Config, state: GossipState, batch: Any
+) -> tuple[GossipState, dict[str, jax.Array]]:
+    axis, n = cfg.kit.axis, cfg.kit.n
+    params, opt_state = unstack(state.params), unstack(state.opt_state)
+    me = lax.axis_index(axis)
+    key = worker_key(state.model, me)
+    old_model_state = unstack(state.model.state)
+    (loss, aux), grads, model_state = cfg.kit.value_and_grad(params, old_model_state, batch, key)
+    updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
+    stepped = (optax.apply_updates(params, updates), model_state, new_opt_state)
+    if not (cfg.drop or cfg.churn):
+        (params, model_state), opt_state = (
+            _mix(stepped[:2], axis, cfg.weights, cfg.perms),
+            stepped[2],
+        )
+        metrics = lax.pmean({"loss": loss, **aux}, axis)
+    else:
+        arrives, present = link_masks(
+            state.model.key, state.model.step, n, drop=cfg.drop, churn=cfg.churn
+        )
+        here = present[me]
+        params, model_state, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(here, new, old),
+            stepped,
+            (params, old_model_state, opt_state),
+        )
+        params, model_state = _mix_unreliable(
+            (params, model_state), axis, cfg.weights, cfg.perms, arrives
+        )
+        metrics = _network_metrics(cfg, arrives, present, here, {"loss": loss, **aux})
+    distance = state.consensus_distance
+    if cfg.consensus_every:
+        distance = lax.cond(
+            state.model.step % cfg.consensus_every == 0,
+            functools.partial(_consensus_distance, axis=axis),
+            lambda _: state.consensus_distance,
+            params,
+        )
+        metrics["consensus_distance"] = distance
+    model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
+    return GossipState(restack(params), restack(opt_state), distance, model), metrics
+
+
+def _network_metrics(
+    cfg: _Config, arrives: jax.Array, present: jax.Array, here: jax.Array, values: dict
+) -> dict[str, jax.Array]:
+    """The loss and aux values over the present workers, and the network's metrics."""
+    axis, n = cfg.kit.axis, cfg.kit.n
+    count = present.sum()
+    if cfg.churn:
+        totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
+        metrics = jax.tree.map(lambda v: v / jnp.maximum(count, 1).astype(v.dtype), totals)
+        metrics["workers_present"] = count.astype(jnp.float32)
+    else:
+        metrics = lax.pmean(values, axis)
+    if cfg.drop:
+        edges = np.zeros((n, n), bool)  # edges[i, j]: worker j sends to worker i
+        for perm in cfg.perms:
+            edges[list(perm), list(range(n))] = True
+        sent = jnp.asarray(edges) & present[:, None] & present[None, :]
+        lost = (sent & ~arrives).sum()
+        metrics["messages_dropped"] = (lost / jnp.maximum(sent.sum(), 1)).astype(jnp.float32)
+    return metrics
 
 
 def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -> Any:
@@ -233,6 +347,27 @@ def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -
         mixed = jax.tree.map(
             lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
         )
+    return mixed
+
+
+def _mix_unreliable(
+    y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]], arrives: jax.Array
+) -> Any:
+    """``sum_j W'_ij y_j`` on device i, ``W'`` being ``W`` with the weight of each message
+    that did not arrive moved to the diagonal. With every message arriving the arithmetic is
+    :func:`_mix`'s, operation for operation."""
+    me = lax.axis_index(axis)
+    w = jnp.asarray(weights, jnp.float32)
+    own, rounds = w[me, me], []
+    for perm in perms:
+        arrived = lax.ppermute(y, axis, list(enumerate(perm)))
+        source = jnp.asarray(np.argsort(perm))[me]
+        kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
+        own = own + (w[me, source] - kept)
+        rounds.append((kept, arrived))
+    mixed = jax.tree.map(lambda a: own.astype(a.dtype) * a, y)
+    for kept, arrived in rounds:
+        mixed = jax.tree.map(lambda m, r, wk=kept: m + wk.astype(r.dtype) * r, mixed, arrived)
     return mixed
 
 
