@@ -1,0 +1,253 @@
+"""streaming_diloco against DiLoCo in its trivial case, and against its definition written
+out in numpy for N workers, fragments in turn, an overlapped outer gradient and mixing."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import bn_dropout_pair, make_batches, worker_shards
+
+import ddl_jax as ddl
+from ddl_jax._src.streaming_diloco import fragment_bounds, streaming_diloco
+
+NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def run_steps(strategy, params, batches):
+    """The final state and every step's metrics."""
+    step, state, history = jax.jit(strategy.step), strategy.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(metrics)
+    return state, history
+
+
+def test_one_fragment_without_overlap_is_diloco_step_by_step():
+    """With batch statistics and dropout: the model state is averaged at the same steps."""
+    loss_fn, variables = bn_dropout_pair()
+    mesh, batches = ddl.make_mesh(data=8), make_batches(6, 32)
+    inner = optax.adamw(1e-2)
+    diloco = ddl.local_sgd(loss_fn, inner, mesh, period=2, outer_optimizer=NESTEROV)
+    streaming = streaming_diloco(
+        loss_fn, inner, mesh, period=2, fragments=1, outer_optimizer=NESTEROV
+    )
+    step_a, step_b = jax.jit(diloco.step), jax.jit(streaming.step)
+    a, b = diloco.init(variables), streaming.init(variables)
+    for t, batch in enumerate(batches):
+        a, metrics_a = step_a(a, batch)
+        b, metrics_b = step_b(b, batch)
+        for name in ("loss", "synchronised"):
+            np.testing.assert_allclose(metrics_b[name], metrics_a[name], atol=1e-6, err_msg=name)
+        assert float(metrics_b["fragment"]) == (0.0 if t % 2 else -1.0)
+        chex.assert_trees_all_close(b.params, a.params, atol=1e-6)
+        chex.assert_trees_all_close(b.model.state, a.model.state, atol=1e-6)
+    chex.assert_trees_all_close(b.anchor, a.anchor, atol=1e-6)
+    chex.assert_trees_all_close(streaming.params(b), diloco.params(a), atol=1e-6)
+    for leaf in jax.tree.leaves((b.params, b.model.state)):  # the last step synchronised
+        leaf = np.asarray(leaf)
+        assert (leaf == leaf[0]).all()
+
+
+def quadratic_loss(params, batch):
+    residual = batch["x"] @ params["a"] + batch["z"] @ params["b"] - batch["y"]
+    return 0.5 * jnp.mean(residual**2)
+
+
+def reference_streaming_diloco(params, batches, *, n, period, fragments, overlap, mix):
+    """Streaming DiLoCo on ``quadratic_loss`` in numpy, one fragment per leaf ("a", then
+    "b"): inner SGD with momentum 0.5 (lr 0.1) per worker on its rows; fragment p sent
+    after the local steps s = p H/P (mod H); its mean outer gradient lands ``overlap``
+    steps later through Nesterov SGD (0.7, 0.9) and is mixed into every replica."""
+    names = ["a", "b"]
+    assert fragments == len(names)
+    replicas = [{k: np.array(v, np.float64) for k, v in params.items()} for _ in range(n)]
+    momenta = [{k: np.zeros_like(v) for k, v in r.items()} for r in replicas]
+    anchor = {k: np.array(v, np.float64) for k, v in params.items()}
+    traces = {k: np.zeros_like(v) for k, v in anchor.items()}
+    in_flight, sent = {}, []  # landing step -> (name, mean outer gradient)
+    for t, batch in enumerate(batches):
+        s = t + 1
+        for i, rows in enumerate(worker_shards(batch, n)):
+            x, z, y = (np.asarray(rows[k], np.float64) for k in ("x", "z", "y"))
+            r = x @ replicas[i]["a"] + z @ replicas[i]["b"] - y
+            grads = {"a": x.T @ r / len(y), "b": z.T @ r / len(y)}
+            for k in names:
+                momenta[i][k] = grads[k] + 0.5 * momenta[i][k]
+                replicas[i][k] = replicas[i][k] - 0.1 * momenta[i][k]
+        due = [p for p in range(fragments) if (s - p * period // fragments) % period == 0]
+        sent.append(due[0] if due else -1)
+        for p in due:
+            k = names[p]
+            in_flight[s + overlap] = (k, np.mean([anchor[k] - r[k] for r in replicas], axis=0))
+        if s in in_flight:
+            k, delta = in_flight.pop(s)
+            traces[k] = delta + 0.9 * traces[k]
+            anchor[k] = anchor[k] - 0.7 * (delta + 0.9 * traces[k])
+            for r in replicas:
+                r[k] = mix * r[k] + (1 - mix) * anchor[k]
+    return replicas, anchor, sent
+
+
+def quadratic_batches(count, size, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 3)).astype(np.float32),
+            "z": rng.normal(size=(size, 3)).astype(np.float32),
+            "y": rng.normal(size=size).astype(np.float32),
+        }
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize(("overlap", "mix"), [(1, 0.5), (0, 0.0)])
+def test_matches_its_definition_written_out_in_numpy(overlap, mix):
+    n, period, fragments = 4, 4, 2
+    params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
+    batches = quadratic_batches(13, 8)  # 3 periods and one step: a fragment in flight
+    strategy = streaming_diloco(
+        quadratic_loss,
+        optax.sgd(0.1, momentum=0.5),
+        ddl.make_mesh(data=n),
+        period=period,
+        fragments=fragments,
+        overlap=overlap,
+        mix=mix,
+        outer_optimizer=NESTEROV,
+    )
+    state, history = run_steps(strategy, params, batches)
+    replicas, anchor, sent = reference_streaming_diloco(
+        params, batches, n=n, period=period, fragments=fragments, overlap=overlap, mix=mix
+    )
+    assert [int(m["fragment"]) for m in history] == sent == [-1, 1, -1, 0] * 3 + [-1]
+    assert [float(m["synchronised"]) for m in history] == [float(p >= 0) for p in sent]
+    stacked = {k: np.stack([r[k] for r in replicas]) for k in anchor}
+    chex.assert_trees_all_close(state.params, stacked, atol=1e-5)
+    chex.assert_trees_all_close(state.anchor, anchor, atol=1e-5)
+
+
+def test_a_checkpoint_with_a_fragment_in_flight_resumes_the_same_run(tmp_path):
+    params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
+    batches = quadratic_batches(7, 8, seed=1)
+    strategy = streaming_diloco(
+        quadratic_loss,
+        optax.adam(1e-2),
+        ddl.make_mesh(data=4),
+        period=4,
+        fragments=2,
+        overlap=1,
+        mix=0.5,
+        outer_optimizer=NESTEROV,
+    )
+    step = jax.jit(strategy.step)
+    state = strategy.init(params)
+    for batch in batches[:4]:  # fragment 0 is sent after step 3 and lands after step 4
+        state, _ = step(state, batch)
+    with ddl.checkpoint.checkpoint_manager(tmp_path) as manager:
+        ddl.checkpoint.save(manager, 4, state)
+    with ddl.checkpoint.checkpoint_manager(tmp_path) as manager:
+        resumed, _ = ddl.checkpoint.restore_latest(manager, strategy.init(params))
+    chex.assert_trees_all_equal(jax.device_get(resumed), jax.device_get(state))
+    for batch in batches[4:]:
+        state, _ = step(state, batch)
+        resumed, _ = step(resumed, batch)
+    chex.assert_trees_all_equal(resumed, state)
+
+
+def toy_loss(params, batch):
+    return sum(jnp.mean((batch["x"] @ w) ** 2) for w in jax.tree.leaves(params))
+
+
+def test_peak_bytes_per_step_are_diloco_s_over_the_fragment_count():
+    """Each fragment's send is its own branch; the largest is 1/P of DiLoCo's one branch."""
+    n, period = 8, 4
+    params = {f"w{i}": jnp.zeros((16, 16)) for i in range(4)}  # balanced leaves
+    batch = {"x": np.ones((n, 16), np.float32)}
+    mesh, inner = ddl.make_mesh(data=n), optax.sgd(0.1)
+
+    def branches(strategy):
+        stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+        assert stats.bytes_by_kind == {"all-reduce": 2 * (n - 1) / n * 4}  # the loss only
+        return sorted(stats.branches.values())
+
+    diloco = max(
+        branches(ddl.local_sgd(toy_loss, inner, mesh, period=period, outer_optimizer=NESTEROV))
+    )
+    assert diloco == 2 * (n - 1) / n * 4 * 4 * 16 * 16
+    for fragments in (2, 4):
+        sends = branches(
+            streaming_diloco(
+                toy_loss,
+                inner,
+                mesh,
+                period=period,
+                fragments=fragments,
+                overlap=period // fragments - 1,
+                outer_optimizer=NESTEROV,
+            )
+        )
+        assert len(sends) == fragments  # one branch per fragment; landings send nothing
+        assert max(sends) / diloco == pytest.approx(1 / fragments, rel=0.05)
+
+
+def test_a_compressing_reducer_quantizes_the_outer_gradients():
+    n = 4
+    params = {f"w{i}": jnp.full((8, 8), 0.1) for i in range(2)}
+    batches = [{"x": np.ones((n, 8), np.float32)}] * 4
+    strategy = streaming_diloco(
+        toy_loss,
+        optax.sgd(0.1),
+        ddl.make_mesh(data=n),
+        period=4,
+        fragments=2,
+        reducer=ddl.compression.cast(jnp.bfloat16),
+    )
+    state, history = run_steps(strategy, params, batches)
+    assert float(history[-1]["compression_ratio"]) == pytest.approx(2.0, rel=0.05)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def test_fragments_are_contiguous_groups_of_about_equal_bytes():
+    leaves = [jnp.zeros(10), jnp.zeros(1), jnp.zeros(1), jnp.zeros(10)]
+    assert fragment_bounds(leaves, 1) == ((0, 4),)
+    assert fragment_bounds(leaves, 2) == ((0, 2), (2, 4))
+    assert fragment_bounds(leaves, 3) == ((0, 1), (1, 3), (3, 4))
+    assert fragment_bounds(leaves, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    mixed = [jnp.zeros(4, jnp.bfloat16), jnp.zeros(2, jnp.float32), jnp.zeros(8, jnp.float16)]
+    assert fragment_bounds(mixed, 2) == ((0, 2), (2, 3))  # 8 + 8 bytes, then 16
+    with pytest.raises(ValueError, match="fragments must be at most the parameters' number of"):
+        fragment_bounds(leaves, 5)
+
+
+def test_init_refuses_more_fragments_than_leaves():
+    strategy = streaming_diloco(
+        toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), period=3, fragments=3
+    )
+    with pytest.raises(ValueError, match=r"fragments must be at most .* 2, got fragments=3"):
+        strategy.init({"a": jnp.zeros((2, 2)), "b": jnp.zeros((2, 2))})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"period": 0, "fragments": 1}, ValueError, "period must be an int >= 1"),
+        ({"period": 4, "fragments": 0}, ValueError, "fragments must be an int >= 1"),
+        ({"period": 6, "fragments": 4}, ValueError, "period must be a multiple of fragments"),
+        ({"period": 4, "fragments": 2, "overlap": -1}, ValueError, "overlap must be an int >= 0"),
+        ({"period": 4, "fragments": 2, "overlap": 2}, ValueError, r"overlap must be < .* = 2"),
+        ({"period": 4, "fragments": 2, "mix": 1.5}, ValueError, "mix must be a finite real"),
+        ({"period": 4, "fragments": 2, "mix": "half"}, ValueError, "mix must be"),
+        (
+            {"period": 4, "fragments": 2, "outer_optimizer": 0.7},
+            TypeError,
+            "outer_optimizer must be an optax",
+        ),
+        ({"period": 4, "fragments": 2, "reducer": "psum"}, TypeError, "reducer must be an optax"),
+        ({"period": 4, "fragments": 2, "accumulate": 0}, ValueError, "accumulate must be"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        streaming_diloco(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), **kwargs)
