@@ -251,6 +251,8 @@ def test_only_the_synchronising_branch_communicates_parameters(mlp):
         ({"period": 2, "outer_optimizer": 0.7}, TypeError, "outer_optimizer must be an optax"),
         ({"period": 2, "reducer": "psum"}, TypeError, "reducer must be an optax"),
         ({"period": 2, "state_periods": ["mu"]}, TypeError, "state_periods must be a dict"),
+        ({"period": 2, "drop": 1.0}, ValueError, r"drop must be a probability in \[0, 1\)"),
+        ({"period": 2, "drop": -0.1}, ValueError, "drop must be"),
         ({"period": 2, "state_periods": {"mu": 0}}, ValueError, r"state_periods\['mu'\] must"),
         (
             {"period": 2, "state_periods": {"mu": 4}, "average_optimizer_state": True},
@@ -566,3 +568,50 @@ def test_desloc_names_a_field_the_optimizer_state_lacks(mlp):
     )
     with pytest.raises(ValueError, match="state_periods names 'nu'"):
         strategy.init(params)
+
+
+def reference_unreliable_averaging(loss_fn, params, batches, *, n, period, arrived_at):
+    """Per-worker SGD; at a synchronisation the workers whose message arrives (arrived_at(t))
+    take the mean of their replicas and the others keep their own."""
+    replicas = [params] * n
+    for t, batch in enumerate(batches):
+        shards = worker_shards(batch, n)
+        replicas = [
+            jax.tree.map(lambda p, g: p - 0.1 * g, r, jax.grad(loss_fn)(r, s))
+            for r, s in zip(replicas, shards, strict=True)
+        ]
+        if (t + 1) % period == 0:
+            arrived = [i for i, a in enumerate(arrived_at(t)) if a]
+            if arrived:
+                mean = mean_tree([replicas[i] for i in arrived])
+                replicas = [mean if i in arrived else r for i, r in enumerate(replicas)]
+    return replicas
+
+
+def test_statement_1_replicas_agree_after_a_complete_synchronisation_not_a_lossy_one(mlp):
+    """With every message delivered and plain SGD the replicas are equal after a
+    synchronisation; with messages dropped (not accumulated) they are not, and each replica
+    is what the per-worker reference with the same drop masks gives."""
+    loss_fn, params = mlp
+    n, batches, mesh = 8, make_batches(6, 32), ddl.make_mesh(data=8)
+    complete = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3)
+    state, _ = run(complete, params, batches)
+    assert ddl.consistency.consensus_distance(state.params) == 0.0
+    default, _ = run(
+        ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.0), params, batches
+    )
+    chex.assert_trees_all_equal(default, state)
+
+    lossy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.4)
+    state, metrics = run(lossy, params, batches)
+    key = state.model.key
+    masks = {t: np.asarray(ddl.consistency.arrivals(key, t, n, 0.4)) for t in (2, 5)}
+    assert 0 < masks[5].sum() < n  # this seed drops some, not all, at the last sync
+    assert float(metrics["arrived"]) == masks[5].mean()
+    expected = reference_unreliable_averaging(
+        loss_fn, params, batches, n=n, period=3, arrived_at=masks.get
+    )
+    for i in range(n):
+        replica = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.params)
+        chex.assert_trees_all_close(replica, expected[i], atol=1e-5)
+    assert ddl.consistency.consensus_distance(state.params) > 1e-3

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
+from ddl_jax._src.consistency import arrivals, check_probability
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
@@ -52,6 +53,7 @@ def local_sgd(
     outer_optimizer: optax.GradientTransformation | None = None,
     average_optimizer_state: bool = False,
     state_periods: Mapping[str, int] | None = None,
+    drop: float = 0.0,
     warmup_sync_steps: int = 0,
     reducer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
@@ -60,48 +62,43 @@ def local_sgd(
 ) -> Strategy:
     """Local SGD: every worker trains its own replica and they synchronise every H steps.
 
-    Each worker i takes ``period`` (H) steps of ``optimizer`` on its own shard of the
-    batches, then the workers agree on the pseudo-gradient
-    ``Delta = (1/N) sum_i (anchor - theta_i)`` through ``reducer``, and
-    ``anchor <- anchor - Delta`` (plain parameter averaging: the mean of the replicas) or,
-    with an ``outer_optimizer``, ``anchor <- anchor + outer_optimizer(Delta)`` (DiLoCo).
-    Every replica restarts from the new anchor. With H = 1 and SGD this is synchronous
-    data-parallel SGD. Model state (batch statistics) is each worker's own and averaged at
-    every synchronisation; dropout keys differ per worker and step.
+    Each worker i takes ``period`` (H) steps of ``optimizer`` on its shard of the batches,
+    then the workers agree on ``Delta = (1/N) sum_i (anchor - theta_i)`` through
+    ``reducer``, and ``anchor <- anchor - Delta`` (parameter averaging) or
+    ``anchor <- anchor + outer_optimizer(Delta)`` (DiLoCo); every replica restarts from the
+    new anchor. H = 1 with SGD is synchronous SGD. Model state (batch statistics) is each
+    worker's own and averaged at every synchronisation; dropout keys differ per worker.
 
-    With ``warmup_sync_steps`` = W > 0 the first W steps are synchronous (gradients
-    all-reduced, replicas equal), then local steps start (post-local SGD).
-
-    **Schedules.** Steps count t = 0, 1, ... (the counter before the step); steps t < W
-    are the warm-up. A synchronisation follows step t >= W when (t - W + 1) % H == 0 under
-    ``schedule="ddl"`` (the default: after every H local steps), or (t - W) % H == 0 under
-    ``schedule="torch"``: PyTorch's ``PeriodicModelAverager(period=H, warmup_steps=W)``
-    called after every optimizer step (with the post-local SGD hook's
-    ``start_localSGD_iter=W``), after the first local step and then every H. For H = 4,
+    **Schedules.** Steps count t = 0, 1, ... (the counter before the step); the first
+    ``warmup_sync_steps`` = W are synchronous (gradients all-reduced: post-local SGD). A
+    synchronisation follows step t >= W when (t - W + 1) % H == 0 under ``schedule="ddl"``
+    (the default: after every H local steps), or (t - W) % H == 0 under ``"torch"``:
+    PyTorch's ``PeriodicModelAverager(period=H, warmup_steps=W)`` called after every
+    optimizer step (the post-local SGD hook's ``start_localSGD_iter=W``). For H = 4,
     W = 2: "ddl" after steps 5, 9, 13, ...; "torch" after 2, 6, 10, ...
 
     **DES-LOC.** ``state_periods={"mu": K_u, "nu": K_v}`` averages each named field of the
     inner optimizer's state (Adam's moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) on
     its own period, counted as ``period`` is; the paper recommends K_u = 3H, K_v = 6H.
 
-    **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, PyTorch's
-    ``HierarchicalModelAverager(period_group_size_dict)``) replaces ``period``: after a step,
-    the largest period dividing its count picks the level, which averages replicas (model
-    state, and optimizer states with ``average_optimizer_state``) exactly within contiguous
-    blocks of G_l workers, by G_l - 1 ``ppermute`` rounds inside the block ((G_l - 1) x the
-    parameter bytes per worker); the top level is the synchronisation above. The count is
-    t - W + 1 under "ddl" (``((H, N),)`` is ``period=H``) and t (t >= W) under "torch", as
-    PyTorch's hierarchical averager counts.
+    **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, as PyTorch's
+    ``HierarchicalModelAverager``) replaces ``period``: after a step, the largest period
+    dividing its count (t - W + 1 under "ddl", t under "torch") picks the level, which
+    averages replicas (model state, and optimizer states with ``average_optimizer_state``)
+    within contiguous blocks of G_l workers by G_l - 1 ``ppermute`` rounds; the top level
+    is the synchronisation above.
+
+    **Unreliable workers.** With ``drop`` = p each worker misses each synchronisation with
+    probability p (``ddl.consistency.arrivals``, from the run's key): its pseudo-gradient
+    is left out of the mean and it keeps its own replica and states. Replicas then disagree
+    after a synchronisation (``ddl.consistency.consensus_distance(state.params)`` > 0).
 
     References:
       Zinkevich et al., "Parallelized stochastic gradient descent", NeurIPS 2010.
       Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020, arXiv:1808.07217.
-      Douillard et al., "DiLoCo", 2023, arXiv:2311.08105 (inner AdamW; outer
-      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
-      Iacob et al., "DES-LOC: Desynced low communication adaptive optimizers for training
-      foundation models", 2025, arXiv:2505.22549.
-      Wang et al., "Demystifying why local aggregation helps: convergence analysis of
-      hierarchical SGD", 2020, arXiv:2010.12998.
+      Douillard et al., "DiLoCo", arXiv:2311.08105 (outer ``optax.sgd(0.7, momentum=0.9,
+      nesterov=True)``). Iacob et al., "DES-LOC", arXiv:2505.22549. Wang et al.,
+      "Demystifying why local aggregation helps", arXiv:2010.12998 (hierarchical SGD).
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -117,6 +114,7 @@ def local_sgd(
       average_optimizer_state: also average the workers' inner optimizer states when
         synchronising (otherwise each worker keeps its own).
       state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
+      drop: the probability that a worker misses a synchronisation, in [0, 1).
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included.
@@ -126,10 +124,9 @@ def local_sgd(
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
-      (1.0 after a synchronisation, a group's included), the reducer's metrics, with
-      ``hierarchy`` ``sync_group_size`` (0.0 if none), with ``state_periods``
-      ``synchronised_<field>`` (1.0 when that field was averaged). ``params(state)``: the
-      replicas' mean.
+      (1.0 after a synchronisation, a group's included), the reducer's metrics, and
+      ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
+      (drop: the share of workers synchronised). ``params(state)``: the replicas' mean.
 
     Example:
       >>> import jax.numpy as jnp, optax, ddl_jax as ddl
@@ -154,6 +151,7 @@ def local_sgd(
         warmup_sync_steps,
         average_optimizer_state,
         state_periods,
+        drop,
     )
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -173,6 +171,7 @@ def _configure(
     warmup_sync_steps: Any,
     average_optimizer_state: bool,
     state_periods: Any,
+    drop: Any,
 ) -> _Config:
     """``local_sgd``'s arguments checked, and its schedule as periods and an offset."""
     levels = _levels(period, hierarchy, kit.n, kit.axis)
@@ -202,6 +201,7 @@ def _configure(
         warmup_sync_steps,
         average_optimizer_state,
         _state_periods(state_periods, average_optimizer_state),
+        check_probability("drop", drop),
     )
 
 
@@ -286,6 +286,7 @@ class _Config(NamedTuple):
     warmup: int
     average_optimizer_state: bool
     state_periods: tuple[tuple[str, int], ...]  # DES-LOC: (optimizer-state field, period)
+    drop: float  # the probability that a worker misses a synchronisation
 
 
 def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
@@ -329,10 +330,11 @@ def _worker_step(
     # 2: a synchronisation through the outer step; 3 + l: level l's group average. The
     # level with the largest period that fires wins.
     branch = jnp.where(step == warmup - 1, 1, 0)
+    arrived = arrivals(state.model.key, step, kit.n, cfg.drop) if cfg.drop else None
     branches = [
         _keep,
         functools.partial(_catch_up, axis=axis),
-        functools.partial(_synchronise, cfg=cfg),
+        functools.partial(_synchronise, cfg=cfg, arrived=arrived),
     ]
     sizes = [0, 0, cfg.kit.n]
     for period, size in cfg.levels:
@@ -347,6 +349,8 @@ def _worker_step(
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
     metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
+    if cfg.drop:
+        metrics["arrived"] = jnp.mean(arrived.astype(jnp.float32))
     for name, period in cfg.state_periods:
         fires = ~warm & ((step + cfg.offset) % period == 0)
         average = functools.partial(_average_field, name=name, axis=axis)
@@ -364,13 +368,22 @@ def _worker_step(
 Carry = tuple[Any, Any, Any, Any, Any, Any]  # params, opt, anchor, outer, reducer, model state
 
 
-def _average(tree: Any, axis: str) -> Any:
-    """Every worker's floating leaves replaced by their mean over ``axis`` (still varying)."""
+def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
+    """Every worker's floating leaves replaced by their mean over ``axis`` (still varying).
+
+    With ``arrived`` (``bool[N]``): the mean of the arrived workers' leaves, which only they
+    take; the others keep theirs.
+    """
+    mine = None if arrived is None else arrived[lax.axis_index(axis)]
+    count = None if arrived is None else jnp.maximum(jnp.sum(arrived), 1)
 
     def one(x: jax.Array) -> jax.Array:
         if not jnp.issubdtype(x.dtype, jnp.inexact):
             return x
-        return lax.pcast(lax.pmean(x, axis), axis, to="varying")
+        if arrived is None:
+            return lax.pcast(lax.pmean(x, axis), axis, to="varying")
+        mean = (lax.psum(jnp.where(mine, x, 0), axis) / count).astype(x.dtype)
+        return jnp.where(mine, mean, x)
 
     return jax.tree.map(one, tree)
 
@@ -402,21 +415,40 @@ def _catch_up(carry: Carry, axis: str) -> Carry:
     return params, opt_state, anchor, outer_state, reducer_state, model_state
 
 
-def _synchronise(carry: Carry, cfg: _Config) -> Carry:
-    """The outer step: the reduced pseudo-gradient moves the anchor; replicas restart there."""
+def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry:
+    """The outer step: the reduced pseudo-gradient moves the anchor; replicas restart there.
+
+    With ``arrived`` (``bool[N]``, unreliable workers) the mean is over the workers whose
+    message arrived, and the others keep their replica and states.
+    """
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     delta = jax.tree.map(jnp.subtract, anchor, params)
-    axis, outer = cfg.kit.axis, cfg.outer
+    axis, outer, n = cfg.kit.axis, cfg.outer, cfg.kit.n
+    mine = None if arrived is None else arrived[lax.axis_index(axis)]
+    if arrived is not None:
+        delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
     delta, reducer_state = cfg.kit.reducer.update(delta, reducer_state, anchor)
+    if arrived is not None:  # the mean over those that arrived; none: no outer step
+        scale = n / jnp.maximum(jnp.sum(arrived), 1)
+        delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
+    before = anchor, outer_state
     if outer is not None:
         updates, outer_state = outer.update(delta, outer_state, anchor)
         anchor = optax.apply_updates(anchor, updates)
     else:
         anchor = jax.tree.map(jnp.subtract, anchor, delta)
+    if arrived is not None:
+        anchor, outer_state = _select(jnp.any(arrived), (anchor, outer_state), before)
     if cfg.average_optimizer_state:
-        opt_state = _average(opt_state, axis)
-    params = lax.pcast(anchor, axis, to="varying")
-    return params, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis)
+        opt_state = _average(opt_state, axis, arrived)
+    new = lax.pcast(anchor, axis, to="varying")
+    if arrived is not None:
+        new = _select(mine, new, params)
+    return new, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis, arrived)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
 def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:

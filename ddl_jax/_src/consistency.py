@@ -1,0 +1,49 @@
+"""Unreliable synchronisations and replica consistency: who arrived, and how far apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ddl_jax._src.strategy import check_real
+
+#: ``fold_in`` tag of the drop draws, apart from the per-worker dropout keys (tags < N).
+DROP_STREAM = 0x7FFFFFFF
+
+
+def arrivals(key_data: jax.Array, step: jax.Array | int, n: int, drop: float) -> jax.Array:
+    """Which of ``n`` workers' messages arrive at ``step``: ``bool[n]``, each lost with
+    probability ``drop``, drawn from the run's key (``ModelVars.key``) and the step alone,
+    so every worker draws the same mask and a resumed run draws the masks an uninterrupted
+    one would."""
+    key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    key = jax.random.fold_in(jax.random.fold_in(key, step), DROP_STREAM)
+    return jax.random.uniform(key, (n,)) >= drop
+
+
+def check_probability(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1), or a ``ValueError`` naming ``name``."""
+    value = check_real(name, value, minimum=0, maximum=1)
+    if value == 1:
+        raise ValueError(f"{name} must be a probability in [0, 1), got 1: nothing would arrive.")
+    return value
+
+
+def consensus_distance(replicas: Any) -> float:
+    """The replicas' mean Euclidean distance to their average model.
+
+    ``replicas`` is a pytree whose leaves have a leading worker axis ``[N, ...]``, as the
+    ``params`` of ``LocalSGDState`` and ``GossipState`` do:
+    ``(1/N) sum_i ||theta_i - mean_j theta_j||``, computed on the host in float64, so it
+    is 0 exactly when the replicas agree.
+    """
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(replicas)]
+    if not leaves or any(x.ndim == 0 or len(x) != len(leaves[0]) for x in leaves):
+        raise ValueError(
+            "consensus_distance takes replicas with a leading worker axis [N, ...] on every "
+            f"leaf (a state's params), got shapes {[x.shape for x in leaves]}."
+        )
+    squared = sum(((x - x.mean(0)) ** 2).reshape(len(x), -1).sum(1) for x in leaves)
+    return float(np.mean(np.sqrt(squared)))
