@@ -37,6 +37,7 @@ from ddl_jax._src.staleness import (
     ssp,
 )
 from ddl_jax._src.strategy import Strategy
+from ddl_jax._src.streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from ddl_jax._src.tensor_parallel import TensorParallelState, tensor_parallel
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "ModelVars",
     "PipelineState",
     "Strategy",
+    "StreamingDiLoCoState",
     "TensorParallelState",
     "adasum",
     "allreduce_mean",
@@ -88,5 +90,6 @@ __all__ = [
     "simulate_cpu_devices",
     "softsync",
     "ssp",
+    "streaming_diloco",
     "tensor_parallel",
 ]

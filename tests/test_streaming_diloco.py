@@ -10,7 +10,7 @@ import pytest
 from conftest import bn_dropout_pair, make_batches, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src.streaming_diloco import fragment_bounds, streaming_diloco
+from ddl_jax._src.streaming_diloco import fragment_bounds
 
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
@@ -30,7 +30,7 @@ def test_one_fragment_without_overlap_is_diloco_step_by_step():
     mesh, batches = ddl.make_mesh(data=8), make_batches(6, 32)
     inner = optax.adamw(1e-2)
     diloco = ddl.local_sgd(loss_fn, inner, mesh, period=2, outer_optimizer=NESTEROV)
-    streaming = streaming_diloco(
+    streaming = ddl.streaming_diloco(
         loss_fn, inner, mesh, period=2, fragments=1, outer_optimizer=NESTEROV
     )
     step_a, step_b = jax.jit(diloco.step), jax.jit(streaming.step)
@@ -107,7 +107,7 @@ def test_matches_its_definition_written_out_in_numpy(overlap, mix):
     n, period, fragments = 4, 4, 2
     params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
     batches = quadratic_batches(13, 8)  # 3 periods and one step: a fragment in flight
-    strategy = streaming_diloco(
+    strategy = ddl.streaming_diloco(
         quadratic_loss,
         optax.sgd(0.1, momentum=0.5),
         ddl.make_mesh(data=n),
@@ -131,7 +131,7 @@ def test_matches_its_definition_written_out_in_numpy(overlap, mix):
 def test_a_checkpoint_with_a_fragment_in_flight_resumes_the_same_run(tmp_path):
     params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
     batches = quadratic_batches(7, 8, seed=1)
-    strategy = streaming_diloco(
+    strategy = ddl.streaming_diloco(
         quadratic_loss,
         optax.adam(1e-2),
         ddl.make_mesh(data=4),
@@ -178,7 +178,7 @@ def test_peak_bytes_per_step_are_diloco_s_over_the_fragment_count():
     assert diloco == 2 * (n - 1) / n * 4 * 4 * 16 * 16
     for fragments in (2, 4):
         sends = branches(
-            streaming_diloco(
+            ddl.streaming_diloco(
                 toy_loss,
                 inner,
                 mesh,
@@ -196,7 +196,7 @@ def test_a_compressing_reducer_quantizes_the_outer_gradients():
     n = 4
     params = {f"w{i}": jnp.full((8, 8), 0.1) for i in range(2)}
     batches = [{"x": np.ones((n, 8), np.float32)}] * 4
-    strategy = streaming_diloco(
+    strategy = ddl.streaming_diloco(
         toy_loss,
         optax.sgd(0.1),
         ddl.make_mesh(data=n),
@@ -222,7 +222,7 @@ def test_fragments_are_contiguous_groups_of_about_equal_bytes():
 
 
 def test_init_refuses_more_fragments_than_leaves():
-    strategy = streaming_diloco(
+    strategy = ddl.streaming_diloco(
         toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), period=3, fragments=3
     )
     with pytest.raises(ValueError, match=r"fragments must be at most .* 2, got fragments=3"):
@@ -250,4 +250,4 @@ def test_init_refuses_more_fragments_than_leaves():
 )
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
-        streaming_diloco(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), **kwargs)
+        ddl.streaming_diloco(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), **kwargs)
