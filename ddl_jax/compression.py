@@ -3,6 +3,7 @@
 
 from ddl_jax._src.compression import CastState, QSGDState, SignState, cast, qsgd, sign
 from ddl_jax._src.compression_lowrank import PowerSGDState, power_sgd
+from ddl_jax._src.compression_outer import DeMoState, SparseLoCoState, demo, sparse_loco
 from ddl_jax._src.compression_scatter import (
     ScatterReducer,
     ScatterState,
@@ -16,15 +17,18 @@ from ddl_jax._src.compression_wire import reducer_metrics
 
 __all__ = [
     "CastState",
+    "DeMoState",
     "PowerSGDState",
     "QSGDState",
     "ScatterReducer",
     "ScatterState",
     "ScatterTopKState",
     "SignState",
+    "SparseLoCoState",
     "ThresholdState",
     "TopKState",
     "cast",
+    "demo",
     "power_sgd",
     "qsgd",
     "reducer_metrics",
@@ -32,6 +36,7 @@ __all__ = [
     "scatter_qsgd",
     "scatter_top_k",
     "sign",
+    "sparse_loco",
     "threshold",
     "top_k",
 ]
