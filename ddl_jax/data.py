@@ -9,6 +9,7 @@ from ddl_jax._src.data import (
     lm_batches,
     text,
 )
+from ddl_jax._src.non_iid import dirichlet_shares, non_iid_batches
 
 __all__ = [
     "TEXT_TRAIN_FILES",
@@ -16,6 +17,8 @@ __all__ = [
     "Dataset",
     "batches",
     "digits",
+    "dirichlet_shares",
     "lm_batches",
+    "non_iid_batches",
     "text",
 ]
