@@ -23,6 +23,7 @@ from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.model_loss import ModelLoss, ModelVars
+from ddl_jax._src.noloco import NoLoCoState, noloco
 from ddl_jax._src.pipeline import pipeline
 from ddl_jax._src.pipeline_programs import DDGState, PipelineState
 from ddl_jax._src.pipeline_stages import pipeline_stages
@@ -53,6 +54,7 @@ __all__ = [
     "LocalSGDState",
     "ModelLoss",
     "ModelVars",
+    "NoLoCoState",
     "PipelineState",
     "Strategy",
     "StreamingDiLoCoState",
@@ -82,6 +84,7 @@ __all__ = [
     "mixed_precision",
     "mixing_matrix",
     "models",
+    "noloco",
     "pipeline",
     "pipeline_stages",
     "scale_by_staleness",

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_batches, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src.noloco import draw_pairing, noloco, pairing_rounds
+from ddl_jax._src.noloco import draw_pairing, pairing_rounds
 
 LR = 0.1
 
@@ -35,11 +35,11 @@ def test_two_workers_are_diloco(mlp, period):
     loss_fn, params = mlp
     mesh, batches = ddl.make_mesh(data=2), make_batches(6, 16)
     if period == 1:
-        ours = noloco(loss_fn, optax.sgd(LR), mesh, period=1)
+        ours = ddl.noloco(loss_fn, optax.sgd(LR), mesh, period=1)
         known = ddl.data_parallel(loss_fn, optax.sgd(LR), mesh)
     else:
         outer = optax.sgd(0.7, momentum=0.5)
-        ours = noloco(loss_fn, optax.sgd(LR), mesh, period=3, outer_optimizer=outer)
+        ours = ddl.noloco(loss_fn, optax.sgd(LR), mesh, period=3, outer_optimizer=outer)
         known = ddl.local_sgd(loss_fn, optax.sgd(LR), mesh, period=3, outer_optimizer=outer)
     results, synchronised = [], []
     for strategy in (ours, known):
@@ -89,7 +89,7 @@ def test_outer_rule_equals_the_modified_nesterov_reference(mlp, n, anchor_pull):
     loss_fn, params = mlp
     alpha, beta, period = 0.5, 0.7, 2
     batches = make_batches(4, 8 * n)
-    strategy = noloco(
+    strategy = ddl.noloco(
         loss_fn,
         optax.sgd(LR),
         ddl.make_mesh(data=n),
@@ -113,7 +113,9 @@ def test_outer_rule_equals_the_modified_nesterov_reference(mlp, n, anchor_pull):
 def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp):
     loss_fn, params = mlp
     n, param_bytes = 8, 4 * sum(x.size for x in jax.tree.leaves(params))
-    strategy = noloco(loss_fn, optax.sgd(LR), ddl.make_mesh(data=n), period=1, consensus_every=0)
+    strategy = ddl.noloco(
+        loss_fn, optax.sgd(LR), ddl.make_mesh(data=n), period=1, consensus_every=0
+    )
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
     assert stats.bytes_by_kind == {"all-reduce": 2 * (n - 1) / n * 4}  # the loss metric
     assert sorted(set(stats.branches.values())) == [2 * param_bytes]  # Delta and phi, one peer
@@ -130,4 +132,4 @@ def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp):
 def test_bad_arguments(mlp, kwargs, match):
     loss_fn, _ = mlp
     with pytest.raises(ValueError, match=match):
-        noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), **kwargs)
+        ddl.noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), **kwargs)

@@ -138,11 +138,10 @@ def noloco(
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
-      >>> from ddl_jax._src.noloco import noloco
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
-      >>> strategy = noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=2)
+      >>> strategy = ddl.noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=2)
       >>> state = strategy.init({"w": jnp.zeros(())})
       >>> for _ in range(2):
       ...     state, metrics = strategy.step(state, batch)
