@@ -163,13 +163,17 @@ class _Program(NamedTuple):
         optimizer: optax.GradientTransformation,
         compute_time: float | Sequence[float] | sl.ComputeTime,
         protocol: str | sl.Protocol,
+        drop: float = 0.0,
+        churn: sl.Churn | None = None,
     ) -> st.Strategy:
-        """Checks the protocol and the compute times; the ``Strategy`` of the program."""
+        """Checks the protocol, the faults and the compute times; the ``Strategy``."""
         times = sl.as_compute_time(compute_time, kit.n)
         protocol = sl.as_protocol(protocol, kit.n)
+        drop = st.check_real("drop", drop, minimum=0, maximum=1)
+        rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
         server_opt = optax.with_extra_args_support(optimizer)
-        program = cls(kit, ev.Rules.of(protocol), times, server_opt, downpour)
+        program = cls(kit, rules, times, server_opt, downpour)
         specs = program.specs()
         params = kit.replicated(program.variables) if downpour else program.variables
         return st.Strategy(
@@ -227,18 +231,18 @@ class _Program(NamedTuple):
             gradient=_select(computes, gradient, workers.gradient),
             new_model_state=_select(computes, model_state, workers.new_model_state),
         )
-        count = lax.psum(computes.astype(jnp.float32), axis)
+        count = jnp.maximum(lax.psum(computes.astype(jnp.float32), axis), 1.0)
         metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
         return workers, {k: v / count for k, v in metrics.items()}
 
     def replay(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
         """One event on the parameters: accrue (Downpour), push, apply, fetch."""
-        if self.downpour:
-            accrue = event.happens & (me == event.worker)
+        if self.downpour:  # a lost push empties the sum as a received one does
+            mine = me == event.worker
+            accrue = event.happens & ~event.rejoin & mine
             total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
-            local = local._replace(
-                protocol=Accrued(_select(accrue, total, local.protocol.gradient))
-            )
+            total = _select(accrue, total, local.protocol.gradient)
+            local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
         local = lax.cond(event.push, functools.partial(self.push, me), _keep, local, event)
         return self.fetch(me, local, event.fetch), None
 
@@ -334,7 +338,12 @@ class _Program(NamedTuple):
             "updates_applied": clock.version.astype(jnp.float32),
             "wall_clock": clock.now,
             "clock_gap_max": summary.clock_gap_max,
+            "replica_lag": ev.replica_lag(clock),
         }
+        if self.rules.drop > 0:
+            metrics["pushes_lost"] = summary.pushes_lost
+        if self.rules.churn:
+            metrics["workers_away"] = clock.away.sum().astype(jnp.float32)
         return state, metrics
 
     def variables(self, state: AsyncSGDState) -> Any:
@@ -353,6 +362,8 @@ def async_sgd(
     *,
     compute_time: float | Sequence[float] | sl.ComputeTime = 1.0,
     protocol: str | sl.Protocol = "async",
+    drop: float = 0.0,
+    churn: sl.Churn | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
@@ -405,6 +416,15 @@ def async_sgd(
     not of the system simulated. ``d(i, k)`` depends only on (seed, i, k), and the seed's
     key lives in the state: a checkpoint resumes the same run.
 
+    Unreliable workers (``async_events.py``), drawn from (seed, i, k) like ``d(i, k)``:
+    ``drop=p`` loses the push of worker i's task k with probability p. The server never
+    sees it; the worker, unaware, fetches as after any push, at once (the server holds no
+    push of its), even under softsync, whose group waits for the next arrivals: with
+    equal times softsync(N) is then synchronous SGD in which a lost gradient is redone by
+    its worker on its next shard. ``churn``: after task k - 1 worker i leaves with
+    probability q, computes nothing for T, then fetches the server's state and starts
+    task k. A step in which no worker computes reports ``loss`` 0.
+
     References:
       Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
       Recht, Re, Wright, Niu, "Hogwild!", NeurIPS 2011, arXiv:1106.5730.
@@ -426,6 +446,8 @@ def async_sgd(
         worker, or ``ddl.compute_times(base, spread=, seed=)`` for random times.
       protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)`` or
         ``ddl.downpour(n_fetch, n_push)``.
+      drop: p in [0, 1], the probability that a push is lost; churn: ``None`` or
+        ``ddl.churn(leave=q, away=T)``, workers that leave and rejoin (see above).
       accumulate: micro-batches per worker gradient.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
@@ -436,7 +458,9 @@ def async_sgd(
       values), the mean over this step's gradients; ``staleness_mean`` / ``_max`` over its
       pushes (0 if none); ``pushes``; ``updates_applied`` (server version); ``wall_clock``
       (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of a worker that
-      started a task this step over the slowest worker).
+      started a task this step over the slowest worker); ``replica_lag`` (the mean over
+      workers of the server updates since their last fetch); ``pushes_lost`` (``drop``),
+      ``workers_away`` (``churn``). ``pushes`` counts the pushes received.
 
     Example (four equal workers averaging their four gradients: synchronous SGD):
 
@@ -450,4 +474,4 @@ def async_sgd(
     (0.2, 4.0)
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
-    return _Program.build(kit, optimizer, compute_time, protocol)
+    return _Program.build(kit, optimizer, compute_time, protocol, drop, churn)

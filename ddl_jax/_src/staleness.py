@@ -148,6 +148,42 @@ class Downpour(NamedTuple):
 Protocol = Async | SoftSync | SSP | Downpour
 
 
+class Churn(NamedTuple):
+    """Workers that leave and rejoin (see :func:`churn`).
+
+    Attributes:
+      leave: q, the probability that a worker leaves after completing a task.
+      away: T, how long (simulated time) it stays away before rejoining.
+    """
+
+    leave: float
+    away: float
+
+
+def churn(leave: float, away: float) -> Churn:
+    """Churn for ``async_sgd``: after each completed task (and its push), a worker leaves
+    with probability ``leave`` and rejoins ``away`` simulated time later, fetching the
+    server's current parameters and starting its next task at once.
+
+    Args:
+      leave: q in [0, 1].
+      away: T, finite and >= 0.
+    """
+    return Churn(
+        check_real("churn leave", leave, minimum=0, maximum=1),
+        check_real("churn away", away, minimum=0),
+    )
+
+
+def as_churn(value: Churn | None) -> Churn:
+    """Validates ``async_sgd``'s ``churn`` argument (``None``: no churn)."""
+    if value is None:
+        return Churn(0.0, 0.0)
+    if not isinstance(value, Churn):
+        raise ValueError(f"churn must be None or ddl.churn(leave=, away=), got {value!r}.")
+    return churn(value.leave, value.away)
+
+
 def softsync(n: int) -> SoftSync:
     """The n-softsync protocol: the server averages every ``n`` arrivals into one update.
 
