@@ -389,3 +389,13 @@ def test_tensorboard_without_tensorboardx_names_the_extra(mlp, tmp_path, monkeyp
         ddl.fit(
             strategy, params, make_batches(2, 8), steps=2, progress=False, tensorboard_dir=tmp_path
         )
+
+
+def test_a_long_run_without_logging_does_not_deadlock_the_devices(mlp):
+    """With no metric fetched for the whole run, steps used to be dispatched without bound,
+    and XLA:CPU's collectives over 8 simulated devices deadlocked (the process aborted)."""
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-3), ddl.make_mesh(data=8))
+    batch = make_batches(1, 64)[0]
+    _, history = ddl.fit(strategy, params, [batch] * 300, steps=300, log_every=10**6)
+    assert len(history) == 300 and np.isfinite(history[-1]["loss"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import warnings
@@ -40,6 +41,14 @@ def guard_nonfinite(
         return kept, {**metrics, "skipped": jnp.where(finite, 0.0, 1.0)}
 
     return guarded
+
+
+#: Steps dispatched ahead of their results: beyond this the host waits for the oldest.
+#: Unbounded asynchronous dispatch (``log_every`` larger than the run) of multi-device
+#: programs deadlocks XLA:CPU's in-process collectives on a few cores (8 simulated
+#: devices on 2 cores: "Expected 8 threads to join the rendezvous"); a few steps ahead
+#: keep the host and the devices overlapped.
+MAX_IN_FLIGHT = 4
 
 
 def fit(
@@ -206,12 +215,16 @@ def _train(
         log.evaluate(eval_fn, lambda: strategy.params(state))
 
     stopped = False
+    in_flight: collections.deque[Any] = collections.deque()
     for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
         # Step i - 1's records are final (evaluated) now: pass them on before step i.
         if stopped := log.pass_on():
             break
         state, metrics = step_fn(state, batch)
         log.add(metrics, batch)
+        in_flight.append(metrics)
+        if len(in_flight) > MAX_IN_FLIGHT:
+            jax.block_until_ready(in_flight.popleft())
         if i % settings.log_every == 0:
             log.flush()
         if eval_fn is not None and eval_every is not None and i % eval_every == 0:
