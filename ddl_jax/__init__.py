@@ -17,6 +17,7 @@ from ddl_jax._src.adasum import adasum
 from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
 from ddl_jax._src.comm import CommStats, comm_stats
 from ddl_jax._src.data_parallel import DataParallelState, data_parallel
+from ddl_jax._src.delayed_nesterov import delayed_nesterov
 from ddl_jax._src.fit import fit, guard_nonfinite
 from ddl_jax._src.fsdp import FSDPState, fsdp
 from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
@@ -31,6 +32,7 @@ from ddl_jax._src.precision import mixed_precision
 from ddl_jax._src.reducers import allreduce_mean, chain
 from ddl_jax._src.staleness import (
     ComputeTime,
+    churn,
     compute_times,
     downpour,
     scale_by_staleness,
@@ -64,6 +66,7 @@ __all__ = [
     "async_sgd",
     "chain",
     "checkpoint",
+    "churn",
     "collectives",
     "comm_stats",
     "compression",
@@ -71,6 +74,7 @@ __all__ = [
     "consistency",
     "data",
     "data_parallel",
+    "delayed_nesterov",
     "downpour",
     "fit",
     "flax",

@@ -54,6 +54,13 @@ BAD = [
     (["--straggler", "0.5"], "straggler must be a number >= 1, got 0.5"),
     (["--devices", str(DEVICES + 1)], f"more than the {DEVICES} cpu device(s) available"),
     (["--strategies", f"softsync:{DEVICES + 1}"], f"strategy 'softsync:{DEVICES + 1}':"),
+    (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
+    (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable"),
+    (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
+    (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
+    (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, sparseloco:0.01, noloco:16"),
+    (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be > 0"),
+    (["--workload", "text-gpt", "--non-iid", "0.5"], "a digits workload, not text-gpt"),
 ]
 
 
@@ -138,3 +145,30 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys):
         assert [r["step"] for r in records] == list(range(1, 13))
         assert [r["eval"] for r in records if "eval" in r] == run["eval_values"]
         assert records[-1]["loss"] == run["final_loss"]
+
+
+def _run(out, *args):
+    assert cli.main(["compare", "--out", str(out), "--eval-every", "4", *args]) == 0
+    return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+
+
+def test_desloc_is_charged_its_moment_averages_and_consensus_is_reported(tmp_path, capsys):
+    """On label-skewed shares: DES-LOC (H = 2) averages the parameters as local SGD (H = 2)
+    does, plus Adam's first moment once in 8 steps (at 3H = 6), an all-reduce of the same
+    size; local SGD's replicas agree after its last synchronisation, Streaming DiLoCo's
+    (one fragment sent in 8 steps) do not."""
+    runs = _run(
+        tmp_path, "--strategies", "local:2,desloc:2,streaming:2", "--steps", "8", "--non-iid", "0.3"
+    )
+    local, desloc, streaming = runs["local:2"], runs["desloc:2"], runs["streaming:2"]
+    assert (local["events"], desloc["events"], streaming["events"]) == (4.0, 5.0, 1.0)
+    extra = desloc["bytes_per_device_total"] - local["bytes_per_device_total"]
+    assert extra == pytest.approx(local["comm_bytes_per_event"], rel=1e-9)
+    assert local["consensus_distance"] == 0.0 < streaming["consensus_distance"]
+    assert "| desloc:2 |" in capsys.readouterr().out
+
+
+def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):
+    runs = _run(tmp_path, "--strategies", "local:2", "--steps", "4", "--drop", "0.5")
+    assert runs["local:2"]["consensus_distance"] > 0
+    assert "| local:2 |" in capsys.readouterr().out

@@ -249,12 +249,24 @@ def _compare_parser(sub: Any) -> None:
         "--strategies",
         help=f"comma-separated specs (default {','.join(cs.DEFAULT_STRATEGIES)})",
     )
+    p.add_argument(
+        "--preset",
+        help=f"a named strategy list instead of --strategies: {', '.join(cs.PRESETS)}",
+    )
     p.add_argument("--devices", help="workers, one per device (default 8)")
     p.add_argument("--steps", help="training steps per strategy (default: the workload's)")
     p.add_argument("--network", help=f"one of {', '.join(cs.NETWORKS)} (default 1gbps)")
     p.add_argument(
         "--straggler",
         help="one worker's compute time relative to the others, >= 1 (default 1: none)",
+    )
+    p.add_argument(
+        "--drop",
+        help="probability that a message is lost, in [0, 1) (default 0; --preset unreliable)",
+    )
+    p.add_argument(
+        "--non-iid",
+        help="Dirichlet alpha of label-skewed worker shares, > 0 (digits; default i.i.d.)",
     )
     p.add_argument("--seed", help="seed of initialisation and data order (default 0)")
     p.add_argument(
@@ -269,10 +281,13 @@ def _compare_parser(sub: Any) -> None:
 _COMPARE_FLAGS = (
     "workload",
     "strategies",
+    "preset",
     "devices",
     "steps",
     "network",
     "straggler",
+    "drop",
+    "non_iid",
     "seed",
     "target",
     "eval_every",

@@ -12,9 +12,10 @@ communication after computation, no overlap)::
     time(k) = compute(k) + k * comm + events(k) * comm_event
 
 ``comm`` prices the step's unconditional collectives, ``comm_event`` one run of the
-conditional collective that a metric counts: a synchronisation of local SGD and DiLoCo
-(metric ``synchronised``), a push of the async family (metric ``pushes``); ``events(k)``
-sums that metric over the first k steps. Bytes add up the same way. ``compute(k)`` is
+conditional collective that a metric counts: a synchronisation of local SGD and its kin
+(metric ``synchronised``; DES-LOC's moment averages, ``synchronised_mu`` / ``_nu``, count
+too), a push of the async family (metric ``pushes``); ``events(k)`` sums those metrics
+over the first k steps. Bytes add up the same way. ``compute(k)`` is
 ``k * F * t`` for synchronous strategies (every step waits for the slowest worker, F
 times slower under ``--straggler F``) and ``wall_clock(k) * t`` for the async family,
 whose event simulation runs the straggler (the last worker, ``compute_time`` F, the
@@ -38,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ddl_jax._src import compare_report, sim
+from ddl_jax._src import compare_report, consistency, sim
 from ddl_jax._src.comm import comm_stats
 from ddl_jax._src.compare_config import Config
 from ddl_jax._src.compare_specs import (
@@ -50,7 +51,13 @@ from ddl_jax._src.compare_specs import (
 )
 from ddl_jax._src.compare_workloads import Workload, make_workload
 from ddl_jax._src.fit import fit
+from ddl_jax._src.local_sgd import LocalSGDState
 from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
+from ddl_jax._src.noloco import NoLoCoState
+from ddl_jax._src.streaming_diloco import StreamingDiLoCoState
+
+#: States whose ``params`` hold one replica per worker (gossip measures its own).
+REPLICA_STATES = (LocalSGDState, NoLoCoState, StreamingDiLoCoState)
 
 #: Timed calls of the compiled step (after one untimed call).
 TIMED_STEPS = 5
@@ -88,23 +95,45 @@ def _time_step(jitted: Any, state: Any, batch: Any) -> float:
     return statistics.median(times)
 
 
-#: Metrics counting the steps' runs of a conditional collective: local SGD's
-#: synchronisations, async SGD's pushes. Other branches (gossip's consensus measurement)
-#: are instrumentation and not charged.
+#: Metrics counting the steps' runs of a conditional collective: local SGD's (and its
+#: kin's) synchronisations, async SGD's pushes; DES-LOC's ``synchronised_<field>`` moment
+#: averages count too (Adam's moments are parameter-sized, as the synchronisation). Other
+#: branches (gossip's consensus measurement) are instrumentation and not charged.
 EVENT_METRICS = ("synchronised", "pushes")
 
 
+def _event_metrics(record: dict[str, Any]) -> tuple[str, ...]:
+    """The metrics of ``record`` that count conditional collectives (``EVENT_METRICS``)."""
+    first = next((m for m in EVENT_METRICS if m in record), None)
+    if first is None:
+        return ()
+    return (first, *sorted(m for m in record if m.startswith(f"{first}_")))
+
+
+def _consensus(state: Any) -> float | None:
+    """The replicas' consensus distance, for states holding one replica per worker."""
+    if isinstance(state, REPLICA_STATES):
+        return consistency.consensus_distance(state.params)
+    return None
+
+
 def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, float]:
-    """Bytes and seconds of a step's unconditional collectives, and of one run of the
-    branch that ``event`` counts (its busiest branch, over the loop trip count)."""
+    """Bytes and seconds of a step's unconditional collectives, and of one run of what
+    ``event`` counts: the mean over the step's communicating branches, each over its loop
+    trip count. The branches of every family here run equally often or send alike (local
+    SGD's synchronisation and warm-up catch-up, DES-LOC's moments: the same all-reduce;
+    Streaming DiLoCo's fragments: each once per period; NoLoCo's pairings), so the mean
+    prices the run exactly."""
     plain = sim.estimate_step_time(stats, network)
     out = {"bytes": stats.bytes_per_device, "seconds": plain}
     out["event_bytes"] = out["event_seconds"] = 0.0
-    if event is not None and stats.branches:
-        label = max(stats.branches, key=stats.branches.get)
-        runs = max(op.count for op in stats.ops if op.branch == label)
-        out["event_bytes"] = stats.branches[label] / runs
-        out["event_seconds"] = (sim.estimate_step_time(stats, network, branch=label) - plain) / runs
+    labels = [label for label, sent in stats.branches.items() if sent > 0]
+    if event is not None and labels:
+        for label in labels:
+            runs = max(op.count for op in stats.ops if op.branch == label) * len(labels)
+            out["event_bytes"] += stats.branches[label] / runs
+            seconds = sim.estimate_step_time(stats, network, branch=label) - plain
+            out["event_seconds"] += seconds / runs
     return out
 
 
@@ -117,7 +146,7 @@ def _curves(
 ) -> dict[str, list[float]]:
     """Per step: cumulative bytes per device and simulated seconds."""
     steps = np.array([r["step"] for r in history], dtype=np.float64)
-    events = np.cumsum([r[event] if event else 0.0 for r in history])
+    events = np.cumsum([sum(r[m] for m in event.split("+")) if event else 0.0 for r in history])
     if "wall_clock" in history[0]:
         compute = np.array([r["wall_clock"] for r in history]) * compute_s
     else:
@@ -149,7 +178,9 @@ def run_one(
     """Trains and measures one strategy; returns its results record."""
     network = NETWORKS[config.network]
     family = FAMILIES[spec.family]
-    ctx = BuildContext(workload.loss_fn, mesh, config.straggler, config.seed, eval_every)
+    ctx = BuildContext(
+        workload.loss_fn, mesh, config.straggler, config.seed, eval_every, config.drop
+    )
     try:
         strategy = spec.build(ctx)
     except ValueError as e:
@@ -169,7 +200,8 @@ def run_one(
     jitted = jax.jit(strategy.step)
     stats = comm_stats(jitted, state, batch)
     compute_s = _time_step(jitted, state, batch)
-    event = next((m for m in EVENT_METRICS if m in history[0]), None)
+    events = _event_metrics(history[0])
+    event = "+".join(events) or None
     comm = _comm(stats, network, event)
     slow = 1.0 if family.asynchronous else config.straggler
     curves = _curves(history, comm, event, compute_s, slow)
@@ -199,7 +231,7 @@ def run_one(
         "steps_to_target": None,
         "examples_to_target": None,
         "simulated_seconds_to_target": None,
-        "consensus_distance": history[-1].get("consensus_distance"),
+        "consensus_distance": history[-1].get("consensus_distance", _consensus(state)),
     }
     if reached is not None:
         record["steps_to_target"] = history[reached]["step"]
@@ -229,7 +261,9 @@ def run_compare(config: Config) -> dict[str, Any]:
     """
     devices = start_devices(config.devices)
     mesh = make_mesh(data=config.devices, devices=devices)
-    workload = make_workload(config.workload, seed=config.seed, devices=config.devices)
+    workload = make_workload(
+        config.workload, seed=config.seed, devices=config.devices, non_iid=config.non_iid
+    )
     steps = workload.steps if config.steps is None else config.steps
     eval_every = config.eval_every or max(1, steps // 20)
     started = time.perf_counter()

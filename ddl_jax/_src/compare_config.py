@@ -11,7 +11,9 @@ from typing import Any
 
 from ddl_jax._src.compare_specs import (
     DEFAULT_STRATEGIES,
+    FAMILIES,
     NETWORKS,
+    PRESETS,
     WORKLOADS,
     CompareError,
     Spec,
@@ -27,10 +29,15 @@ class Config:
     Attributes:
       workload: one of ``WORKLOADS``.
       strategies: the parsed specs, in order.
+      preset: the ``PRESETS`` list ``strategies`` came from (``None``: given, or default).
       devices: workers (devices on the mesh's ``data`` axis).
       steps: training steps per strategy (``None``: the workload's default).
       network: a key of ``NETWORKS``.
       straggler: one worker's compute time relative to the others (>= 1; 1 is none).
+      drop: the probability that a message is lost, in [0, 1): only for the families with
+        a model of it (``Family.unreliable``; ``--preset unreliable``).
+      non_iid: Dirichlet alpha of label-skewed worker shares (``ddl.data.non_iid_batches``;
+        digits workloads); ``None`` is i.i.d. shuffling.
       seed: seed of the model's initialisation, the data order and compute-time noise.
       target: the test accuracy (validation bits per byte for text-gpt) to reach
         (``None``: the workload's default).
@@ -40,10 +47,13 @@ class Config:
 
     workload: str = "digits-mlp"
     strategies: tuple[Spec, ...] = tuple(parse_spec(s) for s in DEFAULT_STRATEGIES)
+    preset: str | None = None
     devices: int = 8
     steps: int | None = None
     network: str = "1gbps"
     straggler: float = 1.0
+    drop: float = 0.0
+    non_iid: float | None = None
     seed: int = 0
     target: float | None = None
     eval_every: int | None = None
@@ -103,8 +113,13 @@ def make_config(values: Mapping[str, Any]) -> Config:
     checked: dict[str, Any] = {}
     if "workload" in v:
         checked["workload"] = _choice("workload", v["workload"], WORKLOADS)
+    if "strategies" in v and "preset" in v:
+        raise CompareError("give strategies or a preset, not both.")
     if "strategies" in v:
         checked["strategies"] = parse_specs(v["strategies"])
+    if "preset" in v:
+        checked["preset"] = _choice("preset", v["preset"], tuple(PRESETS))
+        checked["strategies"] = parse_specs(PRESETS[checked["preset"]])
     if "network" in v:
         checked["network"] = _choice("network", v["network"], tuple(NETWORKS))
     for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
@@ -116,11 +131,34 @@ def make_config(values: Mapping[str, Any]) -> Config:
         checked["straggler"] = _number("straggler", v["straggler"], 1.0)
     if "target" in v:
         checked["target"] = _number("target", v["target"], 0.0)
+    _unreliable(v, checked)
     if "out" in v:
         if not isinstance(v["out"], str | Path) or not str(v["out"]):
             raise CompareError(f"out must be a directory path, got {v['out']!r}.")
         checked["out"] = str(v["out"])
     return Config(**checked)
+
+
+def _unreliable(v: dict[str, Any], checked: dict[str, Any]) -> None:
+    """``drop`` and ``non_iid`` checked against the strategies and the workload."""
+    if "drop" in v:
+        checked["drop"] = drop = _number("drop", v["drop"], 0.0)
+        if drop >= 1:
+            raise CompareError(f"drop must be a probability in [0, 1), got {drop:g}.")
+        strategies = checked.get("strategies", Config.strategies)
+        refused = [s.text for s in strategies if not FAMILIES[s.family].unreliable]
+        if drop and refused:
+            able = ", ".join(name for name, f in FAMILIES.items() if f.unreliable)
+            raise CompareError(
+                f"drop: {', '.join(refused)} have no model of lost messages; the families "
+                f"that do: {able} (e.g. --preset unreliable)."
+            )
+    if "non_iid" in v:
+        checked["non_iid"] = _number("non_iid", v["non_iid"], 0.0)
+        if not checked["non_iid"]:
+            raise CompareError("non_iid (a Dirichlet alpha) must be > 0, got 0.")
+        if checked.get("workload", Config.workload) == "text-gpt":
+            raise CompareError("non_iid splits labels: a digits workload, not text-gpt.")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

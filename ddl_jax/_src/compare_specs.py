@@ -23,9 +23,11 @@ from ddl_jax._src.data_parallel import data_parallel
 from ddl_jax._src.fsdp import STAGES, fsdp
 from ddl_jax._src.gossip import TOPOLOGIES, gossip
 from ddl_jax._src.local_sgd import local_sgd
+from ddl_jax._src.noloco import noloco
 from ddl_jax._src.reducers import allreduce_mean
 from ddl_jax._src.staleness import compute_times, softsync, ssp
 from ddl_jax._src.strategy import Strategy
+from ddl_jax._src.streaming_diloco import streaming_diloco
 
 #: Learning rate of the Adam (AdamW for DiLoCo's inner steps) every strategy uses.
 LEARNING_RATE = 3e-3
@@ -48,7 +50,12 @@ DEFAULT_STRATEGIES = (
     "fsdp:3",
     "local:16",
     "diloco:16",
+    "streaming:4",
+    "desloc:16",
+    "sparseloco:0.01",
+    "noloco:16",
     "topk:0.01",
+    "demo:0.0625",
     "sign",
     "powersgd:4",
     "adasum",
@@ -57,6 +64,26 @@ DEFAULT_STRATEGIES = (
     "ssp:2",
     "gossip:ring",
 )
+
+
+#: Named strategy lists for ``--preset`` (``default`` is ``DEFAULT_STRATEGIES``).
+PRESETS: dict[str, tuple[str, ...]] = {
+    "default": DEFAULT_STRATEGIES,
+    # The communication-efficient methods against synchronous training and DiLoCo.
+    "low-bandwidth": (
+        "sync",
+        "diloco:16",
+        "streaming:4",
+        "desloc:16",
+        "sparseloco:0.01",
+        "noloco:16",
+        "demo:0.0625",
+        "topk:0.01",
+        "powersgd:4",
+    ),
+    # The families with a model of lost messages, for --drop.
+    "unreliable": ("local:16", "diloco:16", "desloc:16", "gossip:ring", "async", "softsync:8"),
+}
 
 
 class CompareError(ValueError):
@@ -72,6 +99,7 @@ class BuildContext(NamedTuple):
       straggler: compute time of the slowest worker relative to the others (>= 1).
       seed: the comparison's seed.
       consensus_every: steps between gossip's consensus-distance measurements.
+      drop: the probability that a message is lost (families with ``unreliable``).
     """
 
     loss_fn: Any
@@ -79,6 +107,7 @@ class BuildContext(NamedTuple):
     straggler: float
     seed: int
     consensus_every: int
+    drop: float = 0.0
 
 
 class Family(NamedTuple):
@@ -91,6 +120,7 @@ class Family(NamedTuple):
       expects: what the parameter is, for error messages (``""`` without one).
       describe: one line saying what the strategy does.
       asynchronous: simulated by ``ddl.async_sgd`` (gets the straggler's compute time).
+      unreliable: has a model of lost messages (takes ``--drop``).
     """
 
     build: Callable[[Any, BuildContext], Strategy]
@@ -99,6 +129,7 @@ class Family(NamedTuple):
     expects: str
     describe: str
     asynchronous: bool = False
+    unreliable: bool = False
 
 
 def _int(minimum: int) -> Callable[[str], int]:
@@ -146,15 +177,62 @@ def _async(protocol: Any) -> Callable[[Any, BuildContext], Strategy]:
         if ctx.straggler != 1.0:  # the last worker is the straggler
             times = compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
         chosen = protocol(param) if callable(protocol) else protocol
-        return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, compute_time=times, protocol=chosen)
+        options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop}
+        return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
 
     return build
 
 
+def _nesterov() -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer."""
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
 def _diloco(period: int, ctx: BuildContext) -> Strategy:
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner = optax.adamw(LEARNING_RATE)
-    return local_sgd(ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=outer)
+    return local_sgd(
+        ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=_nesterov(), drop=ctx.drop
+    )
+
+
+#: Streaming DiLoCo's period, DiLoCo's default here; its fragments divide it.
+STREAMING_PERIOD = 16
+
+
+def _streaming(fragments: int, ctx: BuildContext) -> Strategy:
+    return streaming_diloco(
+        ctx.loss_fn,
+        optax.adamw(LEARNING_RATE),
+        ctx.mesh,
+        period=STREAMING_PERIOD,
+        fragments=fragments,
+        overlap=1,
+        mix=0.5,
+        outer_optimizer=_nesterov(),
+    )
+
+
+def _fragments(text: str) -> int:
+    fragments = _int(1)(text)
+    if STREAMING_PERIOD % fragments:
+        raise ValueError(text)
+    return fragments
+
+
+def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
+    # SparseLoCo's error feedback stands in for the outer momentum: outer SGD at lr 1.
+    return local_sgd(
+        ctx.loss_fn,
+        optax.adamw(LEARNING_RATE),
+        ctx.mesh,
+        period=16,
+        outer_optimizer=optax.sgd(1.0),
+        reducer=compression.sparse_loco(ratio),
+    )
+
+
+#: DeMo's sign-descent step size (its updates are +-lr per entry).
+DEMO_LEARNING_RATE = 1e-3
 
 
 def _reduced(make: Callable[[Any], Any]) -> Callable[[Any, BuildContext], Strategy]:
@@ -187,11 +265,12 @@ FAMILIES: dict[str, Family] = {
         "sharded data parallelism (ZeRO / FSDP): state split over the workers",
     ),
     "local": Family(
-        lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h),
+        lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop),
         _int(1),
         "16",
         "the period H, an integer >= 1 (e.g. local:16)",
         "local SGD: parameters averaged every H steps",
+        unreliable=True,
     ),
     "diloco": Family(
         _diloco,
@@ -199,6 +278,62 @@ FAMILIES: dict[str, Family] = {
         "16",
         "the period H, an integer >= 1 (e.g. diloco:16)",
         "DiLoCo: inner AdamW, outer Nesterov SGD every H steps",
+        unreliable=True,
+    ),
+    "streaming": Family(
+        _streaming,
+        _fragments,
+        "4",
+        f"the fragments P, an integer dividing {STREAMING_PERIOD} (e.g. streaming:4)",
+        f"Streaming DiLoCo: P fragments in turn (H = {STREAMING_PERIOD}), overlap 1, mix 0.5",
+    ),
+    "desloc": Family(
+        lambda h, ctx: local_sgd(
+            ctx.loss_fn,
+            _adam(),
+            ctx.mesh,
+            period=h,
+            state_periods={"mu": 3 * h, "nu": 6 * h},
+            drop=ctx.drop,
+        ),
+        _int(1),
+        "16",
+        "the parameters' period H, an integer >= 1 (e.g. desloc:16)",
+        "DES-LOC: parameters averaged every H steps, Adam's moments every 3H and 6H",
+        unreliable=True,
+    ),
+    "sparseloco": Family(
+        _sparse_loco,
+        _ratio,
+        "0.01",
+        "the ratio of entries sent, a number in (0, 1] (e.g. sparseloco:0.01)",
+        "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
+    ),
+    "noloco": Family(
+        lambda h, ctx: noloco(
+            ctx.loss_fn,
+            optax.adamw(LEARNING_RATE),
+            ctx.mesh,
+            period=h,
+            outer_optimizer=_nesterov(),
+            consensus_every=0,
+        ),
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. noloco:16)",
+        "NoLoCo: every H steps an outer step with one random peer, no all-reduce",
+    ),
+    "demo": Family(
+        lambda ratio, ctx: data_parallel(
+            ctx.loss_fn,
+            optax.chain(optax.scale_by_sign(), optax.scale(-DEMO_LEARNING_RATE)),
+            ctx.mesh,
+            reducer=compression.demo(ratio),
+        ),
+        _ratio,
+        "0.0625",
+        "the ratio of DCT coefficients sent per chunk of 64, in (0, 1] (e.g. demo:0.0625)",
+        "DeMo: top DCT coefficients of each worker's momentum, sign descent",
     ),
     "topk": Family(
         _reduced(compression.top_k),
@@ -235,6 +370,7 @@ FAMILIES: dict[str, Family] = {
         "",
         "asynchronous SGD against a parameter server",
         asynchronous=True,
+        unreliable=True,
     ),
     "softsync": Family(
         _async(softsync),
@@ -243,6 +379,7 @@ FAMILIES: dict[str, Family] = {
         "gradients per server update, an integer >= 1 (e.g. softsync:2)",
         "n-softsync: the server averages every n arrivals",
         asynchronous=True,
+        unreliable=True,
     ),
     "ssp": Family(
         _async(ssp),
@@ -251,6 +388,7 @@ FAMILIES: dict[str, Family] = {
         "the staleness bound, an integer >= 0 (e.g. ssp:2)",
         "stale-synchronous parallel: at most s clocks ahead",
         asynchronous=True,
+        unreliable=True,
     ),
     "gossip": Family(
         lambda topology, ctx: gossip(
@@ -259,11 +397,13 @@ FAMILIES: dict[str, Family] = {
             ctx.mesh,
             topology=topology,
             consensus_every=ctx.consensus_every,
+            drop=ctx.drop,
         ),
         _topology,
         "ring",
         f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",
         "D-PSGD gossip averaging with neighbours",
+        unreliable=True,
     ),
 }
 

@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from ddl_jax._src import data, flax_bridge, models
+from ddl_jax._src.non_iid import non_iid_batches
 
 
 class Workload(NamedTuple):
@@ -43,7 +44,9 @@ class Workload(NamedTuple):
     batch_size: int
 
 
-def _classification(model: nnx.Module, flatten: bool, seed: int, devices: int, **meta: Any):
+def _classification(
+    model: nnx.Module, flatten: bool, seed: int, devices: int, non_iid: float | None, **meta: Any
+):
     train, test = data.digits(flatten=flatten)
 
     def loss(model, batch):
@@ -59,10 +62,17 @@ def _classification(model: nnx.Module, flatten: bool, seed: int, devices: int, *
         return jnp.mean(jnp.argmax(apply(variables, test["image"]), -1) == test["label"])
 
     batch_size = 16 * devices
+
+    def batches(start: int) -> Any:
+        if non_iid is None:
+            return data.batches(train, batch_size, seed=seed, start=start)
+        options = {"workers": devices, "alpha": non_iid, "seed": seed, "start": start}
+        return non_iid_batches(train, batch_size, **options)
+
     return Workload(
         loss_fn=loss_fn,
         params=params,
-        batches=lambda start: data.batches(train, batch_size, seed=seed, start=start),
+        batches=batches,
         evaluate=accuracy,
         metric="test accuracy",
         higher_is_better=True,
@@ -136,7 +146,14 @@ _DIGITS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], bool, str, float, int
 }
 
 
-def make_workload(name: str, *, seed: int, devices: int, compute_dtype: Any = None) -> Workload:
+def make_workload(
+    name: str,
+    *,
+    seed: int,
+    devices: int,
+    compute_dtype: Any = None,
+    non_iid: float | None = None,
+) -> Workload:
     """Builds the workload ``name`` (one of ``compare_specs.WORKLOADS``).
 
     Args:
@@ -144,13 +161,16 @@ def make_workload(name: str, *, seed: int, devices: int, compute_dtype: Any = No
       seed: seed of the initialisation, the data order and dropout.
       devices: workers; each sees 16 examples (8 windows for text-gpt) per step.
       compute_dtype: text-gpt only: the dtype its layers compute in (see ``ddl.models.GPT``).
+      non_iid: digits only: the Dirichlet alpha of label-skewed worker shares (``None``:
+        i.i.d. batches).
     """
     rngs = nnx.Rngs(seed)
     if name in _DIGITS:
         make, flatten, title, target, steps = _DIGITS[name]
-        return _classification(
-            make(rngs), flatten, seed, devices, name=name, title=title, target=target, steps=steps
-        )
+        meta = {"name": name, "title": title, "target": target, "steps": steps}
+        return _classification(make(rngs), flatten, seed, devices, non_iid, **meta)
     if name == "text-gpt":
+        if non_iid is not None:
+            raise ValueError("non_iid splits labels: a digits workload, not text-gpt.")
         return _text_gpt(seed, devices, compute_dtype)
     raise ValueError(f"unknown workload {name!r}.")

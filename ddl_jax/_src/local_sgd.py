@@ -80,6 +80,8 @@ def local_sgd(
     **DES-LOC.** ``state_periods={"mu": K_u, "nu": K_v}`` averages each named field of the
     inner optimizer's state (Adam's moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) on
     its own period, counted as ``period`` is; the paper recommends K_u = 3H, K_v = 6H.
+    (Averaging mu without nu spikes the loss where a worker's nu is ~0 and others' mu is
+    not, e.g. inputs always 0 in its shard: ``ddl-jax compare`` shows it on digits.)
 
     **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, as PyTorch's
     ``HierarchicalModelAverager``) replaces ``period``: after a step, the largest period
@@ -90,8 +92,8 @@ def local_sgd(
 
     **Unreliable workers.** With ``drop`` = p each worker misses each synchronisation with
     probability p (``ddl.consistency.arrivals``, from the run's key): its pseudo-gradient
-    is left out of the mean and it keeps its own replica and states. Replicas then disagree
-    after a synchronisation (``ddl.consistency.consensus_distance(state.params)`` > 0).
+    is left out of the mean and it keeps its own replica and states (moments too): the
+    replicas disagree after it (``ddl.consistency.consensus_distance(state.params)`` > 0).
 
     References:
       Zinkevich et al., "Parallelized stochastic gradient descent", NeurIPS 2010.
@@ -353,7 +355,7 @@ def _worker_step(
         metrics["arrived"] = jnp.mean(arrived.astype(jnp.float32))
     for name, period in cfg.state_periods:
         fires = ~warm & ((step + cfg.offset) % period == 0)
-        average = functools.partial(_average_field, name=name, axis=axis)
+        average = functools.partial(_average_field, name=name, axis=axis, arrived=arrived)
         opt_state = lax.cond(fires, average, _keep, opt_state)
         metrics[f"synchronised_{name}"] = fires.astype(jnp.float32)
     if cfg.hierarchical:
@@ -392,13 +394,14 @@ def _has_field(node: Any, name: str) -> bool:
     return isinstance(node, tuple) and name in getattr(node, "_fields", ())
 
 
-def _average_field(tree: Any, name: str, axis: str) -> Any:
-    """``tree`` with field ``name`` of each named tuple in it averaged over ``axis``."""
+def _average_field(tree: Any, name: str, axis: str, arrived: jax.Array | None) -> Any:
+    """``tree`` with field ``name`` of each named tuple in it averaged over ``axis`` (over
+    the workers that ``arrived``, if given)."""
 
     def one(node: Any) -> Any:
         if not _has_field(node, name):
             return node
-        return node._replace(**{name: _average(getattr(node, name), axis)})
+        return node._replace(**{name: _average(getattr(node, name), axis, arrived)})
 
     return jax.tree.map(one, tree, is_leaf=functools.partial(_has_field, name=name))
 
