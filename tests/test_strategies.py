@@ -2,8 +2,9 @@
 
 * it runs on a hand-built ``jax.sharding.Mesh`` (Auto axes), as every test here builds;
 * its trivial case (one worker) is plain single-device training;
-* the jitted step compiles once (also for the lossy settings of LOSSY, whose trivial case
-  is not plain SGD: a 1-bit or sparse gradient differs from the dense one even on one worker);
+* the jitted step compiles once (also for the settings of LOSSY, whose trivial case is not
+  plain SGD: a 1-bit or sparse gradient differs from the dense one even on one worker, and
+  DES-LOC and Streaming DiLoCo's overlap are not SGD on one worker either);
 * its state is a plain pytree that round-trips through an orbax checkpoint, and training
   resumed from the checkpoint continues exactly as if it had never stopped;
 * ``params(state)`` compiles once, not on every call;
@@ -77,6 +78,15 @@ STRATEGIES = {
     "local_sgd_diloco": lambda loss_fn, opt, mesh: ddl.local_sgd(
         loss_fn, opt, mesh, period=2, outer_optimizer=optax.sgd(1.0)
     ),
+    # one worker that misses a synchronisation keeps its replica: the same replica
+    "local_sgd_unreliable": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        loss_fn, opt, mesh, period=2, drop=0.3
+    ),
+    # fragments in turn without overlap: one worker's fragment average is its own
+    "streaming_diloco": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
+        loss_fn, opt, mesh, period=2, fragments=2
+    ),
+    "noloco": lambda loss_fn, opt, mesh: ddl.noloco(loss_fn, opt, mesh, period=2),
     "gossip_ring": lambda loss_fn, opt, mesh: ddl.gossip(loss_fn, opt, mesh, topology="ring"),
     # compression at its identity settings
     "data_parallel_cast_float32": lambda loss_fn, opt, mesh: ddl.data_parallel(
@@ -135,7 +145,20 @@ LOSSY = {
         "top_k_dgc": lambda: ddl.compression.top_k(
             0.1, momentum=0.9, clip_norm=1.0, warmup_steps=4
         ),
+        "demo": lambda: ddl.compression.demo(0.25, chunk=8),
     }.items()
+} | {
+    # SparseLoCo's 2-bit outer gradients; DES-LOC's Adam moments (no such field in SGD's
+    # state); Streaming DiLoCo's overlapped outer step mixed into a moved replica
+    "local_sgd_sparse_loco": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        loss_fn, opt, mesh, period=2, reducer=ddl.compression.sparse_loco(0.25, chunk=16)
+    ),
+    "local_sgd_desloc_unreliable": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        loss_fn, opt, mesh, period=2, state_periods={"mu": 2, "nu": 4}, drop=0.3
+    ),
+    "streaming_diloco_overlap_mix": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
+        loss_fn, opt, mesh, period=4, fragments=2, overlap=1, mix=0.5
+    ),
 }
 EVERY = {**STRATEGIES, **LOSSY}
 
