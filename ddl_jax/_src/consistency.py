@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,10 +41,38 @@ def consensus_distance(replicas: Any) -> float:
     is 0 exactly when the replicas agree.
     """
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(replicas)]
-    if not leaves or any(x.ndim == 0 or len(x) != len(leaves[0]) for x in leaves):
-        raise ValueError(
-            "consensus_distance takes replicas with a leading worker axis [N, ...] on every "
-            f"leaf (a state's params), got shapes {[x.shape for x in leaves]}."
-        )
+    _workers(leaves)
     squared = sum(((x - x.mean(0)) ** 2).reshape(len(x), -1).sum(1) for x in leaves)
     return float(np.mean(np.sqrt(squared)))
+
+
+def best_replica(replicas: Any, score: Callable[[Any], Any]) -> tuple[int, Any]:
+    """The replica with the highest ``score``: ``(i, replica_i)``, the first on ties.
+
+    Strategies with one replica per worker (``local_sgd``, ``gossip``, ``noloco``,
+    ``streaming_diloco``) return the replicas' mean from ``Strategy.params``; when the
+    replicas disagree (unreliable workers, gossip, between synchronisations) the mean may be
+    worse than one of them, e.g. for non-convex models far apart. This keeps the best one
+    instead, by a held-out score (an accuracy; negate a loss).
+
+    Args:
+      replicas: a pytree whose leaves have a leading worker axis ``[N, ...]`` (a state's
+        ``params``).
+      score: ``replica -> scalar``, higher is better, on one replica's pytree.
+    """
+    leaves, treedef = jax.tree.flatten(replicas)
+    host = [np.asarray(x) for x in leaves]
+    n = _workers(host)
+    trees = [jax.tree.unflatten(treedef, [x[i] for x in host]) for i in range(n)]
+    scores = [float(score(tree)) for tree in trees]
+    best = int(np.argmax(scores))
+    return best, trees[best]
+
+
+def _workers(leaves: list[np.ndarray]) -> int:
+    if not leaves or any(x.ndim == 0 or len(x) != len(leaves[0]) for x in leaves):
+        raise ValueError(
+            "replicas must have a leading worker axis [N, ...] on every leaf (a state's "
+            f"params), got shapes {[x.shape for x in leaves]}."
+        )
+    return len(leaves[0])
