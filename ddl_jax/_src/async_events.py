@@ -7,9 +7,10 @@ whole schedule of one ``Strategy.step`` is a pure function of a small :class:`Cl
 ``async_sgd`` replays the :class:`Event`s it returns on the parameters.
 
 Event model: worker i's k-th gradient takes ``d(i, k)`` simulated time units
-(``staleness.duration``); it starts when the worker fetches (or is released) at time t
-and arrives at ``t + d(i, k)``. Arrivals are taken in time order, ties broken by the
-lower worker index. One step:
+(``staleness.duration``; under ``async_local(H)`` a task is H gradients and the
+strategy hands the clock H times the per-gradient times, ``staleness.task_time``); it
+starts when the worker fetches (or is released) at time t and arrives at ``t + d(i, k)``.
+Arrivals are taken in time order, ties broken by the lower worker index. One step:
 
 1. :func:`start_step`: every worker that has started a task whose gradient is not
    computed yet computes it (``computes``), so its gradient is ``ready``.

@@ -22,7 +22,7 @@ from ddl_jax._src import async_events as ev
 from ddl_jax._src import staleness as sl
 from ddl_jax._src import strategy as st
 from ddl_jax._src.flat import FlatView
-from ddl_jax._src.kit import Kit, one_worker, prepare, restack, unstack
+from ddl_jax._src.kit import Kit, one_worker, prepare, restack, unstack, vary
 from ddl_jax._src.model_loss import ModelVars, worker_key
 
 
@@ -69,6 +69,17 @@ class Accrued(NamedTuple):
     gradient: Any
 
 
+class Inner(NamedTuple):
+    """``async_local``: each worker's inner optimizer state, ``[N, ...]`` ``P(axis)``.
+
+    Attributes:
+      opt_state: the state of ``inner_optimizer`` on the worker's local copy; kept from
+        task to task unless ``async_local(reset=True)``.
+    """
+
+    opt_state: Any
+
+
 class AsyncSGDState(NamedTuple):
     """State of :func:`async_sgd`: the server, the workers, the protocol's and the clock.
 
@@ -80,7 +91,8 @@ class AsyncSGDState(NamedTuple):
         state per shard, ``[N, ...]`` sharded ``P(axis)``.
       model: the server's model state (``P()``), the run's dropout key and the steps taken.
       workers: each worker's fetched parameters and model state and its task in flight.
-      protocol: ``Plain()``, a softsync ``Group`` or Downpour's ``Accrued``.
+      protocol: ``Plain()``, a softsync ``Group``, Downpour's ``Accrued`` or
+        ``async_local``'s ``Inner``.
       clock: the simulated clocks (``async_events.Clock``), replicated ``P()``: every
         device runs the same event schedule.
     """
@@ -89,7 +101,7 @@ class AsyncSGDState(NamedTuple):
     opt_state: Any
     model: ModelVars
     workers: Workers
-    protocol: Plain | Group | Accrued
+    protocol: Plain | Group | Accrued | Inner
     clock: ev.Clock
 
 
@@ -100,7 +112,7 @@ class _Local(NamedTuple):
     opt_state: Any
     model_state: Any
     workers: Workers
-    protocol: Plain | Group | Accrued
+    protocol: Plain | Group | Accrued | Inner
 
 
 def _blocks(tree: Any, n: int) -> jax.Array:
@@ -147,6 +159,69 @@ def _keep(local: _Local, *_: Any) -> _Local:
     return local
 
 
+def _mean0(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
+
+
+def local_steps(
+    value_and_grad: Callable[..., Any],
+    inner: optax.GradientTransformation,
+    protocol: sl.AsyncLocal,
+    axis: str,
+    params: Any,
+    model_state: Any,
+    batch: st.Batch,
+    key: jax.Array,
+    opt_state: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """One ``async_local`` task on one worker: H inner steps from the fetched ``params``.
+
+    Step h (a ``lax.scan``) takes ``value_and_grad`` on the h-th of H consecutive slices
+    of the worker's ``batch`` with key ``fold_in(key, h)`` (``key`` itself for H = 1),
+    the model state threaded through, and applies ``inner``. Returns ``((loss, aux), the
+    pseudo-gradient params - local params, the new model state, the inner state)``; loss
+    and aux are the means over the H steps.
+    """
+    steps = protocol.steps
+    if protocol.reset:  # a fresh inner state at every task (= at every fetch)
+        opt_state = vary(inner.init(params), (axis,))
+    micro = jax.tree.map(lambda x: x.reshape(steps, -1, *x.shape[1:]), batch)
+
+    def one(carry: Any, xs: Any) -> tuple[Any, Any]:
+        local, state, opt = carry
+        h, part = xs
+        out, grads, state = value_and_grad(
+            local, state, part, key if steps == 1 else jax.random.fold_in(key, h)
+        )
+        updates, opt = inner.update(grads, opt, local)
+        return (optax.apply_updates(local, updates), state, opt), out
+
+    carry = (params, model_state, opt_state)
+    (local, model_state, opt_state), out = lax.scan(one, carry, (jnp.arange(steps), micro))
+    pseudo = jax.tree.map(lambda a, b: (a - b).astype(a.dtype), params, local)
+    return _mean0(out), pseudo, model_state, opt_state
+
+
+def _check_inner(
+    protocol: sl.Protocol, inner_optimizer: optax.GradientTransformation | None
+) -> sl.AsyncLocal | None:
+    """``inner_optimizer`` is required by ``async_local`` and refused by the others."""
+    if not isinstance(protocol, sl.AsyncLocal):
+        if inner_optimizer is not None:
+            raise ValueError(
+                "inner_optimizer is the workers' optimizer of protocol=ddl.async_local(steps) "
+                f"only; protocol={protocol!r} computes plain gradients: drop inner_optimizer."
+            )
+        return None
+    if inner_optimizer is None:
+        raise ValueError(
+            f"protocol={protocol!r} needs inner_optimizer=, the optimizer of each worker's "
+            "H local steps (e.g. optax.adamw(1e-3)); optimizer= is the server's outer one."
+        )
+    st.check_transform("inner_optimizer", inner_optimizer, "optax.adamw(1e-3)")
+    return protocol
+
+
 class _Program(NamedTuple):
     """The SPMD program of :func:`async_sgd`: builds the state and replays the events."""
 
@@ -155,6 +230,8 @@ class _Program(NamedTuple):
     times: sl.ComputeTime
     optimizer: optax.GradientTransformationExtraArgs
     downpour: bool
+    local: sl.AsyncLocal | None = None
+    inner: optax.GradientTransformation | None = None
 
     @classmethod
     def build(
@@ -165,20 +242,30 @@ class _Program(NamedTuple):
         protocol: str | sl.Protocol,
         drop: float = 0.0,
         churn: sl.Churn | None = None,
+        inner_optimizer: optax.GradientTransformation | None = None,
     ) -> st.Strategy:
         """Checks the protocol, the faults and the compute times; the ``Strategy``."""
         times = sl.as_compute_time(compute_time, kit.n)
         protocol = sl.as_protocol(protocol, kit.n)
+        local = _check_inner(protocol, inner_optimizer)
         drop = st.check_real("drop", drop, minimum=0, maximum=1)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
         server_opt = optax.with_extra_args_support(optimizer)
-        program = cls(kit, rules, times, server_opt, downpour)
+        times = sl.task_time(times, protocol)
+        program = cls(kit, rules, times, server_opt, downpour, local, inner_optimizer)
         specs = program.specs()
         params = kit.replicated(program.variables) if downpour else program.variables
-        return st.Strategy(
-            kit.init(program.make_state, specs), kit.step(program.worker_step, specs), params
-        )
+        divisor, why = None, None
+        if local is not None:  # each worker's shard splits into H inner micro-batches
+            divisor = kit.n * kit.accumulate * local.steps
+            why = (
+                f"{kit.n} workers on axis {kit.axis!r} x async_local steps={local.steps}, "
+                f"each worker's rows split into H inner micro-batches, x accumulate="
+                f"{kit.accumulate}"
+            )
+        step = kit.step(program.worker_step, specs, divisor=divisor, why=why)
+        return st.Strategy(kit.init(program.make_state, specs), step, params)
 
     def specs(self) -> AsyncSGDState:
         axis = self.kit.axis
@@ -188,7 +275,7 @@ class _Program(NamedTuple):
             opt_state=server,
             model=ModelVars(P(), P(), P()),
             workers=P(axis),
-            protocol=P(axis) if self.downpour else P(),
+            protocol=P(axis) if self.downpour or self.local else P(),
             clock=P(),
         )
 
@@ -200,9 +287,11 @@ class _Program(NamedTuple):
             opt_state = jax.vmap(self.optimizer.init)(server)
         else:
             server, opt_state = params, self.optimizer.init(params)
-        protocol: Plain | Group | Accrued = Plain()
+        protocol: Plain | Group | Accrued | Inner = Plain()
         if self.downpour:
             protocol = Accrued(kit.stack(zeros))
+        elif self.local:
+            protocol = Inner(kit.stack(self.inner.init(params)))
         elif self.rules.group_size > 1:
             protocol = Group(zeros, _held_empty(model.state))
         stacked = kit.stack((params, model.state, zeros, model.state))
@@ -215,25 +304,45 @@ class _Program(NamedTuple):
             ev.initial_clock(self.times, kit.n),
         )
 
+    def task(self, params: Any, model_state: Any, batch: st.Batch, key: Any, inner: Any) -> Any:
+        """One task: ``((loss, aux), what is pushed, new model state, inner state)``."""
+        if self.local is None:
+            return (*self.kit.value_and_grad(params, model_state, batch, key), inner)
+        kit = self.kit
+        return local_steps(
+            kit.value_and_grad,
+            self.inner,
+            self.local,
+            kit.axis,
+            params,
+            model_state,
+            batch,
+            key,
+            inner,
+        )
+
     def compute(
         self, state: AsyncSGDState, me: jax.Array, computes: jax.Array, batch: st.Batch
-    ) -> tuple[Workers, st.Metrics]:
-        """Phase 1 on the devices: a worker that ``computes`` takes its task's gradient and
-        model state on what it fetched, with the key ``worker_key(model, me, step=k)`` of
-        its k-th task; the others skip it. Metrics: the mean over the computing workers."""
+    ) -> tuple[Workers, Any, st.Metrics]:
+        """Phase 1 on the devices: a worker that ``computes`` takes its task's gradient
+        (``async_local``: pseudo-gradient) and model state on what it fetched, with the key
+        ``worker_key(model, me, step=k)`` of its k-th task; the others skip it. Returns the
+        workers, the protocol (``Inner`` updated) and the mean metrics of those computing."""
         workers, axis = unstack(state.workers), self.kit.axis
         key = worker_key(state.model, me, step=state.clock.tasks[me])
-        args = (workers.params, workers.model_state, batch, key)
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.kit.value_and_grad, *args))
-        out = lax.cond(computes, self.kit.value_and_grad, lambda *_: zeros, *args)
-        (loss, aux), gradient, model_state = out
+        inner = unstack(state.protocol.opt_state) if self.local else None
+        args = (workers.params, workers.model_state, batch, key, inner)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.task, *args)[:3])
+        out = lax.cond(computes, self.task, lambda *a: (*zeros, a[-1]), *args)
+        (loss, aux), gradient, model_state, inner = out
+        protocol = Inner(restack(inner)) if self.local else state.protocol
         workers = workers._replace(
             gradient=_select(computes, gradient, workers.gradient),
             new_model_state=_select(computes, model_state, workers.new_model_state),
         )
         count = jnp.maximum(lax.psum(computes.astype(jnp.float32), axis), 1.0)
         metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
-        return workers, {k: v / count for k, v in metrics.items()}
+        return workers, protocol, {k: v / count for k, v in metrics.items()}
 
     def replay(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
         """One event on the parameters: accrue (Downpour), push, apply, fetch."""
@@ -316,8 +425,8 @@ class _Program(NamedTuple):
         """One ``Strategy.step`` on one device (under ``shard_map``)."""
         me = lax.axis_index(self.kit.axis)
         clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
-        workers, metrics = self.compute(state, me, computes[me], batch)
-        local = _Local(state.params, state.opt_state, state.model.state, workers, state.protocol)
+        workers, protocol, metrics = self.compute(state, me, computes[me], batch)
+        local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
         if self.downpour:
             local = local._replace(
                 params=unstack(local.params),
@@ -364,6 +473,7 @@ def async_sgd(
     protocol: str | sl.Protocol = "async",
     drop: float = 0.0,
     churn: sl.Churn | None = None,
+    inner_optimizer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
@@ -372,35 +482,34 @@ def async_sgd(
 
     N workers (one per device on ``axis``) repeatedly fetch the server's parameters,
     compute a gradient on them, and push it; the server applies what arrives, in simulated
-    arrival order, with ``theta <- theta + optimizer(g, staleness=tau)``. The protocol says
-    what waits:
+    arrival order: ``theta <- theta + optimizer(g, staleness=tau)``. Protocols:
 
-    * ``"async"`` (plain async / Hogwild!): each gradient is applied on arrival and its
-      worker fetches the new parameters and starts again at once.
+    * ``"async"`` (Hogwild!): each gradient is applied on arrival; its worker fetches.
     * ``ddl.softsync(n)`` (Gupta et al.): the server applies the mean of every n arrivals
       (with tau their mean staleness); a worker that pushed waits until its group is
-      applied, then fetches. n = N with equal compute times is synchronous SGD. Here n
-      counts gradients per update; Gupta et al.'s n-softsync waits for floor(N / n), so
-      theirs is ``softsync(N // n)`` here.
+      applied, then fetches. n = N with equal compute times is synchronous SGD (Gupta et
+      al.'s n-softsync, which waits for floor(N / n), is ``softsync(N // n)`` here).
     * ``ddl.ssp(s)`` (Ho et al.): as async, but a worker whose clock (gradients completed)
       is more than s ahead of the slowest worker's waits until it is not.
     * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
-      gradients and pushes the sum of its last n_push gradients (Dean et al.'s accumulated
-      gradient Delta w) every n_push, so with SGD one push moves the server as far as those
-      n_push gradients arriving one by one would; between fetches it keeps computing on
-      what it has (the client-side local update of Dean et al. is left out). The server
-      is sharded over ``axis`` as in DistBelief: device i holds shard i of the flattened
-      parameters and its optimizer state; a push is a reduce-scatter, a fetch an
-      all-gather. The optimizer sees each shard as one flat vector: elementwise ones (SGD,
-      momentum, Adam) act exactly as on the whole model, global-norm clipping per shard.
+      gradients and pushes the sum of its last n_push (Dean et al.'s Delta w) every
+      n_push, computing on what it has in between (their client-side local update is left
+      out). The server is sharded over ``axis`` as in DistBelief (device i holds shard i
+      of the flat parameters and its optimizer state; a push is a reduce-scatter, a fetch
+      an all-gather): elementwise optimizers act as on the whole model, clipping per shard.
+    * ``ddl.async_local(H)`` (Liu et al.): a task is H steps of ``inner_optimizer`` on the
+      worker's copy, on H consecutive slices of its ``B/N`` rows (H must divide them),
+      and the push is the pseudo-gradient ``theta_fetched - theta_local``; ``optimizer``
+      is the outer one (``ddl.delayed_nesterov``; ``optax.sgd(1.0)`` averages). Events are
+      plain async's; a task takes H times ``compute_time``. Each worker's inner state
+      (``P(axis)``) is kept across tasks, or reset at each fetch with ``reset=True``.
 
     Model state and dropout (a ``ddl.ModelLoss``): the server holds the model state
-    (batch statistics) with its parameters and a worker fetches both. Its k-th task
-    computes the gradient and a new model state on what it last fetched (Downpour: also
-    between fetches), drawing dropout from ``worker_key(model, w, step=k)``; the new model
-    state travels with the gradient, and an update sets the server's model state to the
-    mean of those of the pushes it applies: async, SSP and Downpour the pushing worker's
-    (its latest task's); softsync(n) the mean of the group's, integer leaves their maximum.
+    (batch statistics) with its parameters; a worker fetches both, its k-th task computes
+    on what it last fetched (Downpour: also between fetches) with the key ``worker_key(
+    model, w, step=k)`` (async_local: inner step h its ``fold_in`` with h, for H > 1), and
+    the new model state travels with the push. An update sets the server's to the pushing
+    worker's (softsync(n): the mean of the group's, integer leaves their maximum).
 
     Event model (``async_events.py``). Worker i's k-th gradient takes ``d(i, k)``
     (``compute_time``), from its fetch (or release) at t to its arrival at ``t + d(i, k)``;
@@ -411,19 +520,17 @@ def async_sgd(
     waiting leaves its shard unused); (2) the server processes arrivals in time order up
     to the first whose gradient is not computed: 1 to N arrivals, at most one per worker,
     exactly N with equal times. Each push is a param-sized all-reduce masked to the
-    pusher (Downpour: a reduce-scatter, and an all-gather per fetching event), so N pushes
-    move N times the bytes of a data-parallel all-reduce: a cost of the SPMD simulation,
-    not of the system simulated. ``d(i, k)`` depends only on (seed, i, k), and the seed's
-    key lives in the state: a checkpoint resumes the same run.
+    pusher (Downpour: a reduce-scatter, and an all-gather per fetching event): N pushes
+    move N data-parallel all-reduces' bytes, a cost of the simulation, not of the system.
+    ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
+    checkpoint resumes the same run.
 
     Unreliable workers (``async_events.py``), drawn from (seed, i, k) like ``d(i, k)``:
-    ``drop=p`` loses the push of worker i's task k with probability p. The server never
-    sees it; the worker, unaware, fetches as after any push, at once (the server holds no
-    push of its), even under softsync, whose group waits for the next arrivals: with
+    ``drop=p`` loses the push of worker i's task k with probability p; the worker, unaware,
+    fetches at once, even under softsync (whose group waits for the next arrivals): with
     equal times softsync(N) is then synchronous SGD in which a lost gradient is redone by
     its worker on its next shard. ``churn``: after task k - 1 worker i leaves with
-    probability q, computes nothing for T, then fetches the server's state and starts
-    task k. A step in which no worker computes reports ``loss`` 0.
+    probability q, computes nothing for T, then fetches and starts task k.
 
     References:
       Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
@@ -434,6 +541,7 @@ def async_sgd(
       learning: a systematic study", ICDM 2016, arXiv:1509.04210.
       Zhang, Gupta, Lian, Liu, "Staleness-aware async-SGD for distributed deep learning",
       IJCAI 2016, arXiv:1511.05950.
+      Liu et al., "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135.
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), or a
@@ -444,23 +552,24 @@ def async_sgd(
       mesh: a mesh with axis ``axis``; its size is the number of workers N.
       compute_time: simulated seconds per gradient: one number for all workers, one per
         worker, or ``ddl.compute_times(base, spread=, seed=)`` for random times.
-      protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)`` or
-        ``ddl.downpour(n_fetch, n_push)``.
+      protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)``,
+        ``ddl.downpour(n_fetch, n_push)`` or ``ddl.async_local(steps)``.
       drop: p in [0, 1], the probability that a push is lost; churn: ``None`` or
         ``ddl.churn(leave=q, away=T)``, workers that leave and rejoin (see above).
+      inner_optimizer: the workers' optimizer, required by ``async_local`` and only there.
       accumulate: micro-batches per worker gradient.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
 
     Returns:
       A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
-      (``{"params": ..., <model state>}`` for a ``ModelLoss``). Metrics: ``loss`` (and aux
-      values), the mean over this step's gradients; ``staleness_mean`` / ``_max`` over its
-      pushes (0 if none); ``pushes``; ``updates_applied`` (server version); ``wall_clock``
-      (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of a worker that
-      started a task this step over the slowest worker); ``replica_lag`` (the mean over
-      workers of the server updates since their last fetch); ``pushes_lost`` (``drop``),
-      ``workers_away`` (``churn``). ``pushes`` counts the pushes received.
+      (``{"params": ..., <model state>}`` for a ``ModelLoss``). Metrics: ``loss`` (and
+      aux), the mean over this step's tasks (0 if none); ``staleness_mean`` / ``_max``
+      over its pushes (0 if none); ``pushes`` (received); ``updates_applied`` (server
+      version); ``wall_clock`` (simulated time); ``clock_gap_max`` (the largest lead, in
+      clocks, of a worker starting a task over the slowest); ``replica_lag`` (the mean
+      over workers of the server updates since their fetch); ``pushes_lost`` (``drop``),
+      ``workers_away`` (``churn``).
 
     Example (four equal workers averaging their four gradients: synchronous SGD):
 
@@ -474,4 +583,4 @@ def async_sgd(
     (0.2, 4.0)
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
-    return _Program.build(kit, optimizer, compute_time, protocol, drop, churn)
+    return _Program.build(kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer)

@@ -3,8 +3,9 @@
 Everything here is a small validated value or an optax transform; ``async_sgd`` reads
 them. A protocol decides what waits in the simulated parameter server: plain async
 (apply each gradient on arrival), n-softsync (apply the average of every n arrivals),
-stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits) and
-Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``).
+stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits),
+Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``) and asynchronous local
+SGD (each task is ``steps`` inner optimizer steps; the push is their pseudo-gradient).
 """
 
 from __future__ import annotations
@@ -145,7 +146,19 @@ class Downpour(NamedTuple):
     n_push: int
 
 
-Protocol = Async | SoftSync | SSP | Downpour
+class AsyncLocal(NamedTuple):
+    """Asynchronous local SGD (Liu et al. 2024): a task is H inner steps (see :func:`async_local`).
+
+    Attributes:
+      steps: H, inner optimizer steps per task, >= 1.
+      reset: whether a worker's inner optimizer state restarts from ``init`` at each task.
+    """
+
+    steps: int
+    reset: bool
+
+
+Protocol = Async | SoftSync | SSP | Downpour | AsyncLocal
 
 
 class Churn(NamedTuple):
@@ -231,19 +244,55 @@ def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
     )
 
 
+def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
+    """Asynchronous local SGD: a worker takes ``steps`` inner optimizer steps per task.
+
+    A worker that fetched the server's parameters theta takes H = ``steps`` steps of
+    ``async_sgd``'s ``inner_optimizer`` on its own copy, on H consecutive micro-batches of
+    its shard of the step's batch, and pushes the pseudo-gradient ``theta - theta_local``;
+    the server applies it on arrival with ``async_sgd``'s (outer) ``optimizer``, e.g.
+    ``ddl.delayed_nesterov(lr, momentum, delay=N)``; ``optax.sgd(1.0)`` is parameter
+    averaging. Events are plain async's; a task takes H times the per-gradient time.
+
+    References:
+      Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous
+      Local-SGD Training for Language Modeling", 2024, arXiv:2401.09135.
+
+    Args:
+      steps: H, inner steps per task, an int >= 1.
+      reset: ``False`` (default): each worker keeps its inner optimizer state (momenta,
+        step count) from task to task, as DiLoCo's workers do; ``True``: the state is
+        ``inner_optimizer.init`` of the fetched parameters at the start of every task
+        (every task starts with a fetch: a reset at each fetch).
+    """
+    if not isinstance(reset, bool):
+        raise ValueError(f"async_local reset must be a bool, got {reset!r}.")
+    return AsyncLocal(check_int("async_local steps", steps, minimum=1), reset)
+
+
+def task_time(times: ComputeTime, protocol: Protocol) -> ComputeTime:
+    """The compute-time model of one task: under ``async_local(H)`` H gradients, so H
+    times the per-gradient ``base`` (the noise, one draw per task, scales with it)."""
+    if not isinstance(protocol, AsyncLocal):
+        return times
+    base = times.base
+    scaled = tuple(b * protocol.steps for b in base) if isinstance(base, tuple) else None
+    return times._replace(base=base * protocol.steps if scaled is None else scaled)
+
+
 def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
     """Validates ``async_sgd``'s ``protocol`` argument for N workers."""
     if isinstance(protocol, str):
         if protocol != "async":
             raise ValueError(
                 f"protocol={protocol!r} is not known; valid: 'async', ddl.softsync(n), "
-                "ddl.ssp(bound), ddl.downpour(n_fetch, n_push)."
+                "ddl.ssp(bound), ddl.downpour(n_fetch, n_push), ddl.async_local(steps)."
             )
         return Async()
-    if not isinstance(protocol, Async | SoftSync | SSP | Downpour):
+    if not isinstance(protocol, Async | SoftSync | SSP | Downpour | AsyncLocal):
         raise TypeError(
-            "protocol must be 'async', ddl.softsync(n), ddl.ssp(bound) or "
-            f"ddl.downpour(n_fetch, n_push); got {protocol!r}."
+            "protocol must be 'async', ddl.softsync(n), ddl.ssp(bound), "
+            f"ddl.downpour(n_fetch, n_push) or ddl.async_local(steps); got {protocol!r}."
         )
     # Built again by their checked constructors: a SoftSync(...) made by hand is checked too.
     if isinstance(protocol, SoftSync):
@@ -257,6 +306,8 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
         protocol = ssp(protocol.bound)
     if isinstance(protocol, Downpour):
         protocol = downpour(protocol.n_fetch, protocol.n_push)
+    if isinstance(protocol, AsyncLocal):
+        protocol = async_local(protocol.steps, reset=protocol.reset)
     return protocol
 
 
