@@ -32,6 +32,7 @@ from ddl_jax._src.precision import mixed_precision
 from ddl_jax._src.reducers import allreduce_mean, chain
 from ddl_jax._src.staleness import (
     ComputeTime,
+    async_local,
     churn,
     compute_times,
     downpour,
@@ -63,6 +64,7 @@ __all__ = [
     "TensorParallelState",
     "adasum",
     "allreduce_mean",
+    "async_local",
     "async_sgd",
     "chain",
     "checkpoint",

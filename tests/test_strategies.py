@@ -4,7 +4,8 @@
 * its trivial case (one worker) is plain single-device training;
 * the jitted step compiles once (also for the settings of LOSSY, whose trivial case is not
   plain SGD: a 1-bit or sparse gradient differs from the dense one even on one worker, and
-  DES-LOC and Streaming DiLoCo's overlap are not SGD on one worker either);
+  DES-LOC, Streaming DiLoCo's overlap and asynchronous local SGD's H > 1 are not SGD on one
+  worker either);
 * its state is a plain pytree that round-trips through an orbax checkpoint, and training
   resumed from the checkpoint continues exactly as if it had never stopped;
 * ``params(state)`` compiles once, not on every call;
@@ -122,6 +123,10 @@ STRATEGIES = {
         compute_time=[1.0] * (mesh.shape["data"] - 1) + [3.0],
         protocol=ddl.downpour(1, 1),
     ),
+    # one inner step per push applied by outer SGD at lr 1: the inner optimizer's step
+    "async_sgd_local": lambda loss_fn, opt, mesh: ddl.async_sgd(
+        loss_fn, optax.sgd(1.0), mesh, protocol=ddl.async_local(1), inner_optimizer=opt
+    ),
     "pipeline_gpipe": one_stage_pipeline("gpipe", 2),
     "pipeline_1f1b": one_stage_pipeline("1f1b", 2),
     "pipeline_ddg": one_stage_pipeline("ddg", 1),
@@ -158,6 +163,15 @@ LOSSY = {
     ),
     "streaming_diloco_overlap_mix": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=4, fragments=2, overlap=1, mix=0.5
+    ),
+    # two inner steps per push, the server's delayed Nesterov over the workers' arrivals
+    "async_sgd_local_delayed_nesterov": lambda loss_fn, opt, mesh: ddl.async_sgd(
+        loss_fn,
+        ddl.delayed_nesterov(0.7, 0.9, delay=mesh.shape["data"]),
+        mesh,
+        protocol=ddl.async_local(2),
+        inner_optimizer=opt,
+        drop=0.2,
     ),
 }
 EVERY = {**STRATEGIES, **LOSSY}

@@ -20,12 +20,13 @@ from ddl_jax._src import sim
 from ddl_jax._src.adasum import adasum
 from ddl_jax._src.async_sgd import async_sgd
 from ddl_jax._src.data_parallel import data_parallel
+from ddl_jax._src.delayed_nesterov import delayed_nesterov
 from ddl_jax._src.fsdp import STAGES, fsdp
 from ddl_jax._src.gossip import TOPOLOGIES, gossip
 from ddl_jax._src.local_sgd import local_sgd
 from ddl_jax._src.noloco import noloco
 from ddl_jax._src.reducers import allreduce_mean
-from ddl_jax._src.staleness import compute_times, softsync, ssp
+from ddl_jax._src.staleness import AsyncLocal, async_local, compute_times, softsync, ssp
 from ddl_jax._src.strategy import Strategy
 from ddl_jax._src.streaming_diloco import streaming_diloco
 
@@ -60,6 +61,7 @@ DEFAULT_STRATEGIES = (
     "powersgd:4",
     "adasum",
     "async",
+    "asynclocal:4",
     "softsync:2",
     "ssp:2",
     "gossip:ring",
@@ -80,9 +82,18 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "demo:0.0625",
         "topk:0.01",
         "powersgd:4",
+        "asynclocal:4",
     ),
     # The families with a model of lost messages, for --drop.
-    "unreliable": ("local:16", "diloco:16", "desloc:16", "gossip:ring", "async", "softsync:8"),
+    "unreliable": (
+        "local:16",
+        "diloco:16",
+        "desloc:16",
+        "gossip:ring",
+        "async",
+        "asynclocal:4",
+        "softsync:8",
+    ),
 }
 
 
@@ -178,7 +189,12 @@ def _async(protocol: Any) -> Callable[[Any, BuildContext], Strategy]:
             times = compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
         chosen = protocol(param) if callable(protocol) else protocol
         options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop}
-        return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
+        if not isinstance(chosen, AsyncLocal):
+            return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
+        # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals
+        outer = delayed_nesterov(0.7, 0.9, delay=n)
+        inner = optax.adamw(LEARNING_RATE)
+        return async_sgd(ctx.loss_fn, outer, ctx.mesh, inner_optimizer=inner, **options)
 
     return build
 
@@ -369,6 +385,15 @@ FAMILIES: dict[str, Family] = {
         None,
         "",
         "asynchronous SGD against a parameter server",
+        asynchronous=True,
+        unreliable=True,
+    ),
+    "asynclocal": Family(
+        _async(async_local),
+        _int(1),
+        "4",
+        "inner steps H per push, an integer dividing the 16 rows a worker gets (e.g. asynclocal:4)",
+        "asynchronous local SGD: H inner AdamW steps per push, delayed Nesterov server",
         asynchronous=True,
         unreliable=True,
     ),
