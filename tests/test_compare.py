@@ -152,6 +152,9 @@ def _run(out, *args):
     return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
 
 
+# DES-LOC's first-moment average without the second's spikes the loss here (a worker whose
+# second moment is ~0 where the others' first is not): fit's warning says so.
+@pytest.mark.filterwarnings("ignore:fit. the loss grew")
 def test_desloc_is_charged_its_moment_averages_and_consensus_is_reported(tmp_path, capsys):
     """On label-skewed shares: DES-LOC (H = 2) averages the parameters as local SGD (H = 2)
     does, plus Adam's first moment once in 8 steps (at 3H = 6), an all-reduce of the same

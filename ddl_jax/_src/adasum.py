@@ -138,7 +138,7 @@ def adasum(axis: str = "data") -> optax.GradientTransformation:
       >>> def worker(g):  # g: this worker's row of the [4, 4] gradients
       ...     combined, _ = reducer.update(g[0], reducer.init(g[0]))
       ...     return combined
-      >>> run = jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> run = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> sharding = NamedSharding(mesh, P("data"))
       >>> print(run(jax.device_put(jnp.eye(4), sharding)))  # orthogonal: the sum
       [1. 1. 1. 1.]

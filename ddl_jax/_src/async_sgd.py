@@ -573,12 +573,12 @@ def async_sgd(
 
     Example (four equal workers averaging their four gradients: synchronous SGD):
 
-    >>> import jax.numpy as jnp, optax, ddl_jax as ddl
+    >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
     >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
     >>> strategy = ddl.async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=4),
     ...                          protocol=ddl.softsync(4))
     >>> state = strategy.init({"w": jnp.zeros(())})
-    >>> state, metrics = strategy.step(state, {"x": jnp.ones(8), "y": jnp.ones(8)})
+    >>> state, metrics = jax.jit(strategy.step)(state, {"x": jnp.ones(8), "y": jnp.ones(8)})
     >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
     (0.2, 4.0)
     """

@@ -75,14 +75,14 @@ def data_parallel(
       (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
       >>> strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
-      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init({"w": jnp.zeros(())}), batch)
       >>> round(float(strategy.params(state)["w"]), 6), float(metrics["loss"])
       (0.2, 1.0)
     """

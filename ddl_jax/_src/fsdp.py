@@ -153,7 +153,7 @@ def fsdp(
       the reducer's ``compression_ratio`` (a float32 reduce-scatter's bytes / bytes sent).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
@@ -163,7 +163,7 @@ def fsdp(
       >>> state = strategy.init({"w": jnp.zeros((8, 1))})
       >>> state.params["w"].sharding.spec  # each worker holds one row
       P('data', None)
-      >>> state, metrics = strategy.step(state, batch)
+      >>> state, metrics = jax.jit(strategy.step)(state, batch)
       >>> float(metrics["loss"]), round(float(strategy.params(state)["w"][0, 0]), 6)
       (1.0, 0.2)
     """

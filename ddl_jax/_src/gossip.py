@@ -213,14 +213,14 @@ def gossip(
       ``params(state)`` is the mean of the replicas.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
       >>> strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), topology="ring")
-      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init({"w": jnp.zeros(())}), batch)
       >>> w, distance = strategy.params(state)["w"], metrics["consensus_distance"]
       >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
       (0.2, 0.0)

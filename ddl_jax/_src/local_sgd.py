@@ -131,14 +131,15 @@ def local_sgd(
       (drop: the share of workers synchronised). ``params(state)``: the replicas' mean.
 
     Example:
-      >>> import jax.numpy as jnp, optax, ddl_jax as ddl
+      >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
       >>> loss_fn = lambda params, b: jnp.mean((b["x"] * params["w"] - b["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
       >>> mesh = ddl.make_mesh(data=8)
       >>> strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
       >>> state = strategy.init({"w": jnp.zeros(())})
+      >>> step = jax.jit(strategy.step)
       >>> for _ in range(2):
-      ...     state, metrics = strategy.step(state, batch)
+      ...     state, metrics = step(state, batch)
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """

@@ -135,7 +135,7 @@ def noloco(
       last measured. ``params(state)`` is the mean of the replicas.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
@@ -143,8 +143,9 @@ def noloco(
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
       >>> strategy = ddl.noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=2)
       >>> state = strategy.init({"w": jnp.zeros(())})
+      >>> step = jax.jit(strategy.step)
       >>> for _ in range(2):
-      ...     state, metrics = strategy.step(state, batch)
+      ...     state, metrics = step(state, batch)
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """

@@ -347,7 +347,7 @@ def pipeline(
 
     Example (an autoencoder of two linear stages on a 2 x 2 mesh):
 
-    >>> import numpy as np, optax
+    >>> import jax, numpy as np, optax
     >>> from flax import nnx
     >>> import ddl_jax as ddl
     >>> stages, params = ddl.pipeline_stages(
@@ -357,7 +357,7 @@ def pipeline(
     ...     stages, lambda y, x: ((y - x) ** 2).mean(), optax.sgd(0.1),
     ...     ddl.make_mesh(data=2, stage=2), microbatches=2, schedule="1f1b",
     ... )
-    >>> state, metrics = strategy.step(strategy.init(params), np.ones((8, 4), np.float32))
+    >>> state, metrics = jax.jit(strategy.step)(strategy.init(params), np.ones((8, 4), np.float32))
     >>> [p["kernel"].shape for p in strategy.params(state)]
     [(4, 8), (8, 4)]
     """

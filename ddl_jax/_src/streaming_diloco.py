@@ -127,7 +127,7 @@ def streaming_diloco(
       sent, -1.0 if none) and the reducer's metrics (of the last fragment sent).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
@@ -139,9 +139,9 @@ def streaming_diloco(
       ...     loss_fn, optax.sgd(0.1), mesh, period=4, fragments=2, overlap=1, mix=0.5
       ... )
       >>> state = strategy.init({"a": jnp.zeros(()), "b": jnp.zeros(())})
-      >>> sent = []
+      >>> sent, step = [], jax.jit(strategy.step)
       >>> for _ in range(4):
-      ...     state, metrics = strategy.step(state, batch)
+      ...     state, metrics = step(state, batch)
       ...     sent.append(int(metrics["fragment"]))
       >>> sent  # fragment 1 after 2 local steps, fragment 0 after 4
       [-1, 1, -1, 0]

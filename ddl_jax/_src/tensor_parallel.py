@@ -120,7 +120,7 @@ def tensor_parallel(
       ``ddl.layers`` evaluates them on one device.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax
       >>> import ddl_jax as ddl
       >>> def loss_fn(params, batch):
@@ -129,7 +129,7 @@ def tensor_parallel(
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = ddl.make_mesh(data=2, model=4)
       >>> strategy = ddl.tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=P())
-      >>> state, metrics = strategy.step(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init({"w": jnp.zeros(())}), batch)
       >>> round(float(strategy.params(state)["w"]), 6)
       0.2
     """
