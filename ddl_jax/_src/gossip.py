@@ -301,14 +301,8 @@ def _worker_step(
             (params, model_state), axis, cfg.weights, cfg.perms, arrives
         )
         metrics = _network_metrics(cfg, arrives, present, here, {"loss": loss, **aux})
-    distance = state.consensus_distance
+    distance = measured_consensus(params, state, cfg.consensus_every, axis)
     if cfg.consensus_every:
-        distance = lax.cond(
-            state.model.step % cfg.consensus_every == 0,
-            functools.partial(_consensus_distance, axis=axis),
-            lambda _: state.consensus_distance,
-            params,
-        )
         metrics["consensus_distance"] = distance
     model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
     return GossipState(restack(params), restack(opt_state), distance, model), metrics
@@ -369,6 +363,19 @@ def _mix_unreliable(
     for kept, arrived in rounds:
         mixed = jax.tree.map(lambda m, r, wk=kept: m + wk.astype(r.dtype) * r, mixed, arrived)
     return mixed
+
+
+def measured_consensus(params: Any, state: Any, every: int, axis: str) -> jax.Array:
+    """The replicas' consensus distance at steps divisible by ``every`` (it costs a
+    parameter all-reduce), else ``state.consensus_distance`` as last measured."""
+    if not every:
+        return state.consensus_distance
+    return lax.cond(
+        state.model.step % every == 0,
+        functools.partial(_consensus_distance, axis=axis),
+        lambda _: state.consensus_distance,
+        params,
+    )
 
 
 def _consensus_distance(params: Any, axis: str) -> jax.Array:

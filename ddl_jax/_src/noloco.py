@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.gossip import _consensus_distance
+from ddl_jax._src.gossip import measured_consensus
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int, check_real, check_transform
@@ -207,14 +207,8 @@ def _worker_step(
     params, model_state, anchor, outer_opt_state = carry
     metrics = lax.pmean({"loss": loss, **aux}, axis)
     metrics["synchronised"] = synchronised.astype(jnp.float32)
-    distance = state.consensus_distance
+    distance = measured_consensus(params, state, cfg.consensus_every, axis)
     if cfg.consensus_every:
-        distance = lax.cond(
-            state.model.step % cfg.consensus_every == 0,
-            functools.partial(_consensus_distance, axis=axis),
-            lambda _: state.consensus_distance,
-            params,
-        )
         metrics["consensus_distance"] = distance
     model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
     new = (params, opt_state, anchor, outer_opt_state)
