@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/ddg_stability.py
 	$(BIN)/python benchmarks/fsdp.py
+	$(BIN)/python benchmarks/low_communication.py
 	$(BIN)/python benchmarks/peers.py
 
 clean:
