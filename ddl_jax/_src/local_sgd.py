@@ -128,14 +128,14 @@ def local_sgd(
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
       (1.0 after a synchronisation, a group's included), the reducer's metrics, and
       ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
-      (drop: the share of workers synchronised). ``params(state)``: the replicas' mean.
+      (drop: the share of workers in this step's synchronisation, 0 without one).
+      ``params(state)``: the replicas' mean.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
       >>> loss_fn = lambda params, b: jnp.mean((b["x"] * params["w"] - b["y"]) ** 2)
       >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
-      >>> mesh = ddl.make_mesh(data=8)
-      >>> strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2)
+      >>> strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=2)
       >>> state = strategy.init({"w": jnp.zeros(())})
       >>> step = jax.jit(strategy.step)
       >>> for _ in range(2):
@@ -353,7 +353,8 @@ def _worker_step(
     metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
     metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
     if cfg.drop:
-        metrics["arrived"] = jnp.mean(arrived.astype(jnp.float32))
+        share = jnp.mean(arrived.astype(jnp.float32))
+        metrics["arrived"] = jnp.where(branch == 2, share, 0.0)
     for name, period in cfg.state_periods:
         fires = ~warm & ((step + cfg.offset) % period == 0)
         average = functools.partial(_average_field, name=name, axis=axis, arrived=arrived)
