@@ -11,6 +11,7 @@ import pytest
 from conftest import bn_dropout_pair, make_batches, reference_sgd, worker_shards
 
 import ddl_jax as ddl
+from ddl_jax._src.consistency import CHURN_STREAM
 
 
 def mean_tree(trees):
@@ -599,15 +600,16 @@ def test_desloc_names_a_field_the_optimizer_state_lacks(mlp):
         strategy.init(params)
 
 
-def reference_unreliable_averaging(loss_fn, params, batches, *, n, period, arrived_at):
-    """Per-worker SGD; at a synchronisation the workers whose message arrives (arrived_at(t))
-    take the mean of their replicas and the others keep their own."""
+def reference_unreliable_averaging(loss_fn, params, batches, *, n, period, arrived_at, present_at):
+    """Per-worker SGD, a worker absent at t (present_at(t)) taking no step; at a
+    synchronisation the workers whose message arrives (arrived_at(t)) take the mean of
+    their replicas and the others keep their own."""
     replicas = [params] * n
     for t, batch in enumerate(batches):
-        shards = worker_shards(batch, n)
+        shards, here = worker_shards(batch, n), present_at(t)
         replicas = [
-            jax.tree.map(lambda p, g: p - 0.1 * g, r, jax.grad(loss_fn)(r, s))
-            for r, s in zip(replicas, shards, strict=True)
+            jax.tree.map(lambda p, g: p - 0.1 * g, r, jax.grad(loss_fn)(r, s)) if here[i] else r
+            for i, (r, s) in enumerate(zip(replicas, shards, strict=True))
         ]
         if (t + 1) % period == 0:
             arrived = [i for i, a in enumerate(arrived_at(t)) if a]
@@ -638,9 +640,35 @@ def test_statement_1_replicas_agree_after_a_complete_synchronisation_not_a_lossy
     assert 0 < masks[5].sum() < n  # this seed drops some, not all, at the last sync
     assert float(metrics["arrived"]) == masks[5].mean()
     expected = reference_unreliable_averaging(
-        loss_fn, params, batches, n=n, period=3, arrived_at=masks.get
+        loss_fn, params, batches, n=n, period=3, arrived_at=masks.get, present_at=lambda t: [1] * n
     )
     for i in range(n):
         replica = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.params)
         chex.assert_trees_all_close(replica, expected[i], atol=1e-5)
     assert ddl.consistency.consensus_distance(state.params) > 1e-3
+
+
+def test_absent_workers_take_no_step_and_miss_the_synchronisation(mlp):
+    """churn: a worker absent at a step neither trains nor synchronises; with drop as well, a
+    present worker's message may still be lost."""
+    loss_fn, params = mlp
+    n, batches = 8, make_batches(6, 32)
+    strategy = ddl.local_sgd(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), period=3, churn=0.3, drop=0.2
+    )
+    state, _ = run(strategy, params, batches)
+    key = state.model.key
+
+    def present(t):
+        return np.asarray(ddl.consistency.arrivals(key, t, n, 0.3, CHURN_STREAM))
+
+    def arrived(t):
+        return np.asarray(ddl.consistency.arrivals(key, t, n, 0.2)) & present(t)
+
+    assert 0 < sum(present(t).sum() for t in range(6)) < 6 * n  # some absences happened
+    expected = reference_unreliable_averaging(
+        loss_fn, params, batches, n=n, period=3, arrived_at=arrived, present_at=present
+    )
+    for i in range(n):
+        replica = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.params)
+        chex.assert_trees_all_close(replica, expected[i], atol=1e-5)

@@ -159,7 +159,7 @@ LOSSY = {
         loss_fn, opt, mesh, period=2, reducer=ddl.compression.sparse_loco(0.25, chunk=16)
     ),
     "local_sgd_desloc_unreliable": lambda loss_fn, opt, mesh: ddl.local_sgd(
-        loss_fn, opt, mesh, period=2, state_periods={"mu": 2, "nu": 4}, drop=0.3
+        loss_fn, opt, mesh, period=2, state_periods={"mu": 2, "nu": 4}, drop=0.3, churn=0.2
     ),
     "streaming_diloco_overlap_mix": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=4, fragments=2, overlap=1, mix=0.5

@@ -14,13 +14,20 @@ from ddl_jax._src.strategy import check_real
 DROP_STREAM = 0x7FFFFFFF
 
 
-def arrivals(key_data: jax.Array, step: jax.Array | int, n: int, drop: float) -> jax.Array:
+#: ``fold_in`` tag of the churn draws (workers absent for a step).
+CHURN_STREAM = DROP_STREAM - 1
+
+
+def arrivals(
+    key_data: jax.Array, step: jax.Array | int, n: int, drop: float, stream: int = DROP_STREAM
+) -> jax.Array:
     """Which of ``n`` workers' messages arrive at ``step``: ``bool[n]``, each lost with
     probability ``drop``, drawn from the run's key (``ModelVars.key``) and the step alone,
     so every worker draws the same mask and a resumed run draws the masks an uninterrupted
-    one would."""
+    one would. ``stream=CHURN_STREAM`` draws which workers are present (``drop``: the
+    probability of being absent)."""
     key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-    key = jax.random.fold_in(jax.random.fold_in(key, step), DROP_STREAM)
+    key = jax.random.fold_in(jax.random.fold_in(key, step), stream)
     return jax.random.uniform(key, (n,)) >= drop
 
 

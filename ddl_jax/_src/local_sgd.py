@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
-from ddl_jax._src.consistency import arrivals, check_probability
+from ddl_jax._src.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
@@ -54,6 +54,7 @@ def local_sgd(
     average_optimizer_state: bool = False,
     state_periods: Mapping[str, int] | None = None,
     drop: float = 0.0,
+    churn: float = 0.0,
     warmup_sync_steps: int = 0,
     reducer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
@@ -64,10 +65,9 @@ def local_sgd(
 
     Each worker i takes ``period`` (H) steps of ``optimizer`` on its shard of the batches,
     then the workers agree on ``Delta = (1/N) sum_i (anchor - theta_i)`` through
-    ``reducer``, and ``anchor <- anchor - Delta`` (parameter averaging) or
-    ``anchor <- anchor + outer_optimizer(Delta)`` (DiLoCo); every replica restarts from the
-    new anchor. H = 1 with SGD is synchronous SGD. Model state (batch statistics) is each
-    worker's own and averaged at every synchronisation; dropout keys differ per worker.
+    ``reducer``; ``anchor <- anchor - Delta`` (parameter averaging) or ``anchor <- anchor +
+    outer_optimizer(Delta)`` (DiLoCo), and every replica restarts from the new anchor. H = 1
+    with SGD is synchronous SGD. Model state is each worker's, averaged at every sync.
 
     **Schedules.** Steps count t = 0, 1, ... (the counter before the step); the first
     ``warmup_sync_steps`` = W are synchronous (gradients all-reduced: post-local SGD). A
@@ -90,17 +90,17 @@ def local_sgd(
     within contiguous blocks of G_l workers by G_l - 1 ``ppermute`` rounds; the top level
     is the synchronisation above.
 
-    **Unreliable workers.** With ``drop`` = p each worker misses each synchronisation with
-    probability p (``ddl.consistency.arrivals``, from the run's key): its pseudo-gradient
-    is left out of the mean and it keeps its own replica and states (moments too): the
-    replicas disagree after it (``ddl.consistency.consensus_distance(state.params)`` > 0).
+    **Unreliable workers** (``ddl.consistency.arrivals`` draws from the run's key). With
+    ``drop`` = p a worker misses each synchronisation with probability p: left out of the
+    mean, it keeps its replica and states (moments too), and the replicas disagree after
+    it (``ddl.consistency.consensus_distance(state.params)`` > 0). With ``churn`` = q it is
+    absent from each step after the warm-up with probability q: no step, no sync.
 
     References:
-      Zinkevich et al., "Parallelized stochastic gradient descent", NeurIPS 2010.
-      Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020, arXiv:1808.07217.
-      Douillard et al., "DiLoCo", arXiv:2311.08105 (outer ``optax.sgd(0.7, momentum=0.9,
-      nesterov=True)``). Iacob et al., "DES-LOC", arXiv:2505.22549. Wang et al.,
-      "Demystifying why local aggregation helps", arXiv:2010.12998 (hierarchical SGD).
+      Zinkevich et al. 2010; Lin et al., "Don't use large mini-batches, use local SGD",
+      arXiv:1808.07217; Douillard et al., "DiLoCo", arXiv:2311.08105 (outer
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``); Iacob et al., "DES-LOC",
+      arXiv:2505.22549; Wang et al., arXiv:2010.12998 (hierarchical SGD).
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -116,7 +116,7 @@ def local_sgd(
       average_optimizer_state: also average the workers' inner optimizer states when
         synchronising (otherwise each worker keeps its own).
       state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
-      drop: the probability that a worker misses a synchronisation, in [0, 1).
+      drop, churn: the probabilities that a worker misses a synchronisation, is absent.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included.
@@ -154,7 +154,7 @@ def local_sgd(
         warmup_sync_steps,
         average_optimizer_state,
         state_periods,
-        drop,
+        (drop, churn),
     )
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -174,7 +174,7 @@ def _configure(
     warmup_sync_steps: Any,
     average_optimizer_state: bool,
     state_periods: Any,
-    drop: Any,
+    unreliable: tuple[Any, Any],
 ) -> _Config:
     """``local_sgd``'s arguments checked, and its schedule as periods and an offset."""
     levels = _levels(period, hierarchy, kit.n, kit.axis)
@@ -204,7 +204,8 @@ def _configure(
         warmup_sync_steps,
         average_optimizer_state,
         _state_periods(state_periods, average_optimizer_state),
-        check_probability("drop", drop),
+        check_probability("drop", unreliable[0]),
+        check_probability("churn", unreliable[1]),
     )
 
 
@@ -290,6 +291,7 @@ class _Config(NamedTuple):
     average_optimizer_state: bool
     state_periods: tuple[tuple[str, int], ...]  # DES-LOC: (optimizer-state field, period)
     drop: float  # the probability that a worker misses a synchronisation
+    churn: float  # the probability that a worker is absent from a step
 
 
 def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
@@ -327,13 +329,17 @@ def _worker_step(
     if warmup:
         average = functools.partial(_average, axis=axis)
         grads, model_state = lax.cond(warm, average, _keep, (grads, model_state))
-    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
+    before = (params, opt_state, unstack(state.model.state))
+    params, opt_state = optax.apply_updates(params, updates), new_opt_state
+    present, arrived = _unreliable(cfg, state.model, warm)
+    if present is not None:  # an absent worker takes no step
+        here = present[lax.axis_index(axis)]
+        params, opt_state, model_state = _select(here, (params, opt_state, model_state), before)
     # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
     # 2: a synchronisation through the outer step; 3 + l: level l's group average. The
     # level with the largest period that fires wins.
     branch = jnp.where(step == warmup - 1, 1, 0)
-    arrived = arrivals(state.model.key, step, kit.n, cfg.drop) if cfg.drop else None
     branches = [
         _keep,
         functools.partial(_catch_up, axis=axis),
@@ -352,7 +358,7 @@ def _worker_step(
     params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
     metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
-    if cfg.drop:
+    if arrived is not None:
         share = jnp.mean(arrived.astype(jnp.float32))
         metrics["arrived"] = jnp.where(branch == 2, share, 0.0)
     for name, period in cfg.state_periods:
@@ -370,6 +376,20 @@ def _worker_step(
 
 
 Carry = tuple[Any, Any, Any, Any, Any, Any]  # params, opt, anchor, outer, reducer, model state
+
+
+def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, Any]:
+    """``bool[N]`` masks of this step: the workers present (all during the warm-up;
+    ``None`` without churn), and those present whose synchronisation message would arrive
+    (``None`` when every worker is reliable)."""
+    present = arrived = None
+    if cfg.churn:
+        present = arrivals(model.key, model.step, cfg.kit.n, cfg.churn, CHURN_STREAM) | warm
+        arrived = present
+    if cfg.drop:
+        arrived = arrivals(model.key, model.step, cfg.kit.n, cfg.drop)
+        arrived = arrived if present is None else arrived & present
+    return present, arrived
 
 
 def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
