@@ -285,7 +285,7 @@ def test_replica_lag_of_plain_async_with_equal_workers():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"drop": 1.5}, "drop must be a finite real number >= 0 and <= 1"),
+        ({"drop": 1.5}, r"drop must be a probability in \[0, 1\), got 1.5"),
         ({"drop": -0.1}, "drop must be"),
         ({"churn": churn(0.1, 1.0)._replace(leave=2.0)}, "churn leave must be"),
         ({"churn": (0.1, 1.0)}, "churn must be None or ddl.churn"),

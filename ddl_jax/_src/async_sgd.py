@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src import async_events as ev
 from ddl_jax._src import staleness as sl
 from ddl_jax._src import strategy as st
+from ddl_jax._src.consistency import check_probability
 from ddl_jax._src.flat import FlatView
 from ddl_jax._src.kit import Kit, one_worker, prepare, restack, unstack, vary
 from ddl_jax._src.model_loss import ModelVars, worker_key
@@ -248,7 +249,7 @@ class _Program(NamedTuple):
         times = sl.as_compute_time(compute_time, kit.n)
         protocol = sl.as_protocol(protocol, kit.n)
         local = _check_inner(protocol, inner_optimizer)
-        drop = st.check_real("drop", drop, minimum=0, maximum=1)
+        drop = check_probability("drop", drop)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
         server_opt = optax.with_extra_args_support(optimizer)
@@ -554,7 +555,7 @@ def async_sgd(
         worker, or ``ddl.compute_times(base, spread=, seed=)`` for random times.
       protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)``,
         ``ddl.downpour(n_fetch, n_push)`` or ``ddl.async_local(steps)``.
-      drop: p in [0, 1], the probability that a push is lost; churn: ``None`` or
+      drop: p in [0, 1), the probability that a push is lost; churn: ``None`` or
         ``ddl.churn(leave=q, away=T)``, workers that leave and rejoin (see above).
       inner_optimizer: the workers' optimizer, required by ``async_local`` and only there.
       accumulate: micro-batches per worker gradient.

@@ -33,9 +33,9 @@ def arrivals(
 
 def check_probability(name: str, value: Any) -> float:
     """``value`` as a float in [0, 1), or a ``ValueError`` naming ``name``."""
-    value = check_real(name, value, minimum=0, maximum=1)
-    if value == 1:
-        raise ValueError(f"{name} must be a probability in [0, 1), got 1: nothing would arrive.")
+    value = check_real(name, value, minimum=0.0)
+    if value >= 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}.")
     return value
 
 

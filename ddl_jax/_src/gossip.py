@@ -14,9 +14,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src.consistency import check_probability
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.strategy import Strategy, check_int, check_real
+from ddl_jax._src.strategy import Strategy, check_int
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
 # The stream of the shared link draws: fold_in(fold_in(key, step), _LINK_STREAM). Worker w
@@ -227,7 +228,7 @@ def gossip(
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
-    drop, churn = _probability("drop", drop), _probability("churn", churn)
+    drop, churn = check_probability("drop", drop), check_probability("churn", churn)
     n = kit.n
     perms = neighbour_permutations(topology, n)
     w = (
@@ -251,13 +252,6 @@ def gossip(
         kit.step(functools.partial(_worker_step, cfg), specs),
         kit.replica_variables(),
     )
-
-
-def _probability(name: str, value: Any) -> float:
-    value = check_real(name, value, minimum=0.0)
-    if value >= 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}.")
-    return value
 
 
 class _Config(NamedTuple):
