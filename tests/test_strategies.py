@@ -79,10 +79,6 @@ STRATEGIES = {
     "local_sgd_diloco": lambda loss_fn, opt, mesh: ddl.local_sgd(
         loss_fn, opt, mesh, period=2, outer_optimizer=optax.sgd(1.0)
     ),
-    # one worker that misses a synchronisation keeps its replica: the same replica
-    "local_sgd_unreliable": lambda loss_fn, opt, mesh: ddl.local_sgd(
-        loss_fn, opt, mesh, period=2, drop=0.3
-    ),
     # fragments in turn without overlap: one worker's fragment average is its own
     "streaming_diloco": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=2, fragments=2
