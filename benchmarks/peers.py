@@ -22,15 +22,12 @@ import importlib.util
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from _pinned import free_port, run_pinned
 
 PROGRAMS = {
     "ddl": "ddl.data_parallel",
@@ -39,68 +36,18 @@ PROGRAMS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_once(program: str, n: int, cores: list[int], config: dict, timeout: float) -> dict:
     """Starts ``n`` worker processes of ``program``; returns process 0's report or an error."""
-    port = free_port()
-    # One thread per process: taskset pins each process to one core (XLA's CPU thread
-    # pools follow the affinity), --xla_cpu_multi_thread_eigen=false keeps Eigen's kernels
-    # on the calling thread, and the OpenMP / MKL variables (with torch.set_num_threads(1)
-    # in the worker) do the same for PyTorch. XLA has no thread-count flag
-    # (intra_op_parallelism_threads is TensorFlow's and XLA_FLAGS rejects it).
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
-        "JAX_PLATFORMS": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-    }
+    port = str(free_port())
     worker = Path(__file__).parent / "_peers_worker.py"
-    procs = [
-        subprocess.Popen(
-            # -P keeps benchmarks/ off sys.path: its scripts' names may shadow modules.
-            [
-                "taskset",
-                "-c",
-                str(cores[i]),
-                sys.executable,
-                "-P",
-                str(worker),
-                program,
-                str(n),
-                str(i),
-                str(port),
-                json.dumps(config),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    deadline = time.monotonic() + timeout
-    outs, errors = [], []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            for q in procs:
-                q.communicate()
-            return {"error": f"timed out after {timeout:.0f} s"}
-        outs.append(out)
-        errors.append(err)
-    if any(p.returncode for p in procs):
+    argvs = [[program, str(n), str(i), port, json.dumps(config)] for i in range(n)]
+    try:
+        outs, errors, codes = run_pinned(worker, argvs, cores, timeout)
+    except TimeoutError as e:
+        return {"error": str(e)}
+    if any(codes):
         tail = errors[0].strip().splitlines()[-3:] or errors[-1].strip().splitlines()[-3:]
-        return {"error": f"exit codes {[p.returncode for p in procs]}: {' | '.join(tail)}"}
+        return {"error": f"exit codes {codes}: {' | '.join(tail)}"}
     return json.loads(outs[0].strip().splitlines()[-1])
 
 

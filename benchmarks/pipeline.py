@@ -16,17 +16,10 @@ writes JSON and markdown to benchmarks/results/.
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _pinned import free_port, run_pinned
 
 
 def main() -> None:
@@ -49,37 +42,12 @@ def main() -> None:
             f"may run on {len(cores)} ({cores}): both stages would share one core and the "
             "numbers would not measure pipelining. Run it where 2 cores are available."
         )
-    port = free_port()
-    # One core per process is what bounds XLA here: taskset pins each process, and XLA's
-    # CPU thread pools follow the process's CPU affinity. --xla_cpu_multi_thread_eigen=false
-    # also keeps Eigen's kernels on the calling thread. XLA has no thread-count flag
-    # (intra_op_parallelism_threads is TensorFlow's: XLA_FLAGS ignores it without a
-    # leading -- and rejects it with one).
-    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu"}
+    port = str(free_port())
     worker = Path(__file__).parent / "_pipeline_worker.py"
-    procs = [
-        subprocess.Popen(
-            # -P keeps benchmarks/ off sys.path: its scripts' names may shadow modules.
-            [
-                "taskset",
-                "-c",
-                str(cores[i]),
-                sys.executable,
-                "-P",
-                str(worker),
-                str(i),
-                str(port),
-                json.dumps(config),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"worker exit codes {[p.returncode for p in procs]}")
+    argvs = [[str(i), port, json.dumps(config)] for i in range(2)]
+    outs, errors, codes = run_pinned(worker, argvs, cores, timeout=900)
+    if any(codes):
+        raise SystemExit(f"worker exit codes {codes}:\n{errors[0]}{errors[1]}")
     result = json.loads(outs[0].strip().splitlines()[-1])
     times, idle = result["seconds"], result["idle_fraction"]
 

@@ -1,0 +1,60 @@
+"""Worker processes pinned one per core, one thread each, under a hard timeout (the
+multi-process benchmarks: peers.py, pipeline.py)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# One thread per process: taskset pins each process to one core (XLA's CPU thread pools
+# follow the affinity), --xla_cpu_multi_thread_eigen=false keeps Eigen's kernels on the
+# calling thread, and the OpenMP / MKL variables (with torch.set_num_threads(1) in a
+# PyTorch worker) do the same for PyTorch. XLA has no thread-count flag
+# (intra_op_parallelism_threads is TensorFlow's and XLA_FLAGS rejects it).
+ONE_THREAD_ENV = {
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+    "JAX_PLATFORMS": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pinned(
+    worker: Path, argvs: list[list[str]], cores: list[int], timeout: float
+) -> tuple[list[str], list[str], list[int]]:
+    """Runs ``worker`` once per argument list, process i on ``cores[i]``; returns their
+    stdouts, stderrs and exit codes. Raises ``TimeoutError`` (all killed) past ``timeout``."""
+    procs = [
+        subprocess.Popen(
+            # -P keeps benchmarks/ off sys.path: its scripts' names may shadow modules.
+            ["taskset", "-c", str(cores[i]), sys.executable, "-P", str(worker), *argv],
+            env={**os.environ, **ONE_THREAD_ENV},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, argv in enumerate(argvs)
+    ]
+    deadline = time.monotonic() + timeout
+    outs, errors = [], []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate()
+            raise TimeoutError(f"timed out after {timeout:.0f} s") from None
+        outs.append(out)
+        errors.append(err)
+    return outs, errors, [p.returncode for p in procs]
