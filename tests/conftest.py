@@ -109,6 +109,16 @@ def train(strategy, params, batches):
     return state, metrics
 
 
+def train_steps(strategy, params, batches):
+    """As :func:`train`, with every step's metrics: ``(state, [metrics, ...])``."""
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state, history = strategy.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
 def reference_sgd(loss_fn, optimizer, params, batches):
     """Plain single-device training on each global batch: the obviously right answer."""
     params = jax.tree.map(jnp.array, params)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, worker_shards
+from conftest import make_batches, train_steps, worker_shards
 
 import ddl_jax as ddl
 from ddl_jax._src import async_events as ev
@@ -20,15 +20,6 @@ from ddl_jax._src.staleness import (
     compute_times,
     softsync,
 )
-
-
-def run(strategy, params, batches):
-    step = jax.jit(strategy.step, donate_argnums=0)
-    state, history = strategy.init(params), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        history.append(jax.device_get(metrics))
-    return state, history
 
 
 def test_one_inner_sgd_step_pushed_to_outer_sgd_one_is_plain_async(mlp):
@@ -49,8 +40,8 @@ def test_one_inner_sgd_step_pushed_to_outer_sgd_one_is_plain_async(mlp):
         inner_optimizer=optax.sgd(0.3),
         **faults,
     )
-    plain_state, plain_history = run(plain, params, batches)
-    local_state, local_history = run(local, params, batches)
+    plain_state, plain_history = train_steps(plain, params, batches)
+    local_state, local_history = train_steps(local, params, batches)
     assert max(h["staleness_max"] for h in plain_history) > 1
     assert sum(h["pushes_lost"] for h in plain_history) > 0
     assert max(h["workers_away"] for h in plain_history) > 0
@@ -203,7 +194,7 @@ def test_model_state_keys_and_reset_inner_state_thread_through_the_inner_steps()
         protocol=async_local(steps, reset=True),
         inner_optimizer=optax.sgd(lr, momentum=beta),
     )
-    state, _ = run(strategy, {"params": params, **model_state}, batches)
+    state, _ = train_steps(strategy, {"params": params, **model_state}, batches)
     base = jax.random.key(4, impl="threefry2x32")
     grad_fn = jax.jit(jax.grad(fn, has_aux=True))
     for k, batch in enumerate(batches):

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import bn_dropout_pair, make_batches, reference_sgd, worker_shards
+from conftest import (
+    bn_dropout_pair,
+    make_batches,
+    reference_sgd,
+    train,
+    train_steps,
+    worker_shards,
+)
 
 import ddl_jax as ddl
 from ddl_jax._src.consistency import CHURN_STREAM
@@ -65,20 +72,12 @@ def reference_local_sgd(
     return replicas
 
 
-def run(strategy, params, batches):
-    step = jax.jit(strategy.step)
-    state = strategy.init(params)
-    for batch in batches:
-        state, metrics = step(state, batch)
-    return state, metrics
-
-
 def test_period_one_with_sgd_is_data_parallel(mlp):
     loss_fn, params = mlp
     batches, mesh = make_batches(5, 32), ddl.make_mesh(data=8)
-    state, _ = run(ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1), params, batches)
+    state, _ = train(ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1), params, batches)
     dp = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh)
-    dp_state, _ = run(dp, params, batches)
+    dp_state, _ = train(dp, params, batches)
     chex.assert_trees_all_close(
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1).params(state),
         dp.params(dp_state),
@@ -100,7 +99,7 @@ def test_matches_workers_simulated_on_one_device(mlp, period, warmup, average_op
         warmup_sync_steps=warmup,
         average_optimizer_state=average_opt_state,
     )
-    state, _ = run(strategy, params, batches)
+    state, _ = train(strategy, params, batches)
     expected = reference_local_sgd(
         loss_fn,
         optax.adam(1e-2),
@@ -132,7 +131,7 @@ def test_desloc_averages_each_adam_moment_on_its_own_period(mlp, periods, warmup
         state_periods=periods,
         drop=drop,
     )
-    state, metrics = run(strategy, params, batches)
+    state, metrics = train(strategy, params, batches)
     key = state.model.key
     expected = reference_local_sgd(
         loss_fn,
@@ -161,7 +160,7 @@ def test_desloc_with_the_parameters_period_is_averaging_the_optimizer_state(mlp)
     desloc = ddl.local_sgd(
         loss_fn, optax.adam(1e-2), mesh, period=3, state_periods={"mu": 3, "nu": 3}
     )
-    chex.assert_trees_all_equal(run(desloc, params, batches)[0], run(every, params, batches)[0])
+    chex.assert_trees_all_equal(train(desloc, params, batches)[0], train(every, params, batches)[0])
 
 
 def test_desloc_moment_syncs_send_the_moments_bytes(mlp):
@@ -194,7 +193,7 @@ def test_warmup_is_synchronous_sgd_whatever_the_reducer(mlp):
         warmup_sync_steps=3,
         reducer=ddl.compression.top_k(0.1),
     )
-    state, _ = run(strategy, params, batches)
+    state, _ = train(strategy, params, batches)
     expected = reference_sgd(loss_fn, optax.sgd(0.1), params, batches)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
     chex.assert_trees_all_close(state.anchor, expected, atol=1e-5)
@@ -207,8 +206,8 @@ def test_diloco_with_outer_sgd_one_is_plain_averaging(mlp):
     diloco = ddl.local_sgd(
         loss_fn, optax.adamw(1e-2), mesh, period=3, outer_optimizer=optax.sgd(1.0)
     )
-    a, _ = run(plain, params, batches)
-    b, _ = run(diloco, params, batches)
+    a, _ = train(plain, params, batches)
+    b, _ = train(diloco, params, batches)
     chex.assert_trees_all_close(plain.params(a), diloco.params(b), atol=1e-6)
 
 
@@ -220,7 +219,7 @@ def test_diloco_outer_nesterov_step_on_the_averaged_pseudo_gradient(mlp):
     strategy = ddl.local_sgd(
         loss_fn, inner, ddl.make_mesh(data=n), period=period, outer_optimizer=outer
     )
-    state, _ = run(strategy, params, batches)
+    state, _ = train(strategy, params, batches)
     anchor, outer_state, inner_states = params, outer.init(params), [inner.init(params)] * n
     for r in range(2):
         replicas = [anchor] * n
@@ -239,12 +238,12 @@ def test_diloco_outer_nesterov_step_on_the_averaged_pseudo_gradient(mlp):
 def test_replicas_are_identical_after_a_synchronisation(mlp):
     loss_fn, params = mlp
     strategy = ddl.local_sgd(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), period=3)
-    state, metrics = run(strategy, params, make_batches(6, 32))
+    state, metrics = train(strategy, params, make_batches(6, 32))
     assert metrics["synchronised"] == 1.0
     for leaf in jax.tree.leaves(state.params):
         leaf = np.asarray(leaf)
         assert (leaf == leaf[0]).all()  # bitwise: every replica is the new anchor
-    state, metrics = run(strategy, params, make_batches(5, 32))
+    state, metrics = train(strategy, params, make_batches(5, 32))
     assert metrics["synchronised"] == 0.0
     assert any((np.asarray(x) != np.asarray(x)[0]).any() for x in jax.tree.leaves(state.params))
 
@@ -253,7 +252,7 @@ def test_one_trajectory_between_syncs_reaches_reference_sgd_with_one_worker(mlp)
     loss_fn, params = mlp
     batches = make_batches(5, 16)
     strategy = ddl.local_sgd(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=1), period=2)
-    state, _ = run(strategy, params, batches)
+    state, _ = train(strategy, params, batches)
     expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
@@ -391,15 +390,6 @@ def reference_group_averaging(
     return jax.tree.map(lambda *xs: jnp.stack(xs), *replicas), sizes
 
 
-def run_steps(strategy, params, batches):
-    """The final state and every step's metrics."""
-    step, state, history = jax.jit(strategy.step), strategy.init(params), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        history.append(metrics)
-    return state, history
-
-
 def toy_loss(params, batch):
     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
 
@@ -409,7 +399,7 @@ def synchronised_after(n=8, steps=12, **kwargs):
     of the groups it averages then (all ``n`` without a hierarchy)."""
     strategy = ddl.local_sgd(toy_loss, optax.sgd(0.1), ddl.make_mesh(data=n), **kwargs)
     batches = [{"x": np.ones(n, np.float32), "y": np.ones(n, np.float32)}] * steps
-    _, history = run_steps(strategy, {"w": jnp.zeros(())}, batches)
+    _, history = train_steps(strategy, {"w": jnp.zeros(())}, batches)
     synced = [t for t, m in enumerate(history) if m["synchronised"]]
     sizes = [int(history[t].get("sync_group_size", n)) for t in synced]
     return synced, sizes
@@ -453,7 +443,7 @@ def test_torch_schedule_is_periodic_model_averagers(mlp, period, warmup):
         warmup_sync_steps=warmup,
         schedule="torch",
     )
-    state, history = run_steps(strategy, params, batches)
+    state, history = train_steps(strategy, params, batches)
     expected, sizes = reference_group_averaging(
         loss_fn,
         optax.adam(1e-2),
@@ -490,7 +480,7 @@ def test_hierarchy_averages_replicas_within_groups(mlp, schedule, hierarchy, war
         schedule=schedule,
         average_optimizer_state=momentum is not None,
     )
-    state, history = run_steps(strategy, params, batches)
+    state, history = train_steps(strategy, params, batches)
     rule = {"ddl": LocalStepsRule, "torch": HierarchicalModelAveragerRule}[schedule]
     expected, sizes = reference_group_averaging(
         loss_fn,
@@ -518,8 +508,8 @@ def test_one_level_hierarchy_is_plain_local_sgd(mlp, schedule, warmup, outer):
     common = {"warmup_sync_steps": warmup, "schedule": schedule, "outer_optimizer": outer}
     plain = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, period=3, **common)
     levels = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, hierarchy=((3, n),), **common)
-    a, plain_history = run_steps(plain, params, batches)
-    b, level_history = run_steps(levels, params, batches)
+    a, plain_history = train_steps(plain, params, batches)
+    b, level_history = train_steps(levels, params, batches)
     assert [m["synchronised"] for m in plain_history] == [m["synchronised"] for m in level_history]
     chex.assert_trees_all_equal(a.params, b.params)
     chex.assert_trees_all_equal(a.anchor, b.anchor)
@@ -530,7 +520,7 @@ def test_a_group_average_leaves_equal_replicas_and_batch_statistics_per_group():
     strategy = ddl.local_sgd(
         loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), hierarchy={2: 2, 4: 8}
     )
-    state, history = run_steps(strategy, variables, make_batches(2, 32))
+    state, history = train_steps(strategy, variables, make_batches(2, 32))
     assert float(history[-1]["sync_group_size"]) == 2.0
     for leaf in jax.tree.leaves((state.params, state.model.state)):
         pairs = np.asarray(leaf).reshape(4, 2, -1)
@@ -626,15 +616,15 @@ def test_statement_1_replicas_agree_after_a_complete_synchronisation_not_a_lossy
     loss_fn, params = mlp
     n, batches, mesh = 8, make_batches(6, 32), ddl.make_mesh(data=8)
     complete = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3)
-    state, _ = run(complete, params, batches)
+    state, _ = train(complete, params, batches)
     assert ddl.consistency.consensus_distance(state.params) == 0.0
-    default, _ = run(
+    default, _ = train(
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.0), params, batches
     )
     chex.assert_trees_all_equal(default, state)
 
     lossy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.4)
-    state, metrics = run(lossy, params, batches)
+    state, metrics = train(lossy, params, batches)
     key = state.model.key
     masks = {t: np.asarray(ddl.consistency.arrivals(key, t, n, 0.4)) for t in (2, 5)}
     assert 0 < masks[5].sum() < n  # this seed drops some, not all, at the last sync
@@ -656,7 +646,7 @@ def test_absent_workers_take_no_step_and_miss_the_synchronisation(mlp):
     strategy = ddl.local_sgd(
         loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), period=3, churn=0.3, drop=0.2
     )
-    state, _ = run(strategy, params, batches)
+    state, _ = train(strategy, params, batches)
     key = state.model.key
 
     def present(t):

@@ -7,21 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import bn_dropout_pair, make_batches, worker_shards
+from conftest import bn_dropout_pair, make_batches, train_steps, worker_shards
 
 import ddl_jax as ddl
 from ddl_jax._src.streaming_diloco import fragment_bounds
 
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
-
-
-def run_steps(strategy, params, batches):
-    """The final state and every step's metrics."""
-    step, state, history = jax.jit(strategy.step), strategy.init(params), []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        history.append(metrics)
-    return state, history
 
 
 def test_one_fragment_without_overlap_is_diloco_step_by_step():
@@ -117,7 +108,7 @@ def test_matches_its_definition_written_out_in_numpy(overlap, mix):
         mix=mix,
         outer_optimizer=NESTEROV,
     )
-    state, history = run_steps(strategy, params, batches)
+    state, history = train_steps(strategy, params, batches)
     replicas, anchor, sent = reference_streaming_diloco(
         params, batches, n=n, period=period, fragments=fragments, overlap=overlap, mix=mix
     )
@@ -204,7 +195,7 @@ def test_a_compressing_reducer_quantizes_the_outer_gradients():
         fragments=2,
         reducer=ddl.compression.cast(jnp.bfloat16),
     )
-    state, history = run_steps(strategy, params, batches)
+    state, history = train_steps(strategy, params, batches)
     assert float(history[-1]["compression_ratio"]) == pytest.approx(2.0, rel=0.05)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
