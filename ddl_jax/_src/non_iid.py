@@ -117,10 +117,10 @@ def _skewed_stream(data, shares, per_worker, seed, start) -> Iterator[Dataset]:
 def _positions(share: np.ndarray, worker: int, step: int, per_worker: int, seed: int):
     """Worker ``worker``'s examples of batch ``step``: positions ``step * per_worker`` onward
     of its stream, the concatenation of seeded permutations of its share (one per pass)."""
-    first = step * per_worker
-    out = []
-    for position in range(first, first + per_worker):
-        rounds, offset = divmod(position, len(share))
-        order = np.random.default_rng([seed, worker, rounds]).permutation(len(share))
-        out.append(share[order[offset]])
-    return np.asarray(out)
+    positions = np.arange(step * per_worker, (step + 1) * per_worker)
+    passes, offsets = np.divmod(positions, len(share))
+    out = np.empty(per_worker, share.dtype)
+    for p in np.unique(passes):  # one permutation per pass the batch touches
+        order = np.random.default_rng([seed, worker, int(p)]).permutation(len(share))
+        out[passes == p] = share[order[offsets[passes == p]]]
+    return out
