@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddl_jax._src.strategy import check_real
@@ -19,16 +20,20 @@ CHURN_STREAM = DROP_STREAM - 1
 
 
 def arrivals(
-    key_data: jax.Array, step: jax.Array | int, n: int, drop: float, stream: int = DROP_STREAM
+    key_data: jax.Array,
+    step: jax.Array | int,
+    n: int | tuple[int, ...],
+    drop: float,
+    stream: int = DROP_STREAM,
 ) -> jax.Array:
-    """Which of ``n`` workers' messages arrive at ``step``: ``bool[n]``, each lost with
-    probability ``drop``, drawn from the run's key (``ModelVars.key``) and the step alone,
-    so every worker draws the same mask and a resumed run draws the masks an uninterrupted
-    one would. ``stream=CHURN_STREAM`` draws which workers are present (``drop``: the
-    probability of being absent)."""
-    key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    """Which of ``n`` workers' messages arrive at ``step``: ``bool[n]`` (or of shape ``n``,
+    e.g. ``(n, n)`` receiver by sender), each lost with probability ``drop``, drawn from the
+    run's key (``ModelVars.key``) and the step alone, so every worker draws the same mask
+    and a resumed run draws the masks an uninterrupted one would. ``stream=CHURN_STREAM``
+    draws which workers are present (``drop``: the probability of being absent)."""
+    key = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32), impl="threefry2x32")
     key = jax.random.fold_in(jax.random.fold_in(key, step), stream)
-    return jax.random.uniform(key, (n,)) >= drop
+    return jax.random.uniform(key, (n,) if isinstance(n, int) else n) >= drop
 
 
 def check_probability(name: str, value: Any) -> float:

@@ -14,15 +14,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.consistency import check_probability
+from ddl_jax._src.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.strategy import Strategy, check_int
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
-# The stream of the shared link draws: fold_in(fold_in(key, step), _LINK_STREAM). Worker w
-# draws fold_in(fold_in(key, step), w) for w < N, so no worker's dropout key coincides.
-_LINK_STREAM = 0xFFFFFFFF
 
 
 def _torus_shape(n: int) -> tuple[int, int]:
@@ -107,10 +104,10 @@ def link_masks(
 ) -> tuple[jax.Array, jax.Array]:
     """The unreliable network of one gossip step: which messages arrive, who is present.
 
-    Drawn from the run's shared key (``ModelVars.key``) and the step, the same on every
-    worker and restored with a checkpoint: ``k = fold_in(fold_in(key, step), 2**32 - 1)``;
-    message losses ``bernoulli(fold_in(k, 0), drop, (n, n))``, absences
-    ``bernoulli(fold_in(k, 1), churn, (n,))``.
+    Drawn from the run's shared key (``ModelVars.key``) and the step by
+    ``ddl.consistency.arrivals``, as ``local_sgd``'s are, the same on every worker and
+    restored with a checkpoint: messages ``(n, n)`` on the drop stream, presence ``(n,)``
+    on the churn stream.
 
     Args:
       key: the run's key data, ``uint32[2]``.
@@ -124,11 +121,9 @@ def link_masks(
       (false if the message is lost or either is absent; the diagonal is not a message),
       ``present[i]`` whether worker i takes part in the step.
     """
-    base = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl="threefry2x32")
-    k = jax.random.fold_in(jax.random.fold_in(base, step), _LINK_STREAM)
-    lost = jax.random.bernoulli(jax.random.fold_in(k, 0), drop, (n, n))
-    present = ~jax.random.bernoulli(jax.random.fold_in(k, 1), churn, (n,))
-    return ~lost & present[:, None] & present[None, :], present
+    arrives = arrivals(key, step, (n, n), drop)
+    present = arrivals(key, step, n, churn, CHURN_STREAM)
+    return arrives & present[:, None] & present[None, :], present
 
 
 class GossipState(NamedTuple):
