@@ -9,6 +9,8 @@ import pytest
 from conftest import make_batches, reference_sgd, worker_shards
 from conftest import train as run
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax._src.comm import collectives
@@ -280,3 +282,66 @@ def test_a_hand_built_mesh_with_auto_axes_works(mlp, build):
     chex.assert_trees_all_close(
         build(loss_fn, optax.sgd(0.1), mesh).params(state), expected, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 1e-5, 0.002, 25])
+def test_allreduce_mean_buckets_equal_pmean(bucket_mb):
+    """Any bucket size gives lax.pmean of every leaf, float32 and bfloat16 alike."""
+    n = 4
+    mesh = ddl.make_mesh(data=n)
+    rng = np.random.default_rng(0)
+    shapes = [(30, 20), (20,), (), (7, 3, 2)]
+    tree = {
+        "f32": [rng.normal(size=(n, *s)).astype(np.float32) for s in shapes],
+        "bf16": [rng.normal(size=(n, *s)).astype(jnp.bfloat16) for s in shapes],
+    }
+    tree = jax.device_put(tree, NamedSharding(mesh, P("data")))
+    reducer = ddl.allreduce_mean(bucket_mb=bucket_mb)
+
+    def per_worker(fn):
+        def body(t):
+            out = fn(jax.tree.map(lambda x: x[0], t))
+            return jax.tree.map(lambda x: x[None], out)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+    got = per_worker(lambda t: reducer.update(t, reducer.init(t))[0])(tree)
+    want = per_worker(lambda t: jax.lax.pmean(t, "data"))(tree)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_gradients_travel_in_buckets(mlp):
+    """The compiled step's all-reduces carry one buffer per bucket (XLA:CPU's gloo makes
+    one call per buffer), not one per parameter leaf."""
+    loss_fn, params = mlp
+    leaves = jax.tree.leaves(params)
+    biggest = max(x.nbytes for x in leaves)
+    batch = {"x": np.zeros((32, 12), np.float32), "y": np.zeros(32, np.int32)}
+    mesh = ddl.make_mesh(data=4)
+
+    def buffers(bucket_mb):
+        reducer = ddl.allreduce_mean(bucket_mb=bucket_mb)
+        strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
+        stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+        return sum(op.buffers for op in stats.ops if op.kind == "all-reduce")
+
+    total = sum(x.nbytes for x in leaves)
+    assert buffers(None) == len(leaves) + 1  # + the loss
+    assert buffers(25) == 1 + 1
+    # Buckets fill in leaf order up to the cap; a leaf beyond the cap travels alone.
+    cap = max(biggest, total // 2)
+    expected, size = 1, 0
+    for x in leaves:
+        if size and size + x.nbytes > cap:
+            expected, size = expected + 1, 0
+        size += x.nbytes
+    assert 1 < expected < len(leaves)
+    assert buffers(cap / 2**20) == expected + 1
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "25", True])
+def test_allreduce_mean_rejects_a_bad_bucket_size(bad):
+    with pytest.raises(ValueError, match="bucket_mb"):
+        ddl.allreduce_mean(bucket_mb=bad)

@@ -66,6 +66,8 @@ class CollectiveOp(NamedTuple):
       sent: bytes each device sends per execution, indexed by device.
       rounds: communication rounds per execution.
       branch: ``""`` outside conditionals, else which conditional branch holds the op.
+      buffers: arrays the op carries (XLA may combine several collectives into one op of
+        tuple shape; XLA:CPU's gloo collectives still make one call per buffer).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class CollectiveOp(NamedTuple):
     sent: tuple[float, ...]
     rounds: int
     branch: str
+    buffers: int = 1
 
 
 class CommStats(NamedTuple):
@@ -223,7 +226,8 @@ def _walk(comps, name, devices, count, branch, out) -> None:
             # operands and context), but the attributes are on the -start.
             attrs = _start_of(m, ops).string if phase else line
             nbytes = shape_bytes(m["shape"])
-            out.append(_collective(kind, attrs, nbytes, devices, count, branch.rstrip("/")))
+            op = _collective(kind, attrs, nbytes, devices, count, branch.rstrip("/"))
+            out.append(op._replace(buffers=len(_ARRAY.findall(m["shape"]))))
     for sub in subs:
         _walk(comps, sub, devices, count, branch, out)
 

@@ -146,27 +146,39 @@ class FlatView(NamedTuple):
         return self.unravel(blocks.reshape(-1))
 
 
-def map_fused(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
-    """Applies ``fn`` to one flat buffer per dtype of ``tree``'s leaves and splits it back.
+def map_fused(
+    fn: Callable[[jax.Array], jax.Array], tree: Any, bucket_bytes: int | None = None
+) -> Any:
+    """Applies ``fn`` to flat buffers of ``tree``'s leaves, one dtype each, and splits them back.
 
-    Fusing the leaves of a dtype (Horovod's tensor fusion) makes a collective run once per
-    dtype rather than once per leaf; ``fn`` sees no mixed-dtype casts, so integers stay exact.
+    Fusing the leaves of a dtype (Horovod's tensor fusion, DDP's gradient buckets) makes a
+    collective run once per buffer rather than once per leaf; ``fn`` sees no mixed-dtype
+    casts, so integers stay exact.
 
     Args:
       fn: maps a 1-D buffer to a 1-D buffer of the same size and dtype; entry i of its result
         goes back where entry i of its argument came from.
       tree: a pytree of arrays (or scalars, which become arrays).
+      bucket_bytes: ``None``: one buffer per dtype. Else the leaves of a dtype fill buffers
+        in tree order up to this many bytes each; a larger leaf is a buffer of its own.
 
     Returns:
       A tree of ``tree``'s structure, shapes and dtypes.
     """
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(x) for x in leaves]
-    groups: dict[np.dtype, list[int]] = {}  # dtypes in order of first appearance
+    groups: dict[np.dtype, list[list[int]]] = {}  # dtypes in order of first appearance
+    sizes: dict[np.dtype, int] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault(leaf.dtype, []).append(i)
+        buckets = groups.setdefault(leaf.dtype, [[]])
+        full = bucket_bytes is not None and sizes.get(leaf.dtype, 0) + leaf.nbytes > bucket_bytes
+        if full and buckets[-1]:
+            buckets.append([])
+            sizes[leaf.dtype] = 0
+        buckets[-1].append(i)
+        sizes[leaf.dtype] = sizes.get(leaf.dtype, 0) + leaf.nbytes
     out: list[Any] = [None] * len(leaves)
-    for members in groups.values():
+    for members in (m for buckets in groups.values() for m in buckets):
         group = [leaves[i] for i in members]
         view = FlatView.of(group)
         for i, leaf in zip(members, view.unravel(fn(view.ravel(group))), strict=True):

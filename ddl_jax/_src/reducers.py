@@ -15,6 +15,9 @@ values typed as varying; they carry the ``PermuteReducer`` mark, which ``ddl.cha
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import jax
 import optax
 from jax import lax
@@ -25,6 +28,8 @@ from ddl_jax._src.collectives import (
     ring_allreduce,
     tree_allreduce,
 )
+from ddl_jax._src.flat import map_fused
+from ddl_jax._src.strategy import check_real
 
 ALGORITHMS = {
     "psum": lax.psum,
@@ -72,7 +77,15 @@ def checks_vma(reducer: optax.GradientTransformation) -> bool:
     return not isinstance(reducer, PermuteReducer)
 
 
-def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.GradientTransformation:
+def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int) -> Any:
+    if lax.axis_size(axis) == 1:  # nothing travels: no buffers to pack
+        return lax.psum(tree, axis)
+    return map_fused(lambda flat: lax.psum(flat, axis), tree, bucket_bytes)
+
+
+def allreduce_mean(
+    axis: str = "data", algorithm: str = "psum", bucket_mb: float | None = 25.0
+) -> optax.GradientTransformation:
     """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
 
     Args:
@@ -81,6 +94,12 @@ def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.Gradien
         implementation, NCCL/ICI/gloo). ``"ring"``, ``"tree"``, ``"ps"``: the explicit
         algorithms of ``ddl.collectives`` (ring, binomial tree, central parameter server),
         whose rounds and bytes show up in ``ddl.comm_stats``.
+      bucket_mb: with ``"psum"``, the leaves of a dtype travel packed in flat buckets of
+        at most this many MiB (a larger leaf alone), one all-reduce each, as DDP's
+        gradient buckets (25 MiB there too). ``None``: one all-reduce per leaf, which
+        XLA may combine into one op, but XLA:CPU's gloo still runs leaf by leaf (an MLP's
+        step was 1.4x slower over 2 processes; ``benchmarks/peers.py``). The explicit
+        algorithms always fuse each dtype into one buffer.
 
     Returns:
       A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.
@@ -107,6 +126,10 @@ def allreduce_mean(axis: str = "data", algorithm: str = "psum") -> optax.Gradien
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
         )
     total = ALGORITHMS[algorithm]
+    if bucket_mb is not None:
+        bucket_bytes = int(check_real("bucket_mb", bucket_mb, minimum=0, exclusive=True) * 2**20)
+        if algorithm == "psum":
+            total = partial(_bucketed_psum, bucket_bytes=bucket_bytes)
 
     def update(updates, state, params=None):
         del params
