@@ -12,11 +12,10 @@ import time
 
 import jax
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+import ddl_jax as ddl
+
 process_id, port, config = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=2, process_id=process_id, heartbeat_timeout_seconds=60
-)
+ddl.launch.initialize(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_seconds=60)
 
 import itertools  # noqa: E402
 
@@ -25,8 +24,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import ddl_jax as ddl  # noqa: E402
 
 
 class Stage(nnx.Module):

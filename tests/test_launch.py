@@ -71,6 +71,14 @@ WORKER = textwrap.dedent(
     uninterrupted = train_params()
     if jax.process_index() == 0:
         np.savez(out, *resumed, *uninterrupted)
+    import time
+    time.sleep(1.0)  # initialize's watcher looks twice a second
+    loops = set()
+    for _ in range(100):  # a loop thread spends moments outside epoll_wait
+        loops |= set(launch.gloo_loop_threads())
+        time.sleep(0.01)
+    idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
+    print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
     """
 )
 
@@ -120,6 +128,10 @@ def test_kill_9_is_reported_and_the_restarted_run_ends_bitwise_equal(restarted):
     for rank in (0, 1):
         assert f"[rank {rank}] devices 8 first step {int(step.group(1)) + 1}" in proc.stdout
         assert f"[rank {rank}] devices 8 first step 1" in proc.stdout  # the uninterrupted run
+        # initialize lowered gloo's spinning transport threads (one per device group).
+        loops = rf"\[rank {rank}\] gloo loop threads (\d+) all at SCHED_IDLE (\w+)"
+        loops = re.search(loops, proc.stdout)
+        assert loops and int(loops[1]) >= 1 and loops[2] == "True", log
     # Bitwise: the same compiled programs on the same devices and data, resumed from a
     # checkpoint that stores the float32 state exactly.
     chex.assert_trees_all_equal(resumed, uninterrupted)
