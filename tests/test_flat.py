@@ -99,20 +99,6 @@ def test_bad_lengths_and_trees_are_refused():
         view.blocks(tree, 0)
 
 
-@pytest.mark.parametrize("scale", [1.0, -0.5, 3])
-def test_add_into_equals_ravel_arithmetic(scale):
-    tree = mixed_tree()
-    view = FlatView.of(tree)
-    vector = jnp.asarray(np.random.default_rng(1).normal(size=30), jnp.float32)
-    got = view.add_into(vector, tree, scale)
-    want = vector + scale * view.ravel(tree, 30, jnp.float32)
-    assert got.dtype == jnp.float32
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got[22:], vector[22:])  # the padding is left alone
-    traced = jax.jit(view.add_into)(vector, tree, jnp.float32(scale))
-    np.testing.assert_allclose(traced, want, rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.parametrize("n", [1, 3, 7, 22, 25])
 def test_blocks_and_from_blocks(n):
     tree = mixed_tree()

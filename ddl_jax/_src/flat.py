@@ -87,10 +87,13 @@ class FlatView(NamedTuple):
             )
         if not leaves:
             return jnp.zeros((length,), dtype)
-        flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
-        if flat.size != self.size:
-            raise ValueError(f"FlatView.ravel: the tree has {flat.size} entries, not {self.size}.")
-        return jnp.pad(flat, (0, length - self.size))
+        pieces = [jnp.ravel(x).astype(dtype) for x in leaves]
+        size = sum(x.size for x in pieces)
+        if size != self.size:
+            raise ValueError(f"FlatView.ravel: the tree has {size} entries, not {self.size}.")
+        # Zeros concatenated, not jnp.pad: XLA:CPU's pad fusion writes 6x slower.
+        zeros = [jnp.zeros((length - size,), dtype)] if length > size else []
+        return jnp.concatenate(pieces + zeros)
 
     def unravel(self, vector: jax.Array) -> Any:
         """The tree whose raveled form is ``vector``, each leaf cast back to its dtype.
@@ -112,20 +115,6 @@ class FlatView(NamedTuple):
             p.reshape(s).astype(d) for p, s, d in zip(pieces, self.shapes, self.dtypes, strict=True)
         ]
         return self.treedef.unflatten(leaves)
-
-    def add_into(self, vector: jax.Array, tree: Any, scale: float | jax.Array) -> jax.Array:
-        """``vector + scale * ravel(tree, len(vector))``, computed in ``vector``'s dtype.
-
-        Entries past ``size`` are left as they are. Leaf by leaf with ``dynamic_update_slice``,
-        so no raveled copy of ``tree`` is made: XLA updates ``vector``'s buffer in place (a
-        gradient accumulator under ``scan``).
-        """
-        offset = 0
-        for x, size in zip(jax.tree.leaves(tree), self._sizes(), strict=True):
-            part = vector[offset : offset + size] + scale * jnp.ravel(x).astype(vector.dtype)
-            vector = lax.dynamic_update_slice(vector, part, (offset,))
-            offset += size
-        return vector
 
     def blocks(self, tree: Any, n: int, dtype: Any = None) -> jax.Array:
         """``ravel(tree)``, zero-padded and cut into ``[n, ceil(size / n)]`` blocks.

@@ -74,10 +74,10 @@ def initialize(
         coordinator to answer) before giving up.
       idle_gloo_loop: on Linux CPUs, a daemon thread lowers each of gloo's transport
         threads to ``SCHED_IDLE`` as it appears (XLA starts one per group of devices
-        that a collective first runs over). Such a thread spins while a peer's message waits for this process to post its receive;
-        at normal priority it takes the core from the step (with one core per process:
-        2 ms per tiny all-reduce in place of 0.2 ms, and a slower backward). At
-        ``SCHED_IDLE`` it runs when the step waits.
+        that a collective first runs over). Such a thread spins while a peer's message
+        waits for this process to post its receive; at normal priority it takes the core
+        from the step (with one core per process: 2 ms per tiny all-reduce in place of
+        0.2 ms, and a slower backward). At ``SCHED_IDLE`` it runs when the step waits.
 
     Returns:
       Whether the distributed runtime was initialised (false: single process).

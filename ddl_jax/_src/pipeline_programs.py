@@ -280,8 +280,7 @@ def synchronous_step(
         def run(
             p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
         ) -> Out:
-            zeros_p = jnp.zeros_like(p)
-            grad_p, grad_x, loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, zeros_p, 1 / m_)
+            grad_p, grad_x, loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, 1 / m_)
             s = new if i == k_ - 1 else s
             return vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32), s), both)
 
@@ -359,8 +358,7 @@ def ddg_step(
         def run(p: jax.Array, s: jax.Array, x_f: Any, x_b: Any, ct: Any, *micro: Any) -> Out:
             mb_f, mb_b, key_f, key_b = micro
             out_act, s_f = fns.forward[i](p, s, x_f, mb_f, key_f) if i < last else (zeros_a, s)
-            zeros_p = jnp.zeros_like(p)
-            grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x_b, ct, mb_b, key_b, zeros_p, 1.0)
+            grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x_b, ct, mb_b, key_b, 1.0)
             s = s_b if i == last else s_f
             return vary((out_act, grad_x, grad_p, loss.astype(jnp.float32), s), both)
 

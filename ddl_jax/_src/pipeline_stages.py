@@ -201,11 +201,11 @@ def build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
             ct_buf: jax.Array,
             micro: Any,
             key: Any,
-            acc: jax.Array,
             scale: float,
         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-            # Differentiate the unravelled tree and add leaf by leaf: a gradient of the flat
-            # vector would build a zero-padded copy of every stage's size on every tick.
+            # Differentiate the unravelled tree and concatenate: a gradient of the flat
+            # vector, or adding leaf by leaf into zeros, becomes XLA:CPU pad fusions of the
+            # stage's size (13 ms for 6 MB, against 0.3 ms for the concatenation).
             y, vjp, new = jax.vjp(
                 lambda q, x_buf: run(q, s, x_buf, micro, key),
                 view.unravel(p),
@@ -215,7 +215,7 @@ def build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
             ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
             grad_p, grad_x = vjp(ct)
             loss = y if last else jnp.zeros((), jnp.float32)
-            return view.add_into(acc, grad_p, scale), grad_x, loss, new
+            return scale * view.ravel(grad_p, p.shape[0], p.dtype), grad_x, loss, new
 
         return forward, backward
 
