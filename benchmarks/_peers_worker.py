@@ -3,7 +3,8 @@
     python benchmarks/_peers_worker.py FRAMEWORK NUM_PROCESSES PROCESS_ID PORT CONFIG_JSON
 
 FRAMEWORK is ``ddl`` (``ddl.data_parallel``), ``hand`` (a hand-written ``jax.shard_map``
-+ ``pmean`` step) or ``torch`` (PyTorch ``DistributedDataParallel``). Every framework
++ ``pmean`` step), ``torch`` (PyTorch ``DistributedDataParallel``), or ``dots`` (one
+process: the step's matrix products timed alone in JAX and, if installed, PyTorch). Every framework
 loads the same initial weights (``CONFIG_JSON["weights"]``, an ``.npz`` written by the
 parent) and trains on the same synthetic batches (process p's come from a numpy
 generator seeded with ``(seed, p)``) with plain SGD. Process 0 prints one JSON line: the
@@ -184,7 +185,48 @@ def run_jax() -> None:
         jax.distributed.shutdown()
 
 
+def run_dots() -> None:
+    """Prints, per layer, the milliseconds of its three products in JAX and PyTorch."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        torch = None
+
+    def ms(fn, *args, n: int = 20) -> float:
+        jax.block_until_ready(fn(*args))
+        start = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n * 1e3
+
+    products = {
+        "forward x.W": lambda x, w, dy: x @ w,
+        "input gradient dy.W^T": lambda x, w, dy: dy @ w.T,
+        "weight gradient x^T.dy": lambda x, w, dy: x.T @ dy,
+    }
+    rows = []
+    for i in range(len(weights) // 2):
+        w = weights[f"w{i}"]
+        x = rng.normal(size=(config["batch"], w.shape[0])).astype(np.float32)
+        dy = rng.normal(size=(config["batch"], w.shape[1])).astype(np.float32)
+        for name, fn in products.items():
+            row = {"layer": f"{w.shape[0]}x{w.shape[1]}", "product": name}
+            row["jax_ms"] = ms(jax.jit(fn), *map(jnp.asarray, (x, w, dy)))
+            if torch is not None:
+                row["torch_ms"] = ms(fn, *map(torch.from_numpy, (x, w, dy)))
+            rows.append(row)
+    print(json.dumps({"dots": rows}), flush=True)
+
+
 if framework == "torch":
     run_torch()
+elif framework == "dots":
+    run_dots()
 else:
     run_jax()

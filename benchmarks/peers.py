@@ -105,6 +105,7 @@ def main() -> None:
                     rate = n * args.batch * args.steps / result["seconds"]
                     note = f"{rate:,.0f} samples/s, loss {result['last_loss']:.4f}"
                 print(f"round {r + 1}/{args.rounds}  {program:5s} N={n}: {note}", flush=True)
+        dots = run_once("dots", 1, cores, config, args.timeout)
 
     rows = []
     for program, n in configs:
@@ -186,6 +187,23 @@ def main() -> None:
         f"{agree} (N=1: {', '.join(f'{x:.5f}' for x in finals[1])}; "
         f"N=2: {', '.join(f'{x:.5f}' for x in finals[2])})"
     )
+    lines += [
+        "",
+        "Where one process's step time goes: each matrix product of the step alone, on one "
+        "core, milliseconds:",
+        "",
+        "| layer | product | JAX (XLA:CPU) | PyTorch | JAX / PyTorch |",
+        "|---|---|---|---|---|",
+    ]
+    for d in dots.get("dots", []):
+        torch_ms = d.get("torch_ms")
+        share = fmt(torch_ms and d["jax_ms"] / torch_ms, ".2f")
+        lines.append(
+            f"| {d['layer']} | {d['product']} | {d['jax_ms']:.2f} | "
+            f"{fmt(torch_ms, '.2f')} | {share} |"
+        )
+    if "error" in dots:
+        lines.append(f"| failed | {dots['error']} | | | |")
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,6 +216,7 @@ def main() -> None:
         "scaling_efficiency": efficiency,
         "losses_agree": agree,
         "ddl_over_torch": {"1": ratio(1), "2": ratio(2)},
+        "matrix_products_ms": dots.get("dots"),
     }
     (args.out / "peers.json").write_text(json.dumps(result, indent=2))
 
