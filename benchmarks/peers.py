@@ -51,6 +51,75 @@ def run_once(program: str, n: int, cores: list[int], config: dict, timeout: floa
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
+def fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary_rows(runs: dict, configs: list, batch: int, steps: int) -> list[dict]:
+    """Per program and N: the median samples/s of the good rounds, their spread, losses."""
+    rows = []
+    for program, n in configs:
+        good = [x for x in runs[program, n] if "error" not in x]
+        rates = [n * batch * steps / x["seconds"] for x in good]
+        rows.append(
+            {
+                "program": program,
+                "processes": n,
+                "samples_per_s": statistics.median(rates) if rates else None,
+                "min": min(rates, default=None),
+                "max": max(rates, default=None),
+                "rounds_ok": len(good),
+                "errors": [x["error"] for x in runs[program, n] if "error" in x],
+                "first_loss": good[0]["first_loss"] if good else None,
+                "last_loss": good[0]["last_loss"] if good else None,
+                "round_samples_per_s": rates,
+            }
+        )
+    return rows
+
+
+def product_lines(dots: dict) -> list[str]:
+    """The markdown table of the step's matrix products timed alone (the ``dots`` run)."""
+    lines = [
+        "",
+        "Where one process's step time goes: each matrix product of the step alone, on one "
+        "core, milliseconds:",
+        "",
+        "| layer | product | JAX (XLA:CPU) | PyTorch | JAX / PyTorch |",
+        "|---|---|---|---|---|",
+    ]
+    for d in dots.get("dots", []):
+        torch_ms = d.get("torch_ms")
+        share = fmt(torch_ms and d["jax_ms"] / torch_ms, ".2f")
+        lines.append(
+            f"| {d['layer']} | {d['product']} | {d['jax_ms']:.2f} | "
+            f"{fmt(torch_ms, '.2f')} | {share} |"
+        )
+    if "error" in dots:
+        lines.append(f"| failed | {dots['error']} | | | |")
+    return lines
+
+
+def program_line(program: str, installed: bool, by: dict, efficiency: dict) -> str:
+    """One program's row of the samples/s table."""
+    label = PROGRAMS[program]
+    if not installed:
+        return f"| {label} | not installed | not installed | not installed | - |"
+    cells = []
+    for n in (1, 2):
+        r = by[program, n]
+        cell = (
+            f"{r['samples_per_s']:,.0f} ({r['min']:,.0f}..{r['max']:,.0f})"
+            if r["samples_per_s"]
+            else "failed"
+        )
+        if r["errors"]:
+            cell += f" [{len(r['errors'])} failed]"
+        cells.append(cell)
+    losses = " / ".join(fmt(by[program, n]["first_loss"], ".5f") for n in (1, 2))
+    return f"| {label} | {cells[0]} | {cells[1]} | {fmt(efficiency[program], '.2f')} | {losses} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -107,24 +176,7 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}  {program:5s} N={n}: {note}", flush=True)
         dots = run_once("dots", 1, cores, config, args.timeout)
 
-    rows = []
-    for program, n in configs:
-        good = [x for x in runs[program, n] if "error" not in x]
-        rates = [n * args.batch * args.steps / x["seconds"] for x in good]
-        rows.append(
-            {
-                "program": program,
-                "processes": n,
-                "samples_per_s": statistics.median(rates) if rates else None,
-                "min": min(rates, default=None),
-                "max": max(rates, default=None),
-                "rounds_ok": len(good),
-                "errors": [x["error"] for x in runs[program, n] if "error" in x],
-                "first_loss": good[0]["first_loss"] if good else None,
-                "last_loss": good[0]["last_loss"] if good else None,
-                "round_samples_per_s": rates,
-            }
-        )
+    rows = summary_rows(runs, configs, args.batch, args.steps)
     by = {(r["program"], r["processes"]): r for r in rows}
     efficiency = {}
     for program in programs:
@@ -137,9 +189,6 @@ def main() -> None:
         a, b = by["ddl", n]["samples_per_s"], by["torch", n]["samples_per_s"]
         return a / b if a and b else None
 
-    def fmt(x: float | None, spec: str) -> str:
-        return "n/a" if x is None else format(x, spec)
-
     lines = [
         f"MLP {'-'.join(map(str, sizes))}, {args.batch} examples per process, SGD "
         f"{args.lr}, same initial weights and batches; N processes x 1 core x 1 thread "
@@ -150,25 +199,7 @@ def main() -> None:
         "step (N=1 / N=2) |",
         "|---|---|---|---|---|",
     ]
-    for program, label in PROGRAMS.items():
-        if program not in programs:
-            lines.append(f"| {label} | not installed | not installed | not installed | - |")
-            continue
-        cells = []
-        for n in (1, 2):
-            r = by[program, n]
-            cell = (
-                f"{r['samples_per_s']:,.0f} ({r['min']:,.0f}..{r['max']:,.0f})"
-                if r["samples_per_s"]
-                else "failed"
-            )
-            if r["errors"]:
-                cell += f" [{len(r['errors'])} failed]"
-            cells.append(cell)
-        losses = " / ".join(fmt(by[program, n]["first_loss"], ".5f") for n in (1, 2))
-        lines.append(
-            f"| {label} | {cells[0]} | {cells[1]} | {fmt(efficiency[program], '.2f')} | {losses} |"
-        )
+    lines += [program_line(p, p in programs, by, efficiency) for p in PROGRAMS]
     lines += [
         "",
         f"ddl / PyTorch DDP samples/s: N=1 **{fmt(ratio(1), '.2f')}**, "
@@ -187,23 +218,7 @@ def main() -> None:
         f"{agree} (N=1: {', '.join(f'{x:.5f}' for x in finals[1])}; "
         f"N=2: {', '.join(f'{x:.5f}' for x in finals[2])})"
     )
-    lines += [
-        "",
-        "Where one process's step time goes: each matrix product of the step alone, on one "
-        "core, milliseconds:",
-        "",
-        "| layer | product | JAX (XLA:CPU) | PyTorch | JAX / PyTorch |",
-        "|---|---|---|---|---|",
-    ]
-    for d in dots.get("dots", []):
-        torch_ms = d.get("torch_ms")
-        share = fmt(torch_ms and d["jax_ms"] / torch_ms, ".2f")
-        lines.append(
-            f"| {d['layer']} | {d['product']} | {d['jax_ms']:.2f} | "
-            f"{fmt(torch_ms, '.2f')} | {share} |"
-        )
-    if "error" in dots:
-        lines.append(f"| failed | {dots['error']} | | | |")
+    lines += product_lines(dots)
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
