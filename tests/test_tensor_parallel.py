@@ -130,7 +130,11 @@ def test_gradients_are_all_reduced_over_data_groups_only():
     module = Classifier(nnx.Rngs(0))
     loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
     mesh = ddl.make_mesh(data=2, model=4)
-    strategy = tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=param_specs(module))
+    # Leaf by leaf (no buckets), so each gradient's shape names its all-reduce.
+    reducer = ddl.allreduce_mean("data", bucket_mb=None)
+    strategy = tensor_parallel(
+        loss_fn, optax.sgd(0.1), mesh, specs=param_specs(module), reducer=reducer
+    )
     [batch] = make_batches(1, 16)
     hlo = jax.jit(strategy.step).lower(strategy.init(params), batch).compile().as_text()
     ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [data, model]

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from ddl_jax._src.flat import FlatView
+from ddl_jax._src.flat import FlatView, varying_axes
 
 # numpy, not jnp: a jnp array made at import time would start JAX's backend.
 _BIT = np.arange(8, dtype=np.uint8)
@@ -65,17 +65,10 @@ def typed_like(new_state: Any, state: Any) -> Any:
     """
 
     def one(new: Any, old: Any) -> Any:
-        missing = tuple(sorted(_varying(old) - _varying(new)))
+        missing = tuple(sorted(varying_axes(old) - varying_axes(new)))
         return lax.pcast(new, missing, to="varying") if missing else new
 
     return jax.tree.map(one, new_state, state)
-
-
-def _varying(x: Any) -> frozenset[str]:
-    """The mesh axes ``x`` is typed varying over (``aval.mat.varying``; ``vma`` before)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def ratio(dense_elements: int, wire_bytes: float, n: int) -> jax.Array:

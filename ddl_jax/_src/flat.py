@@ -135,6 +135,13 @@ class FlatView(NamedTuple):
         return self.unravel(blocks.reshape(-1))
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes ``x`` is typed varying over (``aval.mat.varying``; ``vma`` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def map_fused(
     fn: Callable[[jax.Array], jax.Array], tree: Any, bucket_bytes: int | None = None
 ) -> Any:
@@ -142,7 +149,9 @@ def map_fused(
 
     Fusing the leaves of a dtype (Horovod's tensor fusion, DDP's gradient buckets) makes a
     collective run once per buffer rather than once per leaf; ``fn`` sees no mixed-dtype
-    casts, so integers stay exact.
+    casts, so integers stay exact. Inside ``shard_map`` leaves are grouped by the mesh axes
+    they vary over too: a leaf replicated over an axis never shares a buffer with one that
+    varies over it, and keeps its type.
 
     Args:
       fn: maps a 1-D buffer to a 1-D buffer of the same size and dtype; entry i of its result
@@ -156,16 +165,17 @@ def map_fused(
     """
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [jnp.asarray(x) for x in leaves]
-    groups: dict[np.dtype, list[list[int]]] = {}  # dtypes in order of first appearance
-    sizes: dict[np.dtype, int] = {}
+    groups: dict[Any, list[list[int]]] = {}  # (dtype, axes) in order of first appearance
+    sizes: dict[Any, int] = {}
     for i, leaf in enumerate(leaves):
-        buckets = groups.setdefault(leaf.dtype, [[]])
-        full = bucket_bytes is not None and sizes.get(leaf.dtype, 0) + leaf.nbytes > bucket_bytes
+        kind = (leaf.dtype, varying_axes(leaf))
+        buckets = groups.setdefault(kind, [[]])
+        full = bucket_bytes is not None and sizes.get(kind, 0) + leaf.nbytes > bucket_bytes
         if full and buckets[-1]:
             buckets.append([])
-            sizes[leaf.dtype] = 0
+            sizes[kind] = 0
         buckets[-1].append(i)
-        sizes[leaf.dtype] = sizes.get(leaf.dtype, 0) + leaf.nbytes
+        sizes[kind] = sizes.get(kind, 0) + leaf.nbytes
     out: list[Any] = [None] * len(leaves)
     for members in (m for buckets in groups.values() for m in buckets):
         group = [leaves[i] for i in members]
