@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.consistency import CHURN_STREAM, arrivals, check_probability
+from ddl_jax._src.flat import map_fused
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.reducers import BUCKET_MB
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
 
 
@@ -392,24 +394,32 @@ def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, A
     return present, arrived
 
 
+_BUCKET_BYTES = int(BUCKET_MB * 2**20)
+
+
 def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
     """Every worker's floating leaves replaced by their mean over ``axis`` (still varying).
 
     With ``arrived`` (``bool[N]``): the mean of the arrived workers' leaves, which only they
-    take; the others keep theirs.
+    take; the others keep theirs. The leaves travel in buckets, as ``allreduce_mean``'s.
     """
+    if lax.axis_size(axis) == 1:  # one worker: its own mean, whether it arrived or not
+        return tree
     mine = None if arrived is None else arrived[lax.axis_index(axis)]
     count = None if arrived is None else jnp.maximum(jnp.sum(arrived), 1)
 
-    def one(x: jax.Array) -> jax.Array:
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            return x
+    def mean(flat: jax.Array) -> jax.Array:
         if arrived is None:
-            return lax.pcast(lax.pmean(x, axis), axis, to="varying")
-        mean = (lax.psum(jnp.where(mine, x, 0), axis) / count).astype(x.dtype)
-        return jnp.where(mine, mean, x)
+            return lax.pcast(lax.pmean(flat, axis), axis, to="varying")
+        average = (lax.psum(jnp.where(mine, flat, 0), axis) / count).astype(flat.dtype)
+        return jnp.where(mine, average, flat)
 
-    return jax.tree.map(one, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    averaged = map_fused(mean, [leaves[i] for i in floating], _BUCKET_BYTES)
+    for i, x in zip(floating, averaged, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
 
 
 def _has_field(node: Any, name: str) -> bool:
@@ -436,7 +446,7 @@ def _catch_up(carry: Carry, axis: str) -> Carry:
     # The warm-up kept the replicas equal through exact averages: the anchor takes them as
     # they are, not through the reducer (which may be lossy).
     params, opt_state, _, outer_state, reducer_state, model_state = carry
-    anchor = jax.tree.map(lambda x: lax.pmean(x, axis), params)
+    anchor = map_fused(lambda flat: lax.pmean(flat, axis), params, _BUCKET_BYTES)
     return params, opt_state, anchor, outer_state, reducer_state, model_state
 
 

@@ -31,6 +31,9 @@ from ddl_jax._src.collectives import (
 from ddl_jax._src.flat import map_fused
 from ddl_jax._src.strategy import check_real
 
+#: ``allreduce_mean``'s default bucket in MiB (DDP's), also local SGD's for its averages.
+BUCKET_MB = 25.0
+
 ALGORITHMS = {
     "psum": lax.psum,
     "ring": ring_allreduce,
@@ -84,7 +87,7 @@ def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int) -> Any:
 
 
 def allreduce_mean(
-    axis: str = "data", algorithm: str = "psum", bucket_mb: float | None = 25.0
+    axis: str = "data", algorithm: str = "psum", bucket_mb: float | None = BUCKET_MB
 ) -> optax.GradientTransformation:
     """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
 
