@@ -115,6 +115,9 @@ def test_sends_degree_times_the_parameters_and_no_all_reduce(
         "collective-permute": degree * param_bytes,
         "all-reduce": 2 * (n - 1) / n * 4,  # the scalar loss metric, nothing else
     }
+    # One buffer per round (XLA:CPU's gloo makes a call per buffer), not one per leaf.
+    permutes = [op for op in stats.ops if op.kind == "collective-permute"]
+    assert len(permutes) == degree and {op.buffers for op in permutes} == {1}
     # Measuring consensus_distance is the only global all-reduce of the parameters, in a
     # branch taken one step in consensus_every.
     expected = {} if not consensus_every else {"measure": 2 * (n - 1) / n * (param_bytes + 4)}

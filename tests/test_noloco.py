@@ -119,6 +119,8 @@ def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp):
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
     assert stats.bytes_by_kind == {"all-reduce": 2 * (n - 1) / n * 4}  # the loss metric
     assert sorted(set(stats.branches.values())) == [2 * param_bytes]  # Delta and phi, one peer
+    permutes = [op for op in stats.ops if op.kind == "collective-permute"]
+    assert permutes and {op.buffers for op in permutes} == {1}  # one bucket, not per leaf
 
 
 @pytest.mark.parametrize(

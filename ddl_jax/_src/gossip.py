@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.reducers import in_buckets
 from ddl_jax._src.strategy import Strategy, check_int
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -325,7 +326,7 @@ def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -
     w = jnp.asarray(weights, jnp.float32)
     mixed = jax.tree.map(lambda a: w[me, me].astype(a.dtype) * a, y)
     for perm in perms:
-        arrived = lax.ppermute(y, axis, list(enumerate(perm)))
+        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
         source = jnp.asarray(np.argsort(perm))[me]  # whom device i hears from in this round
         mixed = jax.tree.map(
             lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
@@ -343,7 +344,7 @@ def _mix_unreliable(
     w = jnp.asarray(weights, jnp.float32)
     own, rounds = w[me, me], []
     for perm in perms:
-        arrived = lax.ppermute(y, axis, list(enumerate(perm)))
+        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
         source = jnp.asarray(np.argsort(perm))[me]
         kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
         own = own + (w[me, source] - kept)

@@ -16,10 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.compression_wire import reducer_metrics
 from ddl_jax._src.consistency import CHURN_STREAM, arrivals, check_probability
-from ddl_jax._src.flat import map_fused
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.reducers import BUCKET_MB
+from ddl_jax._src.reducers import in_buckets
 from ddl_jax._src.strategy import Strategy, check_int, check_transform
 
 
@@ -394,9 +393,6 @@ def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, A
     return present, arrived
 
 
-_BUCKET_BYTES = int(BUCKET_MB * 2**20)
-
-
 def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
     """Every worker's floating leaves replaced by their mean over ``axis`` (still varying).
 
@@ -416,7 +412,7 @@ def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
 
     leaves, treedef = jax.tree.flatten(tree)
     floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    averaged = map_fused(mean, [leaves[i] for i in floating], _BUCKET_BYTES)
+    averaged = in_buckets(mean, [leaves[i] for i in floating])
     for i, x in zip(floating, averaged, strict=True):
         leaves[i] = x
     return treedef.unflatten(leaves)
@@ -446,7 +442,7 @@ def _catch_up(carry: Carry, axis: str) -> Carry:
     # The warm-up kept the replicas equal through exact averages: the anchor takes them as
     # they are, not through the reducer (which may be lossy).
     params, opt_state, _, outer_state, reducer_state, model_state = carry
-    anchor = map_fused(lambda flat: lax.pmean(flat, axis), params, _BUCKET_BYTES)
+    anchor = in_buckets(lambda flat: lax.pmean(flat, axis), params)
     return params, opt_state, anchor, outer_state, reducer_state, model_state
 
 

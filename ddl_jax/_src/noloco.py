@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.gossip import measured_consensus
 from ddl_jax._src.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.reducers import in_buckets
 from ddl_jax._src.strategy import Strategy, check_int, check_real, check_transform
 
 # The stream of the shared pairing draw: fold_in(fold_in(key, step), _PAIR_STREAM); worker
@@ -250,7 +251,7 @@ def _from_peer(tree: Any, axis: str, n: int, pairing: jax.Array) -> Any:
 
     def exchange(peer: tuple[int, ...], y: Any) -> Any:
         sends = [(i, p) for i, p in enumerate(peer) if p != i]
-        arrived = lax.ppermute(y, axis, sends) if sends else y
+        arrived = in_buckets(lambda f: lax.ppermute(f, axis, sends), y) if sends else y
         alone = jnp.asarray([p == i for i, p in enumerate(peer)])[me]
         return jax.tree.map(lambda a, b: jnp.where(alone, a, b), y, arrived)
 

@@ -34,6 +34,13 @@ from ddl_jax._src.strategy import check_real
 #: ``allreduce_mean``'s default bucket in MiB (DDP's), also local SGD's for its averages.
 BUCKET_MB = 25.0
 
+
+def in_buckets(collective: Any, tree: Any) -> Any:
+    """``collective`` (a function of one flat array) applied to ``tree`` in 25 MiB buckets:
+    one collective per bucket, where XLA:CPU's gloo makes one call per leaf otherwise."""
+    return map_fused(collective, tree, int(BUCKET_MB * 2**20))
+
+
 ALGORITHMS = {
     "psum": lax.psum,
     "ring": ring_allreduce,
