@@ -262,6 +262,11 @@ def test_initialize_rejects_a_cluster_that_cannot_be_right(args, match):
         launch.initialize(*args)
 
 
+def test_initialize_rejects_a_non_bool_idle_gloo_loop():
+    with pytest.raises(TypeError, match="idle_gloo_loop must be True or False, got 'yes'"):
+        launch.initialize("127.0.0.1:1234", 2, 0, idle_gloo_loop="yes")
+
+
 def test_initialize_rejects_bad_launcher_variables(monkeypatch):
     monkeypatch.setenv(launch.ENV_COORDINATOR, "127.0.0.1:1234")
     monkeypatch.setenv(launch.ENV_NUM_PROCESSES, "two")

@@ -93,6 +93,10 @@ def initialize(
     ``DEADLINE_EXCEEDED`` (no Python exception). ``ddl-jax launch`` always passes a
     consistent count and ids.
     """
+    if not isinstance(idle_gloo_loop, bool):
+        raise TypeError(
+            f"initialize: idle_gloo_loop must be True or False, got {idle_gloo_loop!r}."
+        )
     explicit = coordinator_address is not None
     if not explicit and (num_processes is not None or process_id is not None):
         raise ValueError(
