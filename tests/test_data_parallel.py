@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
+from ddl_jax._src import reducers
 from ddl_jax._src.comm import collectives
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
@@ -312,7 +313,7 @@ def test_allreduce_mean_buckets_equal_pmean(bucket_mb):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-def test_gradients_travel_in_buckets(mlp):
+def test_gradients_travel_in_buckets(mlp, monkeypatch):
     """The compiled step's all-reduces carry one buffer per bucket (XLA:CPU's gloo makes
     one call per buffer), not one per parameter leaf."""
     loss_fn, params = mlp
@@ -330,6 +331,11 @@ def test_gradients_travel_in_buckets(mlp):
     total = sum(x.nbytes for x in leaves)
     assert buffers(None) == len(leaves) + 1  # + the loss
     assert buffers(25) == 1 + 1
+    # "auto": leaf by leaf in one process; buckets on a CPU cluster.
+    assert buffers("auto") == len(leaves) + 1
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert reducers.default_bucket_bytes() == 25 * 2**20
+    assert buffers("auto") == 1 + 1
     # Buckets fill in leaf order up to the cap; a leaf beyond the cap travels alone.
     cap = max(biggest, total // 2)
     expected, size = 1, 0
@@ -341,7 +347,7 @@ def test_gradients_travel_in_buckets(mlp):
     assert buffers(cap / 2**20) == expected + 1
 
 
-@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "25", True])
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "25", "Auto", True])
 def test_allreduce_mean_rejects_a_bad_bucket_size(bad):
     with pytest.raises(ValueError, match="bucket_mb"):
         ddl.allreduce_mean(bucket_mb=bad)

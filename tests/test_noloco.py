@@ -11,6 +11,7 @@ import pytest
 from conftest import make_batches, worker_shards
 
 import ddl_jax as ddl
+from ddl_jax._src import reducers
 from ddl_jax._src.noloco import draw_pairing, pairing_rounds
 
 LR = 0.1
@@ -110,7 +111,9 @@ def test_outer_rule_equals_the_modified_nesterov_reference(mlp, n, anchor_pull):
     assert distance > 1e-3  # pairs, not all workers, agree after an outer step
 
 
-def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp):
+def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp, monkeypatch):
+    # Buckets as on a CPU cluster (one process here, where "auto" goes leaf by leaf).
+    monkeypatch.setattr(reducers, "default_bucket_bytes", lambda: 25 * 2**20)
     loss_fn, params = mlp
     n, param_bytes = 8, 4 * sum(x.size for x in jax.tree.leaves(params))
     strategy = ddl.noloco(

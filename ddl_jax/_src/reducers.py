@@ -31,14 +31,30 @@ from ddl_jax._src.collectives import (
 from ddl_jax._src.flat import map_fused
 from ddl_jax._src.strategy import check_real
 
-#: ``allreduce_mean``'s default bucket in MiB (DDP's), also local SGD's for its averages.
+#: The bucket size in MiB where buckets are used (DDP's default).
 BUCKET_MB = 25.0
 
 
+def default_bucket_bytes() -> int | None:
+    """``bucket_mb="auto"``: 25 MiB buckets where collectives cross processes over gloo (a
+    CPU cluster: XLA:CPU's gloo makes one call per buffer), else ``None``, leaf by leaf.
+
+    Within one process XLA:CPU reduces separate buffers concurrently and one large buffer
+    slowly (the MLP's 7.5 MB gradient on 8 simulated devices: 7.2 ms leaf by leaf, 38 ms as
+    one bucket); on GPUs and TPUs XLA combines per-leaf collectives itself.
+    """
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return int(BUCKET_MB * 2**20)
+    return None
+
+
 def in_buckets(collective: Any, tree: Any) -> Any:
-    """``collective`` (a function of one flat array) applied to ``tree`` in 25 MiB buckets:
-    one collective per bucket, where XLA:CPU's gloo makes one call per leaf otherwise."""
-    return map_fused(collective, tree, int(BUCKET_MB * 2**20))
+    """``collective`` (a function of one array) applied to ``tree``'s leaves: packed in
+    buckets where ``default_bucket_bytes`` says so, else leaf by leaf."""
+    bucket_bytes = default_bucket_bytes()
+    if bucket_bytes is None:
+        return jax.tree.map(collective, tree)
+    return map_fused(collective, tree, bucket_bytes)
 
 
 ALGORITHMS = {
@@ -87,14 +103,15 @@ def checks_vma(reducer: optax.GradientTransformation) -> bool:
     return not isinstance(reducer, PermuteReducer)
 
 
-def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int) -> Any:
-    if lax.axis_size(axis) == 1:  # nothing travels: no buffers to pack
+def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int | str | None) -> Any:
+    bucket_bytes = default_bucket_bytes() if bucket_bytes == "auto" else bucket_bytes
+    if bucket_bytes is None or lax.axis_size(axis) == 1:  # one worker: nothing travels
         return lax.psum(tree, axis)
     return map_fused(lambda flat: lax.psum(flat, axis), tree, bucket_bytes)
 
 
 def allreduce_mean(
-    axis: str = "data", algorithm: str = "psum", bucket_mb: float | None = BUCKET_MB
+    axis: str = "data", algorithm: str = "psum", bucket_mb: float | str | None = "auto"
 ) -> optax.GradientTransformation:
     """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
 
@@ -106,11 +123,13 @@ def allreduce_mean(
         whose rounds and bytes show up in ``ddl.comm_stats``.
       bucket_mb: with ``"psum"``, the leaves of a dtype travel packed in flat buckets of
         at most this many MiB (a larger leaf alone), one all-reduce each, as DDP's
-        gradient buckets (25 MiB there too). ``None``: one all-reduce per leaf, which
-        XLA may combine into one op, but XLA:CPU's gloo still runs leaf by leaf: 7 calls
-        for an MLP of 3 layers and its loss (``benchmarks/peers.py``: 1.3x the step time
-        over 2 processes before ``ddl.launch.initialize`` idled gloo's spinning thread,
-        1.4% after). The explicit algorithms always fuse each dtype into one buffer.
+        gradient buckets. ``None``: one all-reduce per leaf, which XLA may combine into
+        one op, but XLA:CPU's gloo still runs leaf by leaf: 7 calls for an MLP of 3
+        layers and its loss (``benchmarks/peers.py``: 1.3x the step time over 2 processes
+        before ``ddl.launch.initialize`` idled gloo's spinning thread, 1.4% after).
+        ``"auto"``: 25 MiB on a CPU cluster (more than one process), else ``None``; see
+        ``default_bucket_bytes``. The explicit algorithms always fuse each dtype into one
+        buffer.
 
     Returns:
       A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.
@@ -137,10 +156,13 @@ def allreduce_mean(
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
         )
     total = ALGORITHMS[algorithm]
-    if bucket_mb is not None:
+    bucket_bytes = bucket_mb
+    if isinstance(bucket_mb, str) and bucket_mb != "auto":
+        raise ValueError(f"bucket_mb must be 'auto', None or a size in MiB > 0, got {bucket_mb!r}.")
+    if bucket_mb is not None and bucket_mb != "auto":
         bucket_bytes = int(check_real("bucket_mb", bucket_mb, minimum=0, exclusive=True) * 2**20)
-        if algorithm == "psum":
-            total = partial(_bucketed_psum, bucket_bytes=bucket_bytes)
+    if algorithm == "psum":
+        total = partial(_bucketed_psum, bucket_bytes=bucket_bytes)
 
     def update(updates, state, params=None):
         del params
