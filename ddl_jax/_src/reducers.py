@@ -48,10 +48,12 @@ def default_bucket_bytes() -> int | None:
     return None
 
 
-def in_buckets(collective: Any, tree: Any) -> Any:
-    """``collective`` (a function of one array) applied to ``tree``'s leaves: packed in
-    buckets where ``default_bucket_bytes`` says so, else leaf by leaf."""
-    bucket_bytes = default_bucket_bytes()
+def in_buckets(collective: Any, tree: Any, bucket_bytes: int | str | None = "auto") -> Any:
+    """``collective`` (a function of one array) applied to ``tree``'s leaves, packed in
+    buckets of ``bucket_bytes`` (``"auto"``: ``default_bucket_bytes()``; ``None``: leaf by
+    leaf)."""
+    if bucket_bytes == "auto":
+        bucket_bytes = default_bucket_bytes()
     if bucket_bytes is None:
         return jax.tree.map(collective, tree)
     return map_fused(collective, tree, bucket_bytes)
@@ -104,10 +106,9 @@ def checks_vma(reducer: optax.GradientTransformation) -> bool:
 
 
 def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int | str | None) -> Any:
-    bucket_bytes = default_bucket_bytes() if bucket_bytes == "auto" else bucket_bytes
-    if bucket_bytes is None or lax.axis_size(axis) == 1:  # one worker: nothing travels
+    if lax.axis_size(axis) == 1:  # one worker: nothing travels, no buffers to pack
         return lax.psum(tree, axis)
-    return map_fused(lambda flat: lax.psum(flat, axis), tree, bucket_bytes)
+    return in_buckets(lambda x: lax.psum(x, axis), tree, bucket_bytes)
 
 
 def allreduce_mean(
@@ -156,10 +157,11 @@ def allreduce_mean(
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
         )
     total = ALGORITHMS[algorithm]
-    bucket_bytes = bucket_mb
-    if isinstance(bucket_mb, str) and bucket_mb != "auto":
+    if bucket_mb is None or bucket_mb == "auto":
+        bucket_bytes = bucket_mb
+    elif isinstance(bucket_mb, str):
         raise ValueError(f"bucket_mb must be 'auto', None or a size in MiB > 0, got {bucket_mb!r}.")
-    if bucket_mb is not None and bucket_mb != "auto":
+    else:
         bucket_bytes = int(check_real("bucket_mb", bucket_mb, minimum=0, exclusive=True) * 2**20)
     if algorithm == "psum":
         total = partial(_bucketed_psum, bucket_bytes=bucket_bytes)
