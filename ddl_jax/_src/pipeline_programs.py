@@ -242,12 +242,47 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
 
 
+def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
+    """The schedule's ticks in up to three runs, ``(forwards, backwards, rows)`` each: the
+    warm-up (forwards alone), the steady state (both), the cool-down (backwards alone).
+    ``forwards`` (``backwards``) says whether some stage of the run runs a forward (a
+    backward), ``rows`` are the run's :func:`tick_tables` rows, the branch renumbered
+    within the run. Ticks where every stage idles are left out (nothing arrives on them).
+
+    A run of forwards alone sends no error gradients and accumulates no parameter
+    gradient, one of backwards alone sends no activations: each run is its own
+    ``lax.scan`` with only that work in it (GPipe is a warm-up and a cool-down).
+    """
+    k_ = plan.stages
+    tables = tick_tables(plan)
+    branch = tables["branch"]
+    forwards = ((branch >= 1) & (branch <= k_)).any(axis=1)
+    backwards = (branch > k_).any(axis=1)
+    ticks = np.flatnonzero(forwards | backwards)
+    first_backward = ticks[backwards[ticks]].min(initial=len(branch))
+    last_forward = ticks[forwards[ticks]].max(initial=-1)
+    runs = [
+        ticks[ticks < first_backward],
+        ticks[(ticks >= first_backward) & (ticks <= last_forward)],
+        ticks[ticks > last_forward],
+    ]
+    out = []
+    for run in filter(len, runs):
+        fwd, bwd = bool(forwards[run].any()), bool(backwards[run].any())
+        rows = {name: table[run] for name, table in tables.items()}
+        if not fwd:  # backward branches follow the idle one directly
+            rows["branch"] = np.where(rows["branch"] > k_, rows["branch"] - k_, 0)
+        out.append((fwd, bwd, rows))
+    return out
+
+
 def synchronous_step(
     cfg: PipelineConfig, plan: Schedule, fns: Stages, state: PipelineState, batch: Any
 ) -> tuple[PipelineState, Metrics]:
     """One GPipe / 1F1B step on one device: the scheduled ticks, then one update.
 
-    The stage's model state passes through its forwards in the schedule's order (the last
+    The ticks run as :func:`phases`, one ``lax.scan`` per run of ticks of one kind. The
+    stage's model state passes through its forwards in the schedule's order (the last
     stage runs no forward: through its backwards, in the same micro-batch order); the
     other stages' backwards re-run the stage from the current state and drop the update.
     """
@@ -260,56 +295,66 @@ def synchronous_step(
     p_var = vary(p, (DATA,))
     key = worker_key(state.model, lax.axis_index(DATA))
     micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
-    rows = {name: jnp.asarray(t)[:, k] for name, t in tick_tables(plan).items()}
-    zeros_a = jnp.zeros((fns.width,), fns.dtype)
-    Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
-    def idle(p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any) -> Out:
-        return vary((zeros_a, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32), s), both)
+    def branch(kind: str, i: int, fwd: bool, bwd: bool) -> Callable[..., dict[str, Any]]:
+        """Stage i's work of ``kind`` (idle, forward, backward): what a tick of a run of
+        forwards (``fwd``) and/or backwards (``bwd``) needs, zeros where it did none."""
 
-    def forward(i: int) -> Callable[..., Out]:
         def run(
             p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
-        ) -> Out:
-            y, s = fns.forward[i](p, s, x_buf, mb, key)
-            return vary((y, zeros_a, jnp.zeros_like(p), jnp.zeros((), jnp.float32), s), both)
+        ) -> dict[str, Any]:
+            out = {"s": s}
+            if kind == "forward":
+                out["act"], out["s"] = fns.forward[i](p, s, x_buf, mb, key)
+            elif kind == "backward":
+                grad_p, out["grad_x"], loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, 1 / m_)
+                out["grad_p"], out["loss"] = grad_p, loss.astype(jnp.float32)
+                out["s"] = new if i == k_ - 1 else s
+            zero = {
+                "act": lambda: jnp.zeros((fns.width,), fns.dtype),
+                "grad_x": lambda: jnp.zeros((fns.width,), fns.dtype),
+                "grad_p": lambda: jnp.zeros_like(p),
+                "loss": lambda: jnp.zeros((), jnp.float32),
+            }
+            needs = ["s", *(["act"] if fwd else []), *(["grad_x", "grad_p", "loss"] if bwd else [])]
+            return vary({name: out[name] if name in out else zero[name]() for name in needs}, both)
 
         return run
 
-    def backward(i: int) -> Callable[..., Out]:
-        def run(
-            p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
-        ) -> Out:
-            grad_p, grad_x, loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, 1 / m_)
-            s = new if i == k_ - 1 else s
-            return vary((zeros_a, grad_x, grad_p, loss.astype(jnp.float32), s), both)
+    def run_phase(carry: tuple, fwd: bool, bwd: bool, rows: dict[str, np.ndarray]) -> tuple:
+        branches = [branch("idle", 0, fwd, bwd)]
+        branches += [branch("forward", i, fwd, bwd) for i in range(k_)] if fwd else []
+        branches += [branch("backward", i, fwd, bwd) for i in range(k_)] if bwd else []
 
-        return run
+        def tick(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
+            acts, inbox, s, grad_sum, loss_sum = carry
+            m = row["micro"]
+            out = lax.switch(
+                row["branch"],
+                branches,
+                p_var,
+                s,
+                acts[m % slots],
+                inbox[m % inbox_slots],
+                _index(micro, m),
+                stage_key(cfg, key, k, m),
+            )
+            s = out["s"]
+            if fwd and k_ > 1:
+                received = row["recv_act"]
+                acts = _store(acts, received % slots, _shift(out["act"], k_, 1), received >= 0)
+            if bwd:
+                # Accumulated outside the switch: a sum threaded through the conditional
+                # made XLA copy it in and out of every tick (GPipe ran 3x slower).
+                grad_sum, loss_sum = grad_sum + out["grad_p"], loss_sum + out["loss"] / m_
+                if k_ > 1:
+                    received = row["recv_grad"]
+                    grad = _shift(out["grad_x"], k_, -1)
+                    inbox = _store(inbox, received % inbox_slots, grad, received >= 0)
+            return (acts, inbox, s, grad_sum, loss_sum), None
 
-    branches = [idle, *map(forward, range(k_)), *map(backward, range(k_))]
-
-    def tick(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
-        acts, inbox, s, grad_sum, loss_sum = carry
-        m = row["micro"]
-        out_act, out_grad, grad_p, loss, s = lax.switch(
-            row["branch"],
-            branches,
-            p_var,
-            s,
-            acts[m % slots],
-            inbox[m % inbox_slots],
-            _index(micro, m),
-            stage_key(cfg, key, k, m),
-        )
-        # Accumulated outside the switch: a sum threaded through the conditional made XLA
-        # copy it in and out of every tick (GPipe ran 3x slower than sequential).
-        grad_sum = grad_sum + grad_p
-        if k_ > 1:
-            received = row["recv_act"]
-            acts = _store(acts, received % slots, _shift(out_act, k_, 1), received >= 0)
-            received = row["recv_grad"]
-            inbox = _store(inbox, received % inbox_slots, _shift(out_grad, k_, -1), received >= 0)
-        return (acts, inbox, s, grad_sum, loss_sum + loss / m_), None
+        columns = {name: jnp.asarray(table)[:, k] for name, table in rows.items()}
+        return lax.scan(tick, carry, columns)[0]
 
     carry = vary(
         (
@@ -321,7 +366,9 @@ def synchronous_step(
         ),
         both,
     )
-    (_, _, s, grads, loss), _ = lax.scan(tick, carry, rows)
+    for fwd, bwd, rows in phases(plan):
+        carry = run_phase(carry, fwd, bwd, rows)
+    _, _, s, grads, loss = carry
     reducer_state = _local(state.reducer_state, 2)
     p, opt_state, reducer_state = cfg.update(p, _local(state.opt_state, 1), reducer_state, grads)
     model = merged_model(cfg, state.model, s)
