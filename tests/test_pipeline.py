@@ -140,6 +140,39 @@ def test_1f1b_stashes_at_most_k_microbatches_gpipe_all_m(k, m):
             assert live <= k - stage
 
 
+@settings(max_examples=12, deadline=None)
+@given(k=hs.integers(1, 6), m=hs.integers(1, 12))
+def test_folded_schedules_run_the_last_stages_forward_inside_its_backward(k, m):
+    """``fold_last``: the last stage's backward of a micro-batch follows the arrival of its
+    input (its forward runs in the same tick); every other dependency and each stage's
+    order stay; 1F1B still stashes at most K inputs."""
+    for kind in ("gpipe", "1f1b"):
+        s = make_schedule(k, m, kind, fold_last=True)
+        assert (s.forward[:, k - 1] == -1).all()
+        assert not ((s.forward >= 0) & (s.backward >= 0)).any()  # one operation a tick
+        tick = {}
+        for op, table in (("F", s.forward), ("B", s.backward)):
+            for (t, stage), mb in np.ndenumerate(table):
+                if mb >= 0:
+                    tick[op, stage, mb] = t
+        assert len(tick) == (2 * k - 1) * m
+        for stage, mb in itertools.product(range(k), range(m)):
+            if 0 < stage < k - 1:
+                assert tick["F", stage - 1, mb] < tick["F", stage, mb]
+            if stage < k - 1:
+                assert tick["B", stage + 1, mb] < tick["B", stage, mb]
+            elif stage > 0:
+                assert tick["F", stage - 1, mb] < tick["B", stage, mb]
+        unfolded = make_schedule(k, m, kind)
+        for stage in range(k - 1):  # the other stages keep their order of operations
+            for table, other in ((s.forward, unfolded.forward), (s.backward, unfolded.backward)):
+                np.testing.assert_array_equal(
+                    table[:, stage][table[:, stage] >= 0], other[:, stage][other[:, stage] >= 0]
+                )
+        assert len(s.forward) < len(unfolded.forward)
+    assert peak_stash(s) <= min(k, m)
+
+
 @settings(max_examples=8, deadline=None)
 @given(k=hs.integers(1, 6), m=hs.integers(1, 12), tick=hs.integers(0, 50))
 def test_ddg_keeps_every_stage_busy_with_delay_2_k_minus_1_minus_k(k, m, tick):

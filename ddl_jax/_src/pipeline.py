@@ -190,7 +190,8 @@ MODEL_SPECS = ModelVars(state=P(STAGE), key=P(), step=P())
 def _exact_pipeline(kit: Kit, cfg: PipelineConfig, schedule: str) -> st.Strategy:
     """GPipe or 1F1B: each step runs the schedule's ticks, then updates every stage once
     with the exact gradient of the global batch."""
-    plan = make_schedule(cfg.k, cfg.m, schedule)
+    # 1F1B's last stage backpropagates each micro-batch right after its forward: one tick.
+    plan = make_schedule(cfg.k, cfg.m, schedule, fold_last=schedule == "1f1b")
     specs = PipelineState(
         params=P(STAGE), opt_state=P(STAGE), reducer_state=P(DATA, STAGE), model=MODEL_SPECS
     )

@@ -36,27 +36,36 @@ class Schedule(NamedTuple):
     kind: str
 
 
-def _op_lists(stages: int, microbatches: int, kind: str) -> list[list[tuple[str, int]]]:
-    """Each stage's operations in the order it runs them."""
+def _op_lists(
+    stages: int, microbatches: int, kind: str, fold_last: bool
+) -> list[list[tuple[str, int]]]:
+    """Each stage's operations in the order it runs them; with ``fold_last`` the last
+    stage's forwards are left out (each runs inside its backward)."""
     k_, m_ = stages, microbatches
     if kind == "gpipe":
-        return [[("F", m) for m in range(m_)] + [("B", m) for m in range(m_)]] * k_
-    orders = []
-    for k in range(k_):
-        # PipeDream-Flush: K-1-k warm-up forwards, then alternate one forward and one
-        # backward, so at most K-k micro-batches are in flight on stage k.
-        warmup = min(k_ - 1 - k, m_)
-        ops = [("F", m) for m in range(warmup)]
-        for i in range(m_ - warmup):
-            ops += [("F", warmup + i), ("B", i)]
-        ops += [("B", m) for m in range(m_ - warmup, m_)]
-        orders.append(ops)
+        orders = [[("F", m) for m in range(m_)] + [("B", m) for m in range(m_)]] * k_
+    else:
+        orders = [_one_f_one_b(k_, m_, k) for k in range(k_)]
+    if fold_last:
+        orders[-1] = [op for op in orders[-1] if op[0] == "B"]
     return orders
 
 
-def _simulate(stages: int, microbatches: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def _one_f_one_b(k_: int, m_: int, k: int) -> list[tuple[str, int]]:
+    """Stage k's operations under PipeDream-Flush: K-1-k warm-up forwards, then one
+    forward and one backward in turn, so at most K-k micro-batches are in flight."""
+    warmup = min(k_ - 1 - k, m_)
+    ops = [("F", m) for m in range(warmup)]
+    for i in range(m_ - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    return ops + [("B", m) for m in range(m_ - warmup, m_)]
+
+
+def _simulate(
+    stages: int, microbatches: int, kind: str, fold_last: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Runs each stage's next operation as soon as its inputs arrived on an earlier tick."""
-    orders = _op_lists(stages, microbatches, kind)
+    orders = _op_lists(stages, microbatches, kind, fold_last)
     done: dict[tuple[str, int, int], int] = {}  # (op, stage, micro-batch) -> tick
     position = [0] * stages
     forward, backward = [], []
@@ -69,8 +78,12 @@ def _simulate(stages: int, microbatches: int, kind: str) -> tuple[np.ndarray, np
             op, m = orders[k][position[k]]
             if op == "F":
                 needs = [("F", k - 1, m)] if k > 0 else []
-            else:
-                needs = [("B", k + 1, m)] if k < stages - 1 else [("F", k, m)]
+            elif k < stages - 1:
+                needs = [("B", k + 1, m)]
+            elif not fold_last:
+                needs = [("F", k, m)]  # the last stage's own forward
+            else:  # folded: the input its backward computes the forward from
+                needs = [("F", k - 1, m)] if k > 0 else []
             if all(done.get(n, t) < t for n in needs):
                 (row_f if op == "F" else row_b)[k] = m
         for k in range(stages):
@@ -84,7 +97,9 @@ def _simulate(stages: int, microbatches: int, kind: str) -> tuple[np.ndarray, np
     return np.array(forward, np.int32), np.array(backward, np.int32)
 
 
-def make_schedule(stages: int, microbatches: int, kind: str, *, tick: int = 0) -> Schedule:
+def make_schedule(
+    stages: int, microbatches: int, kind: str, *, tick: int = 0, fold_last: bool = False
+) -> Schedule:
     """The schedule of one training step.
 
     * ``gpipe`` (Huang et al. 2019, arXiv:1811.06965): all M forwards, then all M
@@ -103,9 +118,15 @@ def make_schedule(stages: int, microbatches: int, kind: str, *, tick: int = 0) -
       microbatches: M >= 1 per step.
       kind: one of ``"gpipe"``, ``"1f1b"``, ``"ddg"``.
       tick: for ``ddg``, the global tick at which the step starts.
+      fold_last: for ``gpipe`` and ``1f1b``, the last stage runs no forward of its own:
+        its backward of a micro-batch computes the forward too, as soon as the input has
+        arrived (``forward[:, K-1]`` is all ``-1``). ``ddl.pipeline`` runs 1F1B this way,
+        where the last stage's forward and backward follow each other anyway: 2(M+K-1)
+        ticks become ``2M + 2K - 3`` for K = 2 and fewer of them are half idle.
 
     Returns:
-      A ``Schedule``; ``gpipe`` and ``1f1b`` take ``2 (M + K - 1)`` ticks, ``ddg`` takes M.
+      A ``Schedule``; ``gpipe`` and ``1f1b`` take ``2 (M + K - 1)`` ticks unfolded, ``ddg``
+      takes M.
     """
     if kind not in SCHEDULES:
         raise ValueError(f"schedule={kind!r} is not known; valid: {list(SCHEDULES)}.")
@@ -114,7 +135,7 @@ def make_schedule(stages: int, microbatches: int, kind: str, *, tick: int = 0) -
         k = np.arange(stages)[None, :]
         forward, backward = t - k, t - 2 * (stages - 1) + k
     else:
-        forward, backward = _simulate(stages, microbatches, kind)
+        forward, backward = _simulate(stages, microbatches, kind, fold_last)
     return Schedule(forward, backward, stages, microbatches, kind)
 
 
@@ -140,9 +161,10 @@ def stash_intervals(schedule: Schedule) -> list[dict[int, tuple[int, int]]]:
         source = schedule.forward[:, max(k - 1, 0)]
         intervals = {}
         for m in range(schedule.microbatches):
-            (first,) = np.flatnonzero(source == m)
             (last,) = np.flatnonzero(schedule.backward[:, k] == m)
-            intervals[m] = (int(first), int(last))
+            arrived = np.flatnonzero(source == m)
+            # A single folded stage runs no forward: it holds its input in its backward only.
+            intervals[m] = (int(arrived[0]) if len(arrived) else int(last), int(last))
         held.append(intervals)
     return held
 
