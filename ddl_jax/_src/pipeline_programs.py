@@ -276,6 +276,13 @@ def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
     return out
 
 
+def _send_if(flag: jax.Array, send: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``send(x)``, a ``ppermute``, on ticks where ``flag`` (the same on every device) says
+    some stage sends; zeros on the others (1F1B's steady state sends activations on some
+    ticks and error gradients on others)."""
+    return lax.cond(flag, send, jnp.zeros_like, x)
+
+
 def synchronous_step(
     cfg: PipelineConfig, plan: Schedule, fns: Stages, state: PipelineState, batch: Any
 ) -> tuple[PipelineState, Metrics]:
@@ -342,18 +349,25 @@ def synchronous_step(
             s = out["s"]
             if fwd and k_ > 1:
                 received = row["recv_act"]
-                acts = _store(acts, received % slots, _shift(out["act"], k_, 1), received >= 0)
+                act = _send_if(row["any_act"], lambda a: _shift(a, k_, 1), out["act"])
+                acts = _store(acts, received % slots, act, received >= 0)
             if bwd:
-                # Accumulated outside the switch: a sum threaded through the conditional
-                # made XLA copy it in and out of every tick (GPipe ran 3x slower).
-                grad_sum, loss_sum = grad_sum + out["grad_p"], loss_sum + out["loss"] / m_
+                # Summed outside the switch (a sum threaded through the conditional made
+                # XLA copy it in and out of every tick), on this stage's backwards only.
+                ran_backward = row["branch"] > (k_ if fwd else 0)
+                grad_sum = lax.cond(
+                    ran_backward, lambda g: g + out["grad_p"], lambda g: g, grad_sum
+                )
+                loss_sum = loss_sum + out["loss"] / m_
                 if k_ > 1:
                     received = row["recv_grad"]
-                    grad = _shift(out["grad_x"], k_, -1)
+                    grad = _send_if(row["any_grad"], lambda a: _shift(a, k_, -1), out["grad_x"])
                     inbox = _store(inbox, received % inbox_slots, grad, received >= 0)
             return (acts, inbox, s, grad_sum, loss_sum), None
 
         columns = {name: jnp.asarray(table)[:, k] for name, table in rows.items()}
+        for name, table in (("any_act", rows["recv_act"]), ("any_grad", rows["recv_grad"])):
+            columns[name] = jnp.asarray((table >= 0).any(axis=1))
         return lax.scan(tick, carry, columns)[0]
 
     carry = vary(
