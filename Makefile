@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python benchmarks/fsdp.py
 	$(BIN)/python benchmarks/low_communication.py
 	$(BIN)/python benchmarks/peers.py
+	$(BIN)/python benchmarks/buckets.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
