@@ -170,7 +170,8 @@ def test_folded_schedules_run_the_last_stages_forward_inside_its_backward(k, m):
                     table[:, stage][table[:, stage] >= 0], other[:, stage][other[:, stage] >= 0]
                 )
         assert len(s.forward) < len(unfolded.forward)
-    assert peak_stash(s) <= min(k, m)
+        if kind == "1f1b":
+            assert peak_stash(s) <= min(k, m)
 
 
 @settings(max_examples=8, deadline=None)

@@ -121,8 +121,8 @@ def make_schedule(
       fold_last: for ``gpipe`` and ``1f1b``, the last stage runs no forward of its own:
         its backward of a micro-batch computes the forward too, as soon as the input has
         arrived (``forward[:, K-1]`` is all ``-1``). ``ddl.pipeline`` runs 1F1B this way,
-        where the last stage's forward and backward follow each other anyway: 2(M+K-1)
-        ticks become ``2M + 2K - 3`` for K = 2 and fewer of them are half idle.
+        where the last stage's forward and backward follow each other anyway: for K = 2,
+        M = 4 its 10 ticks, every second one idle on the last stage, become 8.
 
     Returns:
       A ``Schedule``; ``gpipe`` and ``1f1b`` take ``2 (M + K - 1)`` ticks unfolded, ``ddg``
