@@ -8,9 +8,13 @@ buffers its collectives carry per step (read from the compiled HLO).
 
 import json
 import sys
-import time
+from pathlib import Path
 
 import ddl_jax as ddl
+
+# Appended, not prepended: the benchmarks' script names must not shadow real modules.
+sys.path.append(str(Path(__file__).parent))
+from _rounds import interleaved
 
 process_id, port, config = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 ddl.launch.initialize(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_seconds=60)
@@ -52,16 +56,7 @@ for name, strategy in programs.items():
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     runs[name] = (step, state)
-seconds = {name: [] for name in programs}
-for _ in range(config["rounds"]):  # interleaved, so drift in machine speed hits all alike
-    for name in programs:
-        step, state = runs[name]
-        start = time.perf_counter()
-        for i in range(config["steps"]):
-            state, metrics = step(state, batches[i % len(batches)])
-        jax.block_until_ready(metrics)
-        seconds[name].append(time.perf_counter() - start)
-        runs[name] = (step, state)
+seconds = interleaved(runs, config["rounds"], config["steps"], lambda i: batches[i % len(batches)])
 if process_id == 0:
     print(json.dumps({"seconds": seconds, "buffers": buffers}), flush=True)
 jax.distributed.shutdown()

@@ -8,11 +8,15 @@ fraction of its schedule.
 
 import json
 import sys
-import time
+from pathlib import Path
 
 import jax
 
 import ddl_jax as ddl
+
+# Appended, not prepended: the benchmarks' script names must not shadow real modules.
+sys.path.append(str(Path(__file__).parent))
+from _rounds import interleaved
 
 process_id, port, config = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 ddl.launch.initialize(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_seconds=60)
@@ -72,16 +76,7 @@ for name, kwargs in modes.items():
     jax.block_until_ready(state)
     runs[name] = (step, state)
 
-times = {name: [] for name in modes}
-for _ in range(config["rounds"]):  # interleaved, so drift in machine speed hits all alike
-    for name in modes:
-        step, state = runs[name]
-        start = time.perf_counter()
-        for _ in range(config["steps"]):
-            state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times[name].append(time.perf_counter() - start)
-        runs[name] = (step, state)
+times = interleaved(runs, config["rounds"], config["steps"], lambda i: batch)
 idle = {
     name: ddl.schedules.idle_fraction(
         ddl.schedules.make_schedule(2, kw["microbatches"], kw["schedule"], tick=2)

@@ -271,9 +271,7 @@ def pipeline(
       arXiv:1811.06965) runs all forwards then all backwards, idle fraction
       ``(K-1)/(M+K-1)``, and each stage keeps M micro-batches' inputs; 1F1B
       (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503) has the same bubble but
-      keeps at most K. The last stage's forward runs inside its backward's tick; 1F1B runs
-      on the schedule folded that way (``make_schedule(K, M, "1f1b", fold_last=True)``:
-      its last stage backpropagates a micro-batch on the tick after it arrives).
+      keeps at most K, and runs folded (``ddl.schedules.make_schedule(fold_last=True)``).
     * ``"ddg"``, decoupled parallel backpropagation with delayed gradients (Huo et al. 2018,
       arXiv:1804.10574): every tick, every stage runs one forward and one backward and
       updates its weights, with no bubble. At global tick t stage k forwards micro-batch
