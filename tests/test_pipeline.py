@@ -230,6 +230,7 @@ def test_compiled_step_sends_activations_and_gradients_only_on_ticks_that_carry_
     ("schedule", "k", "n", "m"),
     [
         ("gpipe", 1, 2, 2),
+        ("1f1b", 1, 1, 4),  # folded: one stage, no forward ticks at all
         ("gpipe", 2, 1, 4),
         ("gpipe", 4, 2, 4),
         ("1f1b", 2, 2, 2),
