@@ -3,11 +3,14 @@
     python benchmarks/_pipeline_worker.py PROCESS_ID PORT CONFIG_JSON
 
 Process 0 prints one JSON line: per mode, the seconds of each timed round and the idle
-fraction of its schedule.
+fraction of its schedule. Each process then prints its stage's compute alone, in
+milliseconds, on a micro-batch and on the whole batch: the forward, and the backward as
+the pipeline runs it (the forward re-run, then its vjp; the last stage's with the loss).
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -85,4 +88,34 @@ idle = {
 }
 if process_id == 0:
     print(json.dumps({"seconds": times, "idle_fraction": idle}), flush=True)
+
+
+def stage_costs(rows: int) -> dict[str, float]:
+    """This process's stage alone on ``rows`` examples: forward and backward, milliseconds."""
+    apply, p = stages[process_id]
+    labels = {"y": local["y"][:rows]}
+    if process_id == 0:
+        x, ct = {"x": local["x"][:rows]}, np.ones((rows, width), np.float32)
+        backward = jax.jit(lambda p, x, ct: jax.vjp(lambda q: apply(q, x), p)[1](ct))
+        args = (p, x, ct)
+    else:
+        x = np.ones((rows, width), np.float32)
+        backward = jax.jit(jax.grad(lambda p, x: xent(apply(p, x), labels), argnums=(0, 1)))
+        args = (p, x)
+    forward = jax.jit(apply)
+
+    def ms(fn, *args):
+        jax.block_until_ready(fn(*args))
+        runs = []
+        for _ in range(7):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            runs.append(1e3 * (time.perf_counter() - start))
+        return float(np.median(runs))
+
+    return {"forward": ms(forward, p, x), "backward": ms(backward, *args)}
+
+
+rows = {"micro": size // config["microbatches"], "batch": size}
+print(json.dumps({"stage": process_id, **{k: stage_costs(r) for k, r in rows.items()}}))
 jax.distributed.shutdown()

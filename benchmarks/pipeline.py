@@ -9,6 +9,11 @@ GPipe program with one micro-batch: each stage waits for the other), GPipe and 1
 M micro-batches, and DDG. Prints samples/s side by side with ratios to sequential, and
 writes JSON and markdown to benchmarks/results/.
 
+Each process also times its stage's compute alone (forward; backward as the pipeline
+runs it), on a micro-batch and on the whole batch. With these costs the table gives each
+schedule's tick bound: its ticks' time if every tick lasted as long as its slowest
+stage's compute and nothing else, what lock-step ticks allow with these stages.
+
     python benchmarks/pipeline.py [--width 1024] [--layers-per-stage 2] [--batch 512]
         [--microbatches 4] [--steps 5] [--rounds 5]
 """
@@ -20,6 +25,8 @@ import statistics
 from pathlib import Path
 
 from _pinned import free_port, run_pinned
+
+from ddl_jax.schedules import Schedule, make_schedule
 
 
 def main() -> None:
@@ -48,8 +55,18 @@ def main() -> None:
     outs, errors, codes = run_pinned(worker, argvs, cores, timeout=900)
     if any(codes):
         raise SystemExit(f"worker exit codes {codes}:\n{errors[0]}{errors[1]}")
-    result = json.loads(outs[0].strip().splitlines()[-1])
+    reports = [json.loads(line) for out in outs for line in out.splitlines() if line[:1] == "{"]
+    [result] = [r for r in reports if "seconds" in r]
+    costs = sorted((r for r in reports if "stage" in r), key=lambda r: r["stage"])
     times, idle = result["seconds"], result["idle_fraction"]
+    micro, whole = [c["micro"] for c in costs], [c["batch"] for c in costs]
+    m = args.microbatches
+    bounds = {
+        "sequential": tick_bound(make_schedule(2, 1, "gpipe"), whole),
+        "gpipe": tick_bound(make_schedule(2, m, "gpipe"), micro),
+        "1f1b": tick_bound(make_schedule(2, m, "1f1b", fold_last=True), micro),
+        "ddg": tick_bound(make_schedule(2, m, "ddg", tick=2), micro),
+    }
 
     samples = args.batch * args.steps
     rows = []
@@ -63,6 +80,9 @@ def main() -> None:
                 "microbatches": m,
                 "samples_per_s": rate,
                 "vs_sequential": rate / base,
+                "ms_per_step": 1e3 * args.batch / rate,
+                "tick_bound_ms": bounds[name],
+                "bound_vs_sequential": bounds["sequential"] / bounds[name],
                 "schedule_idle_fraction": idle[name],
                 "round_seconds": seconds,
             }
@@ -72,18 +92,45 @@ def main() -> None:
         f"{2 * args.layers_per_stage} -> 10, global batch {args.batch}, SGD; median of "
         f"{args.rounds} rounds of {args.steps} steps",
         "",
-        "| mode | M | samples/s | vs sequential | idle fraction of the schedule |",
-        "|---|---|---|---|---|",
+        "| mode | M | samples/s | vs sequential | ms a step | tick bound, ms | bound vs "
+        "sequential | idle fraction of the schedule |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['mode']} | {r['microbatches']} | {r['samples_per_s']:,.0f} | "
-            f"{r['vs_sequential']:.2f} | {r['schedule_idle_fraction']:.3f} |"
+            f"{r['vs_sequential']:.2f} | {r['ms_per_step']:.1f} | {r['tick_bound_ms']:.1f} | "
+            f"{r['bound_vs_sequential']:.2f} | {r['schedule_idle_fraction']:.3f} |"
             for r in rows
+        ),
+        "",
+        "Stage compute alone, ms (forward / backward as the pipeline runs it): "
+        + "; ".join(
+            f"stage {c['stage']}: micro-batch {c['micro']['forward']:.1f} / "
+            f"{c['micro']['backward']:.1f}, batch {c['batch']['forward']:.1f} / "
+            f"{c['batch']['backward']:.1f}"
+            for c in costs
         ),
     ]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline.md").write_text("\n".join(lines) + "\n")
-    (args.out / "pipeline.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    (args.out / "pipeline.json").write_text(
+        json.dumps({"config": config, "rows": rows, "stage_costs_ms": costs}, indent=2)
+    )
+
+
+def tick_bound(plan: Schedule, costs: list[dict[str, float]]) -> float:
+    """Milliseconds of ``plan``'s ticks if each lasted as long as its slowest stage's
+    compute (``costs[k]``: stage k's forward and backward). The last stage's forward runs
+    inside its backward, so it costs nothing on its own tick."""
+    last = plan.stages - 1
+    total = 0.0
+    for forwards, backwards in zip(plan.forward, plan.backward, strict=True):
+        total += max(
+            (cost["forward"] if f >= 0 and k < last else 0.0)
+            + (cost["backward"] if b >= 0 else 0.0)
+            for k, (f, b, cost) in enumerate(zip(forwards, backwards, costs, strict=True))
+        )
+    return total
 
 
 if __name__ == "__main__":
