@@ -247,7 +247,8 @@ def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
     warm-up (forwards alone), the steady state (both), the cool-down (backwards alone).
     ``forwards`` (``backwards``) says whether some stage of the run runs a forward (a
     backward), ``rows`` are the run's :func:`tick_tables` rows, the branch renumbered
-    within the run. Ticks where every stage idles are left out (nothing arrives on them).
+    within the run, with ``ran_backward``, ``any_act`` and ``any_grad`` added. Ticks
+    where every stage idles are left out (nothing arrives on them).
 
     A run of forwards alone sends no error gradients and accumulates no parameter
     gradient, one of backwards alone sends no activations: each run is its own
@@ -257,7 +258,8 @@ def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
     tables = tick_tables(plan)
     branch = tables["branch"]
     forwards = ((branch >= 1) & (branch <= k_)).any(axis=1)
-    backwards = (branch > k_).any(axis=1)
+    ran_backward = branch > k_
+    backwards = ran_backward.any(axis=1)
     ticks = np.flatnonzero(forwards | backwards)
     first_backward = ticks[backwards[ticks]].min(initial=len(branch))
     last_forward = ticks[forwards[ticks]].max(initial=-1)
@@ -266,12 +268,20 @@ def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
         ticks[(ticks >= first_backward) & (ticks <= last_forward)],
         ticks[ticks > last_forward],
     ]
+    # Per tick and stage, besides tick_tables': whether the stage runs a backward, and
+    # whether some stage sends an activation / an error gradient (the same on every stage).
+    columns = {
+        **tables,
+        "ran_backward": ran_backward,
+        "any_act": np.broadcast_to((tables["recv_act"] >= 0).any(axis=1)[:, None], branch.shape),
+        "any_grad": np.broadcast_to((tables["recv_grad"] >= 0).any(axis=1)[:, None], branch.shape),
+    }
     out = []
     for run in filter(len, runs):
         fwd, bwd = bool(forwards[run].any()), bool(backwards[run].any())
-        rows = {name: table[run] for name, table in tables.items()}
+        rows = {name: table[run] for name, table in columns.items()}
         if not fwd:  # backward branches follow the idle one directly
-            rows["branch"] = np.where(rows["branch"] > k_, rows["branch"] - k_, 0)
+            rows["branch"] = np.where(rows["ran_backward"], rows["branch"] - k_, 0)
         out.append((fwd, bwd, rows))
     return out
 
@@ -354,9 +364,8 @@ def synchronous_step(
             if bwd:
                 # Summed outside the switch (a sum threaded through the conditional made
                 # XLA copy it in and out of every tick), on this stage's backwards only.
-                ran_backward = row["branch"] > (k_ if fwd else 0)
                 grad_sum = lax.cond(
-                    ran_backward, lambda g: g + out["grad_p"], lambda g: g, grad_sum
+                    row["ran_backward"], lambda g: g + out["grad_p"], lambda g: g, grad_sum
                 )
                 loss_sum = loss_sum + out["loss"] / m_
                 if k_ > 1:
@@ -366,8 +375,6 @@ def synchronous_step(
             return (acts, inbox, s, grad_sum, loss_sum), None
 
         columns = {name: jnp.asarray(table)[:, k] for name, table in rows.items()}
-        for name, table in (("any_act", rows["recv_act"]), ("any_grad", rows["recv_grad"])):
-            columns[name] = jnp.asarray((table >= 0).any(axis=1))
         return lax.scan(tick, carry, columns)[0]
 
     carry = vary(
