@@ -13,8 +13,9 @@ from pathlib import Path
 # calling thread, and the OpenMP / MKL variables (with torch.set_num_threads(1) in a
 # PyTorch worker) do the same for PyTorch. XLA has no thread-count flag
 # (intra_op_parallelism_threads is TensorFlow's and XLA_FLAGS rejects it).
+# XLA_FLAGS set by the caller are passed on after it (e.g. a library flag to compare).
 ONE_THREAD_ENV = {
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+    "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false {os.environ.get('XLA_FLAGS', '')}".strip(),
     "JAX_PLATFORMS": "cpu",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
