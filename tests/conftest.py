@@ -13,6 +13,8 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from ddl_jax._src import reducers  # noqa: E402
+
 
 def mlp_loss(model, batch):
     logits = model(batch["x"])
@@ -28,6 +30,13 @@ def mlp_pair() -> tuple:
 @pytest.fixture
 def mlp():
     return mlp_pair()
+
+
+@pytest.fixture
+def cluster_buckets(monkeypatch):
+    """``bucket_mb="auto"`` as on a CPU cluster (25 MiB buckets): one process here, where
+    "auto" goes leaf by leaf."""
+    monkeypatch.setattr(reducers, "default_bucket_bytes", lambda: int(reducers.BUCKET_MB * 2**20))
 
 
 class BNDropoutMLP(nnx.Module):

@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import reducers
 
 
 def dense_matrix(topology, n):
@@ -97,11 +96,9 @@ def test_complete_graph_is_data_parallel(mlp):
 @pytest.mark.parametrize(("topology", "degree"), [("ring", 2), ("exponential", 3), ("torus", 3)])
 @pytest.mark.parametrize("consensus_every", [0, 10])
 def test_sends_degree_times_the_parameters_and_no_all_reduce(
-    mlp, topology, degree, consensus_every, monkeypatch
+    mlp, topology, degree, consensus_every, cluster_buckets
 ):
     """Torus on 8 = 2x4: the two vertical neighbours coincide, so degree 3."""
-    # Buckets as on a CPU cluster (one process here, where "auto" goes leaf by leaf).
-    monkeypatch.setattr(reducers, "default_bucket_bytes", lambda: 25 * 2**20)
     loss_fn, params = mlp
     n = 8
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))

@@ -18,7 +18,6 @@ from conftest import (
 )
 
 import ddl_jax as ddl
-from ddl_jax._src import reducers
 from ddl_jax._src.consistency import CHURN_STREAM
 
 
@@ -258,9 +257,7 @@ def test_one_trajectory_between_syncs_reaches_reference_sgd_with_one_worker(mlp)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
 
-def test_only_the_synchronising_branch_communicates_parameters(mlp, monkeypatch):
-    # Buckets as on a CPU cluster (one process here, where "auto" goes leaf by leaf).
-    monkeypatch.setattr(reducers, "default_bucket_bytes", lambda: 25 * 2**20)
+def test_only_the_synchronising_branch_communicates_parameters(mlp, cluster_buckets):
     loss_fn, params = mlp
     n = 8
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))

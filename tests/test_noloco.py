@@ -11,7 +11,6 @@ import pytest
 from conftest import make_batches, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src import reducers
 from ddl_jax._src.noloco import draw_pairing, pairing_rounds
 
 LR = 0.1
@@ -111,9 +110,7 @@ def test_outer_rule_equals_the_modified_nesterov_reference(mlp, n, anchor_pull):
     assert distance > 1e-3  # pairs, not all workers, agree after an outer step
 
 
-def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp, monkeypatch):
-    # Buckets as on a CPU cluster (one process here, where "auto" goes leaf by leaf).
-    monkeypatch.setattr(reducers, "default_bucket_bytes", lambda: 25 * 2**20)
+def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp, cluster_buckets):
     loss_fn, params = mlp
     n, param_bytes = 8, 4 * sum(x.size for x in jax.tree.leaves(params))
     strategy = ddl.noloco(
@@ -122,8 +119,11 @@ def test_sends_to_one_peer_and_no_all_reduce_of_the_parameters(mlp, monkeypatch)
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), make_batches(1, 32)[0])
     assert stats.bytes_by_kind == {"all-reduce": 2 * (n - 1) / n * 4}  # the loss metric
     assert sorted(set(stats.branches.values())) == [2 * param_bytes]  # Delta and phi, one peer
+    # Each pairing's branch sends one bucket of one buffer, not one permute per leaf.
     permutes = [op for op in stats.ops if op.kind == "collective-permute"]
-    assert permutes and {op.buffers for op in permutes} == {1}  # one bucket, not per leaf
+    branches = [op.branch for op in permutes]
+    assert permutes and len(set(branches)) == len(branches)
+    assert {op.buffers for op in permutes} == {1}
 
 
 @pytest.mark.parametrize(
