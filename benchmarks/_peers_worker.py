@@ -186,7 +186,8 @@ def run_jax() -> None:
 
 
 def run_dots() -> None:
-    """Prints, per layer, the milliseconds of its three products in JAX and PyTorch."""
+    """Prints, per layer, the milliseconds of its three products: in JAX as autodiff emits
+    them, as ddl runs them on CPU (``cpu_products.py``), and in PyTorch."""
     import jax
     import jax.numpy as jnp
 
@@ -205,21 +206,32 @@ def run_dots() -> None:
         jax.block_until_ready(out)
         return (time.perf_counter() - start) / n * 1e3
 
+    from ddl_jax._src.cpu_products import transposed_weight_gradients
+
+    # JAX's products as autodiff emits them; PyTorch's as its autograd computes them.
     products = {
-        "forward x.W": lambda x, w, dy: x @ w,
-        "input gradient dy.W^T": lambda x, w, dy: dy @ w.T,
-        "weight gradient x^T.dy": lambda x, w, dy: x.T @ dy,
+        "forward x.W": (lambda x, w, dy: x @ w, lambda x, w, dy: x @ w),
+        "input gradient dy.W^T": (
+            lambda x, w, dy: jax.vjp(lambda x: x @ w, x)[1](dy)[0],
+            lambda x, w, dy: dy @ w.T,
+        ),
+        "weight gradient x^T.dy": (
+            lambda x, w, dy: jax.vjp(lambda w: x @ w, w)[1](dy)[0],
+            lambda x, w, dy: x.T @ dy,
+        ),
     }
     rows = []
     for i in range(len(weights) // 2):
         w = weights[f"w{i}"]
         x = rng.normal(size=(config["batch"], w.shape[0])).astype(np.float32)
         dy = rng.normal(size=(config["batch"], w.shape[1])).astype(np.float32)
-        for name, fn in products.items():
+        for name, (fn, torch_fn) in products.items():
             row = {"layer": f"{w.shape[0]}x{w.shape[1]}", "product": name}
-            row["jax_ms"] = ms(jax.jit(fn), *map(jnp.asarray, (x, w, dy)))
+            args = tuple(map(jnp.asarray, (x, w, dy)))
+            row["jax_ms"] = ms(jax.jit(fn), *args)
+            row["ddl_ms"] = ms(jax.jit(transposed_weight_gradients(fn)), *args)
             if torch is not None:
-                row["torch_ms"] = ms(fn, *map(torch.from_numpy, (x, w, dy)))
+                row["torch_ms"] = ms(torch_fn, *map(torch.from_numpy, (x, w, dy)))
             rows.append(row)
     print(json.dumps({"dots": rows}), flush=True)
 

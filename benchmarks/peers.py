@@ -85,18 +85,18 @@ def product_lines(dots: dict) -> list[str]:
         "Where one process's step time goes: each matrix product of the step alone, on one "
         "core, milliseconds:",
         "",
-        "| layer | product | JAX (XLA:CPU) | PyTorch | JAX / PyTorch |",
-        "|---|---|---|---|---|",
+        "| layer | product | JAX autodiff (XLA:CPU) | ddl on CPU | PyTorch | ddl / PyTorch |",
+        "|---|---|---|---|---|---|",
     ]
     for d in dots.get("dots", []):
         torch_ms = d.get("torch_ms")
-        share = fmt(torch_ms and d["jax_ms"] / torch_ms, ".2f")
+        share = fmt(torch_ms and d["ddl_ms"] / torch_ms, ".2f")
         lines.append(
-            f"| {d['layer']} | {d['product']} | {d['jax_ms']:.2f} | "
+            f"| {d['layer']} | {d['product']} | {d['jax_ms']:.2f} | {d['ddl_ms']:.2f} | "
             f"{fmt(torch_ms, '.2f')} | {share} |"
         )
     if "error" in dots:
-        lines.append(f"| failed | {dots['error']} | | | |")
+        lines.append(f"| failed | {dots['error']} | | | | |")
     return lines
 
 

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src import model_loss as ml
 from ddl_jax._src import strategy as st
+from ddl_jax._src.cpu_products import transposed_weight_gradients
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
 Specs = Any  # a PartitionSpec prefix of a state, or ``abstract state -> that prefix``
@@ -107,6 +108,11 @@ class Kit(NamedTuple):
     loss_fn: Callable[..., Any]
     has_aux: bool
     accumulate: int
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the mesh's devices are CPUs."""
+        return self.mesh.devices.flat[0].platform == "cpu"
 
     def shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
@@ -222,6 +228,7 @@ class Kit(NamedTuple):
         micro-batches in order, and micro-batch j draws ``fold_in(key, j)``.
         """
         fn, has_aux, stateful = ml.as_model_loss(self.loss_fn).fn, self.has_aux, self.stateful
+        on_cpu = self.on_cpu
 
         def one(params, model_state, batch, key):
             def loss(p):
@@ -232,8 +239,12 @@ class Kit(NamedTuple):
                 value, aux = out if has_aux else (out, {})
                 return value, (aux, new_state)
 
-            (value, (aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            (value, (aux, new_state)), grads = grad(loss)(params)
             return (value, aux), grads, new_state
+
+        def grad(loss):
+            value_and_grad = jax.value_and_grad(loss, has_aux=True)
+            return transposed_weight_gradients(value_and_grad) if on_cpu else value_and_grad
 
         accumulate, axis = self.accumulate, self.axis
         if accumulate == 1:

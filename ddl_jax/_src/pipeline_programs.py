@@ -53,6 +53,8 @@ class PipelineConfig(NamedTuple):
       n: N, data workers (the ``data`` axis' size).
       m: M, micro-batches per data worker per step.
       example: the abstract ``example_batch`` (``jax.ShapeDtypeStruct`` leaves), or ``None``.
+      on_cpu: whether the mesh is on CPU (the backward then lays out its weight-gradient
+        products for XLA:CPU: ``cpu_products.py``).
     """
 
     applies: tuple[StageFn, ...]
@@ -69,6 +71,7 @@ class PipelineConfig(NamedTuple):
     n: int
     m: int
     example: Any
+    on_cpu: bool
 
     @property
     def divisor(self) -> int:
