@@ -85,7 +85,7 @@ def product_lines(dots: dict) -> list[str]:
         "Where one process's step time goes: each matrix product of the step alone, on one "
         "core, milliseconds:",
         "",
-        "| layer | product | JAX autodiff (XLA:CPU) | ddl on CPU | PyTorch | ddl / PyTorch |",
+        "| layer | product | JAX autodiff (XLA:CPU) | ddl on one core | PyTorch | ddl / PyTorch |",
         "|---|---|---|---|---|---|",
     ]
     for d in dots.get("dots", []):

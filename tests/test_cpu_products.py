@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from conftest import make_batches
+import pytest
+from conftest import make_batches, reference_sgd, train
 from flax import nnx
 from jax import lax
 
 import ddl_jax as ddl
+from ddl_jax._src import cpu_products
 from ddl_jax._src.cpu_products import transposed_weight_gradients
 
 LEADING = re.compile(r" dot\([^)]*\), lhs_contracting_dims=\{0\}")
@@ -81,12 +83,27 @@ def test_other_products_and_higher_order_primitives_run_unchanged():
     )
 
 
-def test_strategies_on_cpu_meshes_compute_no_leading_contraction(mlp):
-    """``Kit.value_and_grad`` applies the rewrite inside the step's ``shard_map``."""
+@pytest.fixture
+def one_core(monkeypatch):
+    """This process as if it ran on one core, where the builders rewrite their gradients."""
+    monkeypatch.setattr(cpu_products, "one_core", lambda: True)
+
+
+def test_one_core_processes_train_as_single_device_sgd_without_a_leading_contraction(mlp, one_core):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=4))
+    batches = make_batches(3, 32)
+    assert leading_products(strategy.step, strategy.init(params), batches[0]) == 0
+    state, _ = train(strategy, params, batches)
+    expected = reference_sgd(loss_fn, optax.adam(1e-2), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+def test_processes_with_several_cores_keep_autodiffs_products(mlp, monkeypatch):
+    monkeypatch.setattr(cpu_products, "one_core", lambda: False)
     loss_fn, params = mlp
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
-    state, batch = strategy.init(params), make_batches(1, 16)[0]
-    assert leading_products(strategy.step, state, batch) == 0
+    assert leading_products(strategy.step, strategy.init(params), make_batches(1, 16)[0]) == 2
 
 
 class Stage(nnx.Module):
@@ -97,7 +114,7 @@ class Stage(nnx.Module):
         return self.dense(x["x"] if isinstance(x, dict) else x)
 
 
-def test_pipeline_stages_on_cpu_compute_no_leading_contraction():
+def test_pipeline_backward_on_one_core_has_no_leading_contraction(one_core):
     stages, params = ddl.pipeline_stages(
         [Stage(12, 16, rngs=nnx.Rngs(0)), Stage(16, 5, rngs=nnx.Rngs(1))]
     )

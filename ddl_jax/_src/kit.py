@@ -25,9 +25,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src import cpu_products
 from ddl_jax._src import model_loss as ml
 from ddl_jax._src import strategy as st
-from ddl_jax._src.cpu_products import transposed_weight_gradients
 from ddl_jax._src.reducers import allreduce_mean, checks_vma
 
 Specs = Any  # a PartitionSpec prefix of a state, or ``abstract state -> that prefix``
@@ -110,9 +110,10 @@ class Kit(NamedTuple):
     accumulate: int
 
     @property
-    def on_cpu(self) -> bool:
-        """Whether the mesh's devices are CPUs."""
-        return self.mesh.devices.flat[0].platform == "cpu"
+    def transposes_weight_gradients(self) -> bool:
+        """Whether gradients are computed with ``cpu_products.transposed_weight_gradients``
+        (CPU devices, a process on one core: ``cpu_products.applies``)."""
+        return cpu_products.applies(self.mesh)
 
     def shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
@@ -228,7 +229,6 @@ class Kit(NamedTuple):
         micro-batches in order, and micro-batch j draws ``fold_in(key, j)``.
         """
         fn, has_aux, stateful = ml.as_model_loss(self.loss_fn).fn, self.has_aux, self.stateful
-        on_cpu = self.on_cpu
 
         def one(params, model_state, batch, key):
             def loss(p):
@@ -244,7 +244,9 @@ class Kit(NamedTuple):
 
         def grad(loss):
             value_and_grad = jax.value_and_grad(loss, has_aux=True)
-            return transposed_weight_gradients(value_and_grad) if on_cpu else value_and_grad
+            if self.transposes_weight_gradients:
+                return cpu_products.transposed_weight_gradients(value_and_grad)
+            return value_and_grad
 
         accumulate, axis = self.accumulate, self.axis
         if accumulate == 1:

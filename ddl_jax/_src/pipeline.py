@@ -108,7 +108,7 @@ def _setup(
         n=kit.n,
         m=m_,
         example=None,
-        on_cpu=kit.on_cpu,
+        transposes_weight_gradients=kit.transposes_weight_gradients,
     )
     if example_batch is not None:
         st.check_batch(example_batch, cfg.divisor, why=cfg.why)

@@ -53,8 +53,8 @@ class PipelineConfig(NamedTuple):
       n: N, data workers (the ``data`` axis' size).
       m: M, micro-batches per data worker per step.
       example: the abstract ``example_batch`` (``jax.ShapeDtypeStruct`` leaves), or ``None``.
-      on_cpu: whether the mesh is on CPU (the backward then lays out its weight-gradient
-        products for XLA:CPU: ``cpu_products.py``).
+      transposes_weight_gradients: whether the backward computes its weight gradients
+        from explicit transposes, for XLA:CPU (``cpu_products.applies``).
     """
 
     applies: tuple[StageFn, ...]
@@ -71,7 +71,7 @@ class PipelineConfig(NamedTuple):
     n: int
     m: int
     example: Any
-    on_cpu: bool
+    transposes_weight_gradients: bool
 
     @property
     def divisor(self) -> int:

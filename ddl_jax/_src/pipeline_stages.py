@@ -214,7 +214,7 @@ def build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
                 ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
                 return y, *vjp(ct), new
 
-            if cfg.on_cpu:
+            if cfg.transposes_weight_gradients:
                 differentiate = transposed_weight_gradients(differentiate)
             y, grad_p, grad_x, new = differentiate(view.unravel(p), x_buf, ct_buf)
             loss = y if last else jnp.zeros((), jnp.float32)
