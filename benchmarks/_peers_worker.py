@@ -187,7 +187,7 @@ def run_jax() -> None:
 
 def run_dots() -> None:
     """Prints, per layer, the milliseconds of its three products: in JAX as autodiff emits
-    them, as ddl runs them on CPU (``cpu_products.py``), and in PyTorch."""
+    them, as ddl runs them on one core (``cpu_products.py``), and in PyTorch."""
     import jax
     import jax.numpy as jnp
 
