@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, reference_sgd, train
+from conftest import make_batches, mlp_loss, reference_sgd, train
 from flax import nnx
 from jax import lax
 
@@ -37,7 +37,7 @@ def init(sizes, seed=0):
     }
 
 
-def mlp_loss(params, batch):
+def dense_loss(params, batch):
     h = batch["x"]
     for i in range(len(params)):
         layer = params[f"layer{i}"]
@@ -49,7 +49,7 @@ def mlp_loss(params, batch):
 
 def test_gradients_equal_autodiff_without_a_leading_contraction():
     params, batch = init([12, 32, 32, 5]), make_batches(1, 16)[0]
-    plain = jax.value_and_grad(mlp_loss, has_aux=True)
+    plain = jax.value_and_grad(dense_loss, has_aux=True)
     rewritten = transposed_weight_gradients(plain)
     # The plain gradient has one such product per layer; the rewrite leaves none.
     assert leading_products(plain, params, batch) == 3
@@ -60,7 +60,8 @@ def test_gradients_equal_autodiff_without_a_leading_contraction():
 
 
 def test_other_products_and_higher_order_primitives_run_unchanged():
-    """A 3-D activation, a rematerialised layer, a scan and a left operand contracting
+    """A 3-D activation (its weight gradient contracts two leading dimensions), a
+    rematerialised layer and a scan (run unchanged), and a left operand contracting
     dimension 0 against a right operand contracting dimension 1."""
     params = init([12, 16, 16, 5])
     x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 6, 12)), jnp.float32)
@@ -89,8 +90,27 @@ def one_core(monkeypatch):
     monkeypatch.setattr(cpu_products, "one_core", lambda: True)
 
 
-def test_one_core_processes_train_as_single_device_sgd_without_a_leading_contraction(mlp, one_core):
-    loss_fn, params = mlp
+class Sequence(nnx.Module):
+    """Each example's 12 features as 3 steps of 4: the first layer's weight gradient
+    contracts the batch and the step dimension."""
+
+    def __init__(self, *, rngs):
+        self.step = nnx.Linear(4, 8, rngs=rngs)
+        self.out = nnx.Linear(24, 5, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.step(x.reshape(-1, 3, 4)))
+        return self.out(h.reshape(-1, 24))
+
+
+@pytest.mark.parametrize("model", ["mlp", "sequence"])
+def test_one_core_processes_train_as_single_device_sgd_without_a_leading_contraction(
+    mlp, model, one_core
+):
+    if model == "mlp":
+        loss_fn, params = mlp
+    else:
+        loss_fn, params = ddl.flax.loss_from_module(Sequence(rngs=nnx.Rngs(0)), mlp_loss)
     strategy = ddl.data_parallel(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=4))
     batches = make_batches(3, 32)
     assert leading_products(strategy.step, strategy.init(params), batches[0]) == 0

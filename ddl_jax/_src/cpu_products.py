@@ -1,21 +1,24 @@
 """Weight-gradient products laid out for XLA:CPU's matrix-multiply library.
 
 Autodiff turns a dense layer's ``x @ w`` into a weight gradient ``dot_general(dy, x)``
-contracting dimension 0 of both (the batch), then transposes it. XLA:CPU hands matrix
-products to YNNPACK only when the left operand contracts its last dimension; the weight
-gradient stays on the generic Eigen product. In a process that runs on one core that
-takes about twice as long (``docs/figures.md``: 8.7 ms against 4.5 ms for 256x784 by
-256x1024); PyTorch's BLAS call takes a transposed operand natively. Where the process has
-several cores, Eigen's product runs threaded and the two layouts take about the same time
-(whole steps measured 1 to 3% slower rewritten), so :func:`applies` leaves them alone.
+contracting the leading dimensions of both (the batch; batch and sequence in a sequence
+model), then transposes it; XLA:CPU lowers that to a matrix product whose left operand
+contracts dimension 0. XLA:CPU hands matrix products to YNNPACK only when the left
+operand contracts its last dimension, so the weight gradient stays on the generic Eigen
+product. In a process that runs on one core that takes about twice as long
+(``docs/figures.md``: 8.7 ms against 4.5 ms for 256x784 by 256x1024); PyTorch's BLAS call
+takes a transposed operand natively. Where the process has several cores, Eigen's product
+runs threaded and the two layouts take about the same time (whole steps measured 1 to 3%
+slower rewritten), so :func:`applies` leaves them alone.
 
 :func:`transposed_weight_gradients` re-evaluates a function's jaxpr with each such product
-computed from an explicit transpose of one operand; an optimization barrier keeps XLA from
-folding the transpose back into the product. Same mathematics, same result up to float
-rounding. The builder kit applies it (the strategies' gradients and the pipeline's
-backward) where :func:`applies`.
+computed from an explicit transpose of one operand (both viewed as matrices over the
+contracted rows); an optimization barrier keeps XLA from folding the transpose back into
+the product. Same mathematics, same result up to float rounding. The builder kit applies
+it (the strategies' gradients and the pipeline's backward) where :func:`applies`.
 """
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -44,16 +47,26 @@ def applies(mesh: Mesh) -> bool:
 
 
 def _contracts_leading(eqn: Any) -> bool:
-    """A 2-D by 2-D product, no batch dimension, the left operand contracting dimension 0."""
+    """A product without batch dimensions whose left operand contracts its leading
+    dimensions: autodiff's weight gradient (both operands contracting the same leading
+    dimensions, e.g. batch and sequence) or a 2-D left operand contracting dimension 0."""
     if eqn.primitive is not dot_general_p:
         return False
-    (lhs_c, _), (lhs_b, _) = eqn.params["dimension_numbers"]
-    ranks = tuple(v.aval.ndim for v in eqn.invars)
-    return ranks == (2, 2) and tuple(lhs_c) == (0,) and not lhs_b
+    (lhs_c, rhs_c), (lhs_b, _) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval for v in eqn.invars)
+    leading = tuple(range(len(lhs_c)))
+    if lhs_b or tuple(lhs_c) != leading or lhs.ndim == len(lhs_c):
+        return False
+    if tuple(rhs_c) == leading and rhs.ndim > len(rhs_c):
+        # Operands of more than two dimensions are reshaped: only where nothing is sharded.
+        sharding = eqn.params.get("out_sharding")
+        unsharded = sharding is None or all(s is None for s in sharding.spec)
+        return unsharded or (lhs.ndim, rhs.ndim) == (2, 2)
+    return (lhs.ndim, rhs.ndim) == (2, 2)
 
 
 def _transposed(sharding: NamedSharding | None) -> NamedSharding | None:
-    """The sharding of a 2-D array's transpose."""
+    """The sharding of the transposed 2-D product (``_product``'s ``x^T dy``)."""
     if sharding is None:
         return None
     spec = (*sharding.spec, None, None)[:2]
@@ -61,20 +74,25 @@ def _transposed(sharding: NamedSharding | None) -> NamedSharding | None:
 
 
 def _product(lhs: Any, rhs: Any, params: dict[str, Any]) -> Any:
-    """``dot_general(lhs, rhs)`` (lhs contracting dimension 0), from a transposed operand.
+    """``dot_general(lhs, rhs)`` (lhs contracting its leading dimensions), from a
+    transposed operand.
 
-    When ``rhs`` contracts dimension 0 too (autodiff's weight gradient, ``dy^T x``), the
-    product is computed as ``(x^T dy)^T``: the transpose autodiff applies next then cancels.
+    When ``rhs`` contracts the same leading dimensions (autodiff's weight gradient,
+    ``dy^T x`` over the batch), both are viewed as matrices of those rows and the product
+    is computed as ``(x^T dy)^T``: the transpose autodiff applies next then cancels.
     """
-    (_, rhs_c), _ = params["dimension_numbers"]
+    (lhs_c, rhs_c), _ = params["dimension_numbers"]
     barrier = lax.optimization_barrier
-    if tuple(rhs_c) == (0,):
+    if tuple(rhs_c) == tuple(lhs_c):
+        rows = math.prod(lhs.shape[: len(lhs_c)])
+        dy, x = lhs.reshape(rows, -1), rhs.reshape(rows, -1)
         swapped = {
             **params,
             "dimension_numbers": (((1,), (0,)), ((), ())),
             "out_sharding": _transposed(params.get("out_sharding")),
         }
-        return barrier(dot_general_p.bind(barrier(rhs.T), lhs, **swapped)).T
+        out = barrier(dot_general_p.bind(barrier(x.T), dy, **swapped)).T
+        return out.reshape(lhs.shape[len(lhs_c) :] + rhs.shape[len(rhs_c) :])
     leading = {**params, "dimension_numbers": (((1,), tuple(rhs_c)), ((), ()))}
     return barrier(dot_general_p.bind(barrier(lhs.T), rhs, **leading))
 
@@ -109,8 +127,9 @@ def _evaluate(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
 
 
 def transposed_weight_gradients(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with every product whose 2-D left operand contracts dimension 0 computed from
-    an explicit transpose (see the module docstring). Traces ``fn`` once per call, under the
+    """``fn`` with every weight-gradient product (both operands contracting their leading
+    dimensions) and every 2-D left operand contracting dimension 0 computed from an
+    explicit transpose (see the module docstring). Traces ``fn`` once per call, under the
     caller's trace (call it inside ``jit`` / ``shard_map``)."""
 
     def rewritten(*args: Any) -> Any:
