@@ -244,11 +244,14 @@ def test_one_worker_with_batch_norm_and_dropout_is_a_flax_training_loop(name):
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(EVERY | WITH_MODEL_STATE))
+RESUMABLE = EVERY | WITH_MODEL_STATE
+
+
+@pytest.mark.parametrize("name", sorted(RESUMABLE))
 def test_compiles_once_and_resumes_bitwise_from_a_checkpoint(name, tmp_path, caplog):
     """With batch norm and dropout: the model state and the keys resume with the rest."""
     loss_fn, variables = bn_dropout_pair()
-    strategy = (EVERY | WITH_MODEL_STATE)[name](loss_fn, optax.adam(1e-2), auto_mesh(8))
+    strategy = RESUMABLE[name](loss_fn, optax.adam(1e-2), auto_mesh(8))
     state, restored, final = train_save_resume(strategy, variables, tmp_path)
     chex.assert_trees_all_equal(restored, state)
     assert all(
