@@ -27,7 +27,14 @@ from hypothesis import strategies as hs
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
-from ddl_jax.schedules import idle_fraction, make_schedule, peak_stash, stash_intervals
+from ddl_jax._src.pipeline_programs import one_kind_ticks
+from ddl_jax.schedules import (
+    idle_fraction,
+    lockstep_time,
+    make_schedule,
+    peak_stash,
+    stash_intervals,
+)
 
 # Widths of the MLP split into K stages: stages differ in shapes (heterogeneous).
 WIDTHS = {1: [12, 16, 5], 2: [12, 16, 8, 5], 4: [12, 16, 8, 16, 5]}
@@ -174,6 +181,88 @@ def test_folded_schedules_run_the_last_stages_forward_inside_its_backward(k, m):
             assert peak_stash(s) <= min(k, m)
 
 
+def stage_orders(s):
+    """Each stage's operations ``(op, micro-batch)`` in the order the schedule runs them."""
+    orders = [[] for _ in range(s.stages)]
+    for t, k in itertools.product(range(len(s.forward)), range(s.stages)):
+        orders[k] += [(op, int(tab[t, k])) for op, tab in (("F", s.forward), ("B", s.backward))]
+    return [[o for o in ops if o[1] >= 0] for ops in orders]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    k=hs.integers(1, 5),
+    m=hs.integers(1, 10),
+    kind=hs.sampled_from(["gpipe", "1f1b"]),
+    costs=hs.lists(hs.tuples(hs.integers(0, 6), hs.integers(1, 12)), min_size=5, max_size=5),
+)
+def test_schedules_grouped_by_costs_keep_each_stages_order_and_beat_unit_ticks(k, m, kind, costs):
+    """``make_schedule(costs=...)``: each stage runs the folded schedule's operations in the
+    same order; what an operation needs was sent in an earlier group; the lock-step time is
+    at most the unit-cost schedule's and at least the busiest stage's work; 1F1B still
+    stashes at most K inputs, GPipe M. The program's layout of the groups
+    (``one_kind_ticks``) keeps each group's operations and never runs a forward beside a
+    backward in one tick."""
+    costs = costs[:k]
+    fold = kind == "1f1b"
+    s = make_schedule(k, m, kind, fold_last=fold, costs=costs)
+    unit = make_schedule(k, m, kind, fold_last=fold)
+    folded = make_schedule(k, m, kind, fold_last=True)
+    ops = stage_orders(s)
+    assert ops[:-1] == stage_orders(folded)[:-1]
+    assert [o for o in ops[-1] if o[0] == "B"] == [o for o in stage_orders(folded)[-1]]
+    tick = {}
+    for op, table in (("F", s.forward), ("B", s.backward)):
+        for (t, stage), mb in np.ndenumerate(table):
+            if mb >= 0:
+                tick[op, stage, mb] = t
+    for stage, mb in itertools.product(range(k), range(m)):
+        if 0 < stage < k - 1:
+            assert s.arrival(tick["F", stage - 1, mb]) < tick["F", stage, mb]
+        if stage < k - 1:
+            assert s.arrival(tick["B", stage + 1, mb]) < tick["B", stage, mb]
+        elif stage > 0:
+            assert s.arrival(tick["F", stage - 1, mb]) < tick["B", stage, mb]
+    work = [m * (b + (f if stage < k - 1 else 0)) for stage, (f, b) in enumerate(costs)]
+    assert max(work) <= lockstep_time(s, costs) <= lockstep_time(unit, costs)
+    assert peak_stash(s) <= (min(k, m) if kind == "1f1b" else m)
+    # Laid out for the program: the same operations in each group, no tick of both kinds
+    # (the last stage's forwards are left out: its backward runs them).
+    laid = one_kind_ticks(s)
+
+    def per_group(plan):
+        forward = np.where(np.arange(k) == k - 1, -1, plan.forward)
+        n = len(forward) // plan.group
+        return [
+            stage_orders(plan._replace(forward=f, backward=b))
+            for f, b in zip(np.split(forward, n), np.split(plan.backward, n), strict=True)
+        ]
+
+    assert per_group(s) == per_group(laid)
+    assert not ((laid.forward[:, :-1] >= 0).any(axis=1) & (laid.backward >= 0).any(axis=1)).any()
+
+
+def test_gpipe_grouped_by_unequal_stage_costs_runs_as_long_as_its_busiest_stage():
+    """The stage costs ``benchmarks/pipeline.py`` measured (ms): stage 0's forward and
+    backward of a micro-batch 5.0 and 10.6, stage 1's backward (its forward inside) 10.3.
+    In unit ticks GPipe's last stage idles through the forwards and its first backward
+    runs alone; grouped, stage 0 never waits and the step lasts its 4 x 15.6 ms, the least
+    any schedule can."""
+    costs = [(5.0, 10.6), (3.4, 10.3)]
+    s = make_schedule(2, 4, "gpipe", costs=costs)
+    assert s.group > 1
+    assert lockstep_time(s, costs) == pytest.approx(4 * (5.0 + 10.6))
+    assert lockstep_time(make_schedule(2, 4, "gpipe"), costs) == pytest.approx(
+        4 * 5.0 + 10.3 + 4 * 10.6
+    )
+    with pytest.raises(ValueError, match="costs must be 2 pairs"):
+        make_schedule(2, 4, "gpipe", costs=[(1.0, 2.0)])
+    with pytest.raises(ValueError, match="costs must be 2 pairs"):
+        make_schedule(2, 4, "gpipe", costs=[(1.0, -2.0), (1.0, 1.0)])
+    with pytest.raises(ValueError, match="'ddg' has none"):
+        make_schedule(2, 4, "ddg", costs=costs)
+
+
 @settings(max_examples=8, deadline=None)
 @given(k=hs.integers(1, 6), m=hs.integers(1, 12), tick=hs.integers(0, 50))
 def test_ddg_keeps_every_stage_busy_with_delay_2_k_minus_1_minus_k(k, m, tick):
@@ -184,12 +273,16 @@ def test_ddg_keeps_every_stage_busy_with_delay_2_k_minus_1_minus_k(k, m, tick):
 
 
 def test_compiled_1f1b_memory_stays_flat_in_m_while_gpipe_grows_by_m_activations():
-    """Memory analysis of the compiled step: GPipe stashes M stage inputs, 1F1B at most K."""
+    """Memory analysis of the compiled step: GPipe stashes M stage inputs, 1F1B at most K.
+    (In unit ticks: grouped by costs, GPipe's last stage may backpropagate each input as it
+    arrives.)"""
     stages, params = split_mlp(2, [12, 256, 5])
     temp = {}
     for schedule, m in (("1f1b", 4), ("1f1b", 16), ("gpipe", 4), ("gpipe", 16)):
         mesh = ddl.make_mesh(data=1, stage=2)
-        strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule)
+        strategy = pipeline(
+            stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule, tick_costs="unit"
+        )
         [batch] = make_batches(1, 8 * m)
         compiled = jax.jit(strategy.step).lower(strategy.init(params), batch).compile()
         temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
@@ -226,22 +319,34 @@ def test_compiled_step_sends_activations_and_gradients_only_on_ticks_that_carry_
 # --- exact schedules against single-device training ------------------------------------
 
 
+# Stage costs under which the schedules group ticks (make_schedule(costs=...).group > 1).
+GROUPING = {2: [(5.0, 10.6), (3.4, 10.3)], 4: [(1, 1), (2, 4), (1, 1), (0, 6)]}
+
+
 @pytest.mark.parametrize(
-    ("schedule", "k", "n", "m"),
+    ("schedule", "k", "n", "m", "costs"),
     [
-        ("gpipe", 1, 2, 2),
-        ("1f1b", 1, 1, 4),  # folded: one stage, no forward ticks at all
-        ("gpipe", 2, 1, 4),
-        ("gpipe", 4, 2, 4),
-        ("1f1b", 2, 2, 2),
-        ("1f1b", 4, 1, 8),
+        ("gpipe", 1, 2, 2, "flops"),
+        ("1f1b", 1, 1, 4, "flops"),  # folded: one stage, no forward ticks at all
+        ("gpipe", 2, 1, 4, "unit"),
+        ("gpipe", 2, 2, 4, GROUPING[2]),
+        ("gpipe", 4, 2, 4, "flops"),
+        ("1f1b", 2, 2, 2, "flops"),
+        ("1f1b", 4, 1, 8, "unit"),
+        ("1f1b", 4, 1, 8, GROUPING[4]),
     ],
 )
-def test_exact_schedules_equal_single_device_training(schedule, k, n, m):
+def test_exact_schedules_equal_single_device_training(schedule, k, n, m, costs):
+    """Unit ticks, ticks grouped by given costs, and by XLA's flop counts: the same
+    training as one device on the global batch."""
+    if not isinstance(costs, str):
+        assert make_schedule(k, m, schedule, fold_last=schedule == "1f1b", costs=costs).group > 1
     stages, params = split_mlp(k)
     batches = make_batches(3, 16)
     mesh = ddl.make_mesh(data=n, stage=k)
-    strategy = pipeline(stages, xent, optax.adam(1e-2), mesh, microbatches=m, schedule=schedule)
+    strategy = pipeline(
+        stages, xent, optax.adam(1e-2), mesh, microbatches=m, schedule=schedule, tick_costs=costs
+    )
     got, metrics = train(strategy, params, batches)
     expected = reference(full_loss(stages), optax.adam(1e-2), params, batches)
     chex.assert_trees_all_close(got, expected, atol=1e-5, rtol=0)
@@ -513,6 +618,13 @@ def test_bad_input_fails_with_clear_errors():
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, reducer="mean")
     with pytest.raises(ValueError, match="needs example_batch="):
         pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, schedule="ddg")
+    with pytest.raises(ValueError, match="tick_costs='fast' is not known"):
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, tick_costs="fast")
+    with pytest.raises(ValueError, match="tick_costs must be 2 pairs"):
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, tick_costs=[(1, 2)])
+    with pytest.raises(ValueError, match="tick_costs= groups the ticks of 'gpipe' and '1f1b'"):
+        ddg = {"schedule": "ddg", "example_batch": make_batches(1, 16)[0]}
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, tick_costs="unit", **ddg)
     with pytest.raises(TypeError, match="stages\\[1\\] must be a pair"):
         pipeline([stages[0], stages[1][0]], xent, optax.sgd(0.1), mesh, microbatches=2)
     strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=3)
@@ -678,19 +790,28 @@ def micro_batch_loop(modules, optimizer, batches, n, m):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "n", "m", "rate"),
-    [("gpipe", 2, 2, 0.0), ("1f1b", 1, 4, 0.0), ("gpipe", 2, 2, 0.3), ("1f1b", 2, 3, 0.3)],
+    ("schedule", "n", "m", "rate", "costs"),
+    [
+        ("gpipe", 2, 2, 0.0, "flops"),
+        ("1f1b", 1, 4, 0.0, "flops"),
+        ("gpipe", 2, 2, 0.3, "flops"),
+        ("gpipe", 1, 4, 0.3, GROUPING[2]),
+        ("1f1b", 2, 3, 0.3, "flops"),
+    ],
 )
 def test_exact_schedules_with_batch_norm_and_dropout_equal_a_loop_over_micro_batches(
-    schedule, n, m, rate
+    schedule, n, m, rate, costs
 ):
     """Running statistics updated by each micro-batch's forward in order, gradients averaged;
     with dropout, each (stage, micro-batch) draws its documented key in its forward and in
-    its backward's recomputation alike, so the gradient is exact for the mask used."""
+    its backward's recomputation alike, so the gradient is exact for the mask used (in
+    grouped ticks too)."""
     stages, variables = pipeline_stages(bn_modules(rate))
     batches = make_batches(2, 12 * n)
     mesh = ddl.make_mesh(data=n, stage=2)
-    strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule)
+    strategy = pipeline(
+        stages, xent, optax.sgd(0.1), mesh, microbatches=m, schedule=schedule, tick_costs=costs
+    )
     got, _ = train(strategy, variables, batches)
     expected = micro_batch_loop(bn_modules(rate), optax.sgd(0.1), batches, n, m)
     chex.assert_trees_all_close(got, expected, atol=1e-5, rtol=0)

@@ -41,12 +41,8 @@ from ddl_jax._src.pipeline_programs import (
     ddg_step,
     synchronous_step,
 )
-from ddl_jax._src.pipeline_schedules import SCHEDULES, make_schedule
-from ddl_jax._src.pipeline_stages import (
-    build_stages,
-    check_like,
-    check_stages,
-)
+from ddl_jax._src.pipeline_schedules import SCHEDULES, Costs, Schedule, check_costs, make_schedule
+from ddl_jax._src.pipeline_stages import build_stages, check_like, check_stages, flop_costs
 
 
 def _micro_shapes(batch: Any, count: int) -> Any:
@@ -188,11 +184,26 @@ def _stage_params(kit: Kit, cfg: PipelineConfig) -> Callable[[Any], list[Any]]:
 MODEL_SPECS = ModelVars(state=P(STAGE), key=P(), step=P())
 
 
-def _exact_pipeline(kit: Kit, cfg: PipelineConfig, schedule: str) -> st.Strategy:
+def _plan(
+    cfg: PipelineConfig, schedule: str, tick_costs: str | Costs, fns: Stages, batch: Any
+) -> Schedule:
+    """The ticks of a GPipe or 1F1B step on ``batch`` (a data worker's share), grouped by
+    ``tick_costs`` (``make_schedule(costs=...)``)."""
+    # 1F1B's last stage backpropagates each micro-batch right after its forward: one tick.
+    fold = schedule == "1f1b"
+    costs = (
+        flop_costs(cfg, fns, _micro_shapes(batch, cfg.m)) if tick_costs == "flops" else tick_costs
+    )
+    if costs is None or isinstance(costs, str):  # "unit", or a backend without flop counts
+        return make_schedule(cfg.k, cfg.m, schedule, fold_last=fold)
+    return make_schedule(cfg.k, cfg.m, schedule, fold_last=fold, costs=costs)
+
+
+def _exact_pipeline(
+    kit: Kit, cfg: PipelineConfig, schedule: str, tick_costs: str | Costs
+) -> st.Strategy:
     """GPipe or 1F1B: each step runs the schedule's ticks, then updates every stage once
     with the exact gradient of the global batch."""
-    # 1F1B's last stage backpropagates each micro-batch right after its forward: one tick.
-    plan = make_schedule(cfg.k, cfg.m, schedule, fold_last=schedule == "1f1b")
     specs = PipelineState(
         params=P(STAGE), opt_state=P(STAGE), reducer_state=P(DATA, STAGE), model=MODEL_SPECS
     )
@@ -201,7 +212,9 @@ def _exact_pipeline(kit: Kit, cfg: PipelineConfig, schedule: str) -> st.Strategy
         return PipelineState(*_stage_vectors(kit, cfg, variables))
 
     def worker_step(state: PipelineState, batch: Any) -> tuple[PipelineState, Metrics]:
-        return synchronous_step(cfg, plan, _local_stages(cfg, batch), state, batch)
+        fns = _local_stages(cfg, batch)
+        plan = _plan(cfg, schedule, tick_costs, fns, batch)
+        return synchronous_step(cfg, plan, fns, state, batch)
 
     return st.Strategy(
         init=kit.init(make_state, specs),
@@ -259,6 +272,7 @@ def pipeline(
     schedule: str = "gpipe",
     example_batch: Any = None,
     reducer: optax.GradientTransformation | None = None,
+    tick_costs: str | Costs = "flops",
 ) -> st.Strategy:
     """Pipeline model parallelism over the ``stage`` mesh axis (and data parallelism over ``data``).
 
@@ -288,6 +302,13 @@ def pipeline(
       ``ddl.scale_by_staleness`` (below) widens that, short of GPipe's range.
 
     A stage keeps each in-flight micro-batch's input and re-runs its forward (as GPipe).
+
+    Stages run in lock-step: a tick lasts as long as its slowest stage. With unequal stages
+    GPipe and 1F1B group ticks by the stages' costs (``tick_costs``): a stage whose
+    operations are cheap runs several of them while a costly one runs one, each stage in
+    its schedule's order, and the messages travel at the group's end
+    (``ddl.schedules.make_schedule(costs=...)``; the same gradients, in fewer lock-step
+    waits).
 
     Model state and randomness (stateful stages: ``pipeline_stages`` of modules with
     BatchNorm or Dropout; see ``docs/design.md``, section 2): stage k's model state lives
@@ -340,6 +361,11 @@ def pipeline(
         ``"ddg"`` with K > 1 (its state stashes activations); later batches share its shapes.
       reducer: reduces each stage's flat gradient vector over ``data`` (default
         ``ddl.allreduce_mean("data")``). Not ``ddl.compression.power_sgd``.
+      tick_costs: for ``"gpipe"`` and ``"1f1b"``, what groups the ticks: ``"flops"`` (XLA's
+        flop count of each stage's forward and backward on a micro-batch, counted when the
+        step is traced), ``"unit"`` (one operation per tick: the papers' schedules), or K
+        pairs ``(forward, backward)``, e.g. measured seconds (the last stage's forward is
+        not used: its backward runs it).
 
     Returns:
       A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
@@ -367,5 +393,15 @@ def pipeline(
         stages, loss_fn, optimizer, mesh, microbatches, schedule, example_batch, reducer
     )
     if schedule == "ddg":
+        if tick_costs != "flops":
+            raise ValueError("tick_costs= groups the ticks of 'gpipe' and '1f1b'; 'ddg' has none.")
         return _ddg_pipeline(kit, cfg)
-    return _exact_pipeline(kit, cfg, schedule)
+    if isinstance(tick_costs, str):
+        if tick_costs not in ("flops", "unit"):
+            raise ValueError(
+                f"tick_costs={tick_costs!r} is not known; valid: 'flops', 'unit', or "
+                f"{cfg.k} pairs (forward, backward), one per stage."
+            )
+    else:
+        check_costs(tick_costs, cfg.k, "tick_costs")
+    return _exact_pipeline(kit, cfg, schedule, tick_costs)

@@ -12,6 +12,7 @@ dropout key.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -124,8 +125,10 @@ class Stages(NamedTuple):
 
     Attributes:
       forward: ``(p, s, x_buf, micro, key) -> (y_buf, new s)`` per stage.
-      backward: ``(p, s, x_buf, ct_buf, micro, key, acc, scale) -> (acc + scale * param
-        grad, input grad, loss, new s)`` per stage: the forward re-run from ``s``.
+      backward: ``(p, s, x_buf, ct_buf, micro, key, scale) -> (param grad, input grad,
+        loss, new s)`` per stage: the forward re-run from ``s``; the last stage
+        differentiates ``scale * loss``, the others the error gradient ``ct_buf`` (which
+        carries that scale).
       width: A, entries of the largest activation buffer.
       dtype: the activation buffers' dtype.
     """
@@ -245,55 +248,123 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
 
 
-def phases(plan: Schedule) -> list[tuple[bool, bool, dict[str, np.ndarray]]]:
-    """The schedule's ticks in up to three runs, ``(forwards, backwards, rows)`` each: the
-    warm-up (forwards alone), the steady state (both), the cool-down (backwards alone).
-    ``forwards`` (``backwards``) says whether some stage of the run runs a forward (a
-    backward), ``rows`` are the run's :func:`tick_tables` rows, the branch renumbered
-    within the run, with ``ran_backward``, ``any_act`` and ``any_grad`` added. Ticks
-    where every stage idles are left out (nothing arrives on them).
-
-    A run of forwards alone sends no error gradients and accumulates no parameter
-    gradient, one of backwards alone sends no activations: each run is its own
-    ``lax.scan`` with only that work in it (GPipe is a warm-up and a cool-down).
+def one_kind_ticks(plan: Schedule) -> Schedule:
+    """The same groups of ticks, laid out so that no tick runs a forward on one stage and
+    a backward on another: a stage's operations keep their order within its group, and
+    the group grows by the ticks that takes (idle ticks cost next to nothing; nothing
+    travels between a group's ticks). A tick of both kinds would have every stage's
+    forward return a zero parameter gradient as large as the stage, for the switch's
+    branches to agree. The last stage's forwards are left out (its backward runs them).
     """
+    k_, g_ = plan.stages, plan.group
+    groups = []
+    for g in range(len(plan.forward) // g_):
+        ops: list[list[tuple[str, int]]] = [[] for _ in range(k_)]
+        for t, k in itertools.product(range(g * g_, (g + 1) * g_), range(k_)):
+            if plan.forward[t, k] >= 0 and k < k_ - 1:
+                ops[k].append(("F", int(plan.forward[t, k])))
+            if plan.backward[t, k] >= 0:
+                ops[k].append(("B", int(plan.backward[t, k])))
+        layout = []
+        while any(ops):
+            # Next, the kind of work of the stage with the most operations left.
+            kind = max((len(o), o[0][0] == "F") for o in ops if o)[1]
+            layout.append([o.pop(0) if o and (o[0][0] == "F") == kind else None for o in ops])
+        groups.append(layout)
+    size = max(1, *(len(layout) for layout in groups))
+    forward = np.full((len(groups) * size, k_), -1, np.int32)
+    backward = forward.copy()
+    for g, layout in enumerate(groups):
+        for j, row in enumerate(layout):
+            for k, op in enumerate(row):
+                if op is not None:
+                    (forward if op[0] == "F" else backward)[g * size + j, k] = op[1]
+    return plan._replace(forward=forward, backward=backward, group=size)
+
+
+def _columns(plan: Schedule) -> dict[str, np.ndarray]:
+    """:func:`tick_tables` as ``[groups, G, K]``, with ``ran_forward``, ``ran_backward``
+    (the stage runs a forward / a backward), ``any_act`` and ``any_grad`` (some stage sends
+    an activation / an error gradient: the same on every stage) added."""
     k_ = plan.stages
     tables = tick_tables(plan)
     branch = tables["branch"]
-    forwards = ((branch >= 1) & (branch <= k_)).any(axis=1)
-    ran_backward = branch > k_
-    backwards = ran_backward.any(axis=1)
-    ticks = np.flatnonzero(forwards | backwards)
-    first_backward = ticks[backwards[ticks]].min(initial=len(branch))
-    last_forward = ticks[forwards[ticks]].max(initial=-1)
-    runs = [
-        ticks[ticks < first_backward],
-        ticks[(ticks >= first_backward) & (ticks <= last_forward)],
-        ticks[ticks > last_forward],
-    ]
-    # Per tick and stage, besides tick_tables': whether the stage runs a backward, and
-    # whether some stage sends an activation / an error gradient (the same on every stage).
     columns = {
         **tables,
-        "ran_backward": ran_backward,
+        "ran_forward": (branch >= 1) & (branch <= k_),
+        "ran_backward": branch > k_,
         "any_act": np.broadcast_to((tables["recv_act"] >= 0).any(axis=1)[:, None], branch.shape),
         "any_grad": np.broadcast_to((tables["recv_grad"] >= 0).any(axis=1)[:, None], branch.shape),
     }
+    return {name: table.reshape(-1, plan.group, k_) for name, table in columns.items()}
+
+
+def phases(plan: Schedule) -> list[tuple[list[tuple[bool, bool]], dict[str, np.ndarray]]]:
+    """The schedule's groups of ticks in up to three runs, ``(kinds, rows)`` each: the
+    warm-up (forwards alone), the steady state (both), the cool-down (backwards alone).
+    ``rows`` are the run's :func:`_columns` rows, ``[groups, G, K]`` (G: the most ticks a
+    stage runs in one of the run's groups); ``kinds[j]`` says whether some stage runs a
+    forward (a backward) on tick j of some group of the run, and a tick without forwards
+    has its backward branches renumbered to follow the idle one directly. Groups where
+    every stage idles are left out (nothing arrives on them).
+
+    A tick that runs no backward on any stage sends no error gradients and accumulates no
+    parameter gradient, one without forwards sends no activations: each tick has only its
+    kinds of work in it (GPipe is a warm-up and a cool-down). A run's groups are laid out
+    by :func:`one_kind_ticks` where that leaves no tick of both kinds in the run (GPipe's
+    forwards beside a backward in one group).
+    """
+    k_ = plan.stages
+    layouts = [_columns(plan), _columns(one_kind_ticks(plan))]
+    columns = layouts[0]
+    forwards = columns["ran_forward"].any(axis=(1, 2))
+    backwards = columns["ran_backward"].any(axis=(1, 2))
+    groups = np.flatnonzero(forwards | backwards)
+    first_backward = groups[backwards[groups]].min(initial=len(forwards))
+    last_forward = groups[forwards[groups]].max(initial=-1)
+    runs = [
+        groups[groups < first_backward],
+        groups[(groups >= first_backward) & (groups <= last_forward)],
+        groups[groups > last_forward],
+    ]
     out = []
     for run in filter(len, runs):
-        fwd, bwd = bool(forwards[run].any()), bool(backwards[run].any())
-        rows = {name: table[run] for name, table in columns.items()}
-        if not fwd:  # backward branches follow the idle one directly
-            rows["branch"] = np.where(rows["ran_backward"], rows["branch"] - k_, 0)
-        out.append((fwd, bwd, rows))
+        for columns in reversed(layouts):
+            # A stage's operations fill its group's first ticks: keep the ticks in use.
+            used = 1 + np.flatnonzero((columns["branch"][run] > 0).any(axis=(0, 2))).max()
+            rows = {name: table[run, :used].copy() for name, table in columns.items()}
+            fwd = rows["ran_forward"].any(axis=(0, 2))
+            bwd = rows["ran_backward"].any(axis=(0, 2))
+            if not (fwd & bwd).any():
+                break
+        for j in np.flatnonzero(~fwd):  # backward branches follow the idle one directly
+            rows["branch"][:, j] = np.where(
+                rows["ran_backward"][:, j], rows["branch"][:, j] - k_, 0
+            )
+        out.append(([(bool(f), bool(b)) for f, b in zip(fwd, bwd, strict=True)], rows))
     return out
 
 
-def _send_if(flag: jax.Array, send: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+def _send_if(
+    flag: jax.Array, send: Callable[[jax.Array], jax.Array], x: jax.Array, order: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """``send(x)``, a ``ppermute``, on ticks where ``flag`` (the same on every device) says
     some stage sends; zeros on the others (1F1B's steady state sends activations on some
-    ticks and error gradients on others)."""
-    return lax.cond(flag, send, jnp.zeros_like, x)
+    ticks and error gradients on others). ``order`` is the step's ordering token (see
+    :func:`synchronous_step`), returned advanced."""
+    return lax.cond(
+        after(order, flag),
+        lambda a, o: (send(a), o + 1),
+        lambda a, o: (jnp.zeros_like(a), o + 1),
+        x,
+        order,
+    )
+
+
+def after(order: jax.Array, x: jax.Array) -> jax.Array:
+    """``x``, made to depend on the ordering token (``order`` is never negative; XLA
+    cannot know that, so the operation ``x`` selects waits for the token's producer)."""
+    return jnp.where(order >= 0, x, jnp.zeros_like(x))
 
 
 def synchronous_step(
@@ -305,6 +376,11 @@ def synchronous_step(
     stage's model state passes through its forwards in the schedule's order (the last
     stage runs no forward: through its backwards, in the same micro-batch order); the
     other stages' backwards re-run the stage from the current state and drop the update.
+
+    An integer token passes through every tick's work and every message, in the
+    schedule's order: XLA:CPU otherwise runs independent conditionals in any order (a
+    group's later forwards before its first tick's message went out, keeping the next
+    stage waiting).
     """
     k_, m_ = cfg.k, cfg.m
     slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
@@ -317,68 +393,110 @@ def synchronous_step(
     micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
 
     def branch(kind: str, i: int, fwd: bool, bwd: bool) -> Callable[..., dict[str, Any]]:
-        """Stage i's work of ``kind`` (idle, forward, backward): what a tick of a run of
-        forwards (``fwd``) and/or backwards (``bwd``) needs, zeros where it did none."""
+        """Stage i's work of ``kind`` (idle, forward, backward): what a tick of forwards
+        (``fwd``) and/or backwards (``bwd``) needs, zeros where it did none."""
 
         def run(
-            p: jax.Array, s: jax.Array, x_buf: jax.Array, ct: jax.Array, mb: Any, key: Any
+            p: jax.Array,
+            s: jax.Array,
+            x_buf: jax.Array,
+            ct: jax.Array,
+            mb: Any,
+            key: Any,
+            order: jax.Array,
         ) -> dict[str, Any]:
-            out = {"s": s}
+            out = {"s": s, "order": order + 1}
             if kind == "forward":
                 out["act"], out["s"] = fns.forward[i](p, s, x_buf, mb, key)
             elif kind == "backward":
                 grad_p, out["grad_x"], loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, 1 / m_)
                 out["grad_p"], out["loss"] = grad_p, loss.astype(jnp.float32)
                 out["s"] = new if i == k_ - 1 else s
-            zero = {
-                "act": lambda: jnp.zeros((fns.width,), fns.dtype),
-                "grad_x": lambda: jnp.zeros((fns.width,), fns.dtype),
-                "grad_p": lambda: jnp.zeros_like(p),
-                "loss": lambda: jnp.zeros((), jnp.float32),
-            }
-            needs = ["s", *(["act"] if fwd else []), *(["grad_x", "grad_p", "loss"] if bwd else [])]
-            return vary({name: out[name] if name in out else zero[name]() for name in needs}, both)
+            needs = [
+                "s",
+                "order",
+                *(["act"] if fwd else []),
+                *(["grad_x", "grad_p", "loss"] if bwd else []),
+            ]
+            return vary({name: out[name] if name in out else zero(name) for name in needs}, both)
 
         return run
 
-    def run_phase(carry: tuple, fwd: bool, bwd: bool, rows: dict[str, np.ndarray]) -> tuple:
-        branches = [branch("idle", 0, fwd, bwd)]
-        branches += [branch("forward", i, fwd, bwd) for i in range(k_)] if fwd else []
-        branches += [branch("backward", i, fwd, bwd) for i in range(k_)] if bwd else []
+    def zero(name: str) -> jax.Array:
+        if name == "grad_p":
+            return jnp.zeros_like(p)
+        return jnp.zeros((), jnp.float32) if name == "loss" else jnp.zeros((fns.width,), fns.dtype)
 
-        def tick(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
-            acts, inbox, s, grad_sum, loss_sum = carry
-            m = row["micro"]
-            out = lax.switch(
-                row["branch"],
-                branches,
-                p_var,
-                s,
-                acts[m % slots],
-                inbox[m % inbox_slots],
-                _index(micro, m),
-                stage_key(cfg, key, k, m),
-            )
-            s = out["s"]
-            if fwd and k_ > 1:
-                received = row["recv_act"]
-                act = _send_if(row["any_act"], lambda a: _shift(a, k_, 1), out["act"])
-                acts = _store(acts, received % slots, act, received >= 0)
-            if bwd:
-                # Summed outside the switch (a sum threaded through the conditional made
-                # XLA copy it in and out of every tick), on this stage's backwards only.
-                grad_sum = lax.cond(
-                    row["ran_backward"], lambda g: g + out["grad_p"], lambda g: g, grad_sum
+    def branches(fwd: bool, bwd: bool) -> list[Callable[..., dict[str, Any]]]:
+        return [
+            branch("idle", 0, fwd, bwd),
+            *([branch("forward", i, fwd, bwd) for i in range(k_)] if fwd else []),
+            *([branch("backward", i, fwd, bwd) for i in range(k_)] if bwd else []),
+        ]
+
+    def sending(flags: np.ndarray) -> list[int]:
+        """The ticks of a group whose outputs its message carries: from the first on which
+        some group of the run sends through the last (so nothing leaves before the
+        group's last tick has run)."""
+        ticks = np.flatnonzero(flags.any(axis=(0, 2)))
+        return list(range(ticks[0], flags.shape[1])) if len(ticks) else []
+
+    def run_phase(
+        carry: tuple, kinds: list[tuple[bool, bool]], rows: dict[str, np.ndarray]
+    ) -> tuple:
+        act_ticks = sending(rows["any_act"]) if k_ > 1 else []
+        grad_ticks = sending(rows["any_grad"]) if k_ > 1 else []
+
+        def group(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
+            """The group's ticks on this stage, then what they send."""
+            acts, inbox, s, grad_sum, loss_sum, order = carry
+            outs = []
+            for j, (fwd, bwd) in enumerate(kinds):
+                m = row["micro"][j]
+                out = lax.switch(
+                    after(order, row["branch"][j]),
+                    branches(fwd, bwd),
+                    p_var,
+                    s,
+                    acts[m % slots],
+                    inbox[m % inbox_slots],
+                    _index(micro, m),
+                    stage_key(cfg, key, k, m),
+                    order,
                 )
-                loss_sum = loss_sum + out["loss"] / m_
-                if k_ > 1:
-                    received = row["recv_grad"]
-                    grad = _send_if(row["any_grad"], lambda a: _shift(a, k_, -1), out["grad_x"])
-                    inbox = _store(inbox, received % inbox_slots, grad, received >= 0)
-            return (acts, inbox, s, grad_sum, loss_sum), None
+                s, order = out["s"], out["order"]
+                if bwd:
+                    # Summed outside the switch (a sum threaded through the conditional
+                    # made XLA copy it in and out of every tick), on this stage's backwards.
+                    grad_sum = lax.cond(
+                        row["ran_backward"][j],
+                        lambda g, o=out: g + o["grad_p"],
+                        lambda g: g,
+                        grad_sum,
+                    )
+                    loss_sum = loss_sum + out["loss"] / m_
+                outs.append(out)
+            # One message per direction and group, holding its ticks' outputs (a message per
+            # tick would let XLA send the first tick's, and wait for its receiver, before
+            # running the second).
+            if act_ticks:
+                flag = row["any_act"][np.array(act_ticks)].any()
+                payload = jnp.stack([outs[j].get("act", zero("act")) for j in act_ticks])
+                got, order = _send_if(flag, lambda a: _shift(a, k_, 1), payload, order)
+                for i, j in enumerate(act_ticks):
+                    received = row["recv_act"][j]
+                    acts = _store(acts, received % slots, got[i], received >= 0)
+            if grad_ticks:
+                flag = row["any_grad"][np.array(grad_ticks)].any()
+                payload = jnp.stack([outs[j].get("grad_x", zero("grad_x")) for j in grad_ticks])
+                got, order = _send_if(flag, lambda a: _shift(a, k_, -1), payload, order)
+                for i, j in enumerate(grad_ticks):
+                    received = row["recv_grad"][j]
+                    inbox = _store(inbox, received % inbox_slots, got[i], received >= 0)
+            return (acts, inbox, s, grad_sum, loss_sum, order), None
 
-        columns = {name: jnp.asarray(table)[:, k] for name, table in rows.items()}
-        return lax.scan(tick, carry, columns)[0]
+        columns = {name: jnp.asarray(table)[:, :, k] for name, table in rows.items()}
+        return lax.scan(group, carry, columns)[0]
 
     carry = vary(
         (
@@ -387,12 +505,13 @@ def synchronous_step(
             local_model_state(cfg, state.model),
             jnp.zeros_like(p),
             jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.int32),
         ),
         both,
     )
-    for fwd, bwd, rows in phases(plan):
-        carry = run_phase(carry, fwd, bwd, rows)
-    _, _, s, grads, loss = carry
+    for kinds, rows in phases(plan):
+        carry = run_phase(carry, kinds, rows)
+    _, _, s, grads, loss, _ = carry
     reducer_state = _local(state.reducer_state, 2)
     p, opt_state, reducer_state = cfg.update(p, _local(state.opt_state, 1), reducer_state, grads)
     model = merged_model(cfg, state.model, s)

@@ -5,17 +5,26 @@ is traced, so its bubble and its activation memory can be read (and tested) with
 running it, and ``ddl.pipeline`` drives its ``lax.scan`` over ticks from the same tables.
 
 Time is counted in ticks; a forward or a backward of one micro-batch through one stage
-takes one tick (the usual unit-cost model of the GPipe and PipeDream papers).
+takes one tick (the usual unit-cost model of the GPipe and PipeDream papers). Stages run
+in lock-step: what a stage sends on a tick arrives for the next one, so a tick lasts as
+long as its slowest stage. Given each stage's costs, ``make_schedule`` may instead group
+ticks: up to G operations of a stage share a group, its messages travel at the group's
+end, and a stage with cheap operations runs several while a costly one runs one.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "ddg")
 IDLE = -1
+#: The least fraction of the unit-cost schedule's lock-step time a grouping must save to
+#: be chosen: its ticks run more conditionals and larger messages, which costs do not count.
+GROUPING_GAIN = 0.05
 
 
 class Schedule(NamedTuple):
@@ -27,6 +36,8 @@ class Schedule(NamedTuple):
       stages: K.
       microbatches: M.
       kind: ``"gpipe"``, ``"1f1b"`` or ``"ddg"``.
+      group: G, ticks per group: messages are exchanged at the end of each run of G ticks
+        (ticks ``G g .. G g + G - 1``), not after every tick; 1 for the unit-cost schedules.
     """
 
     forward: np.ndarray
@@ -34,6 +45,11 @@ class Schedule(NamedTuple):
     stages: int
     microbatches: int
     kind: str
+    group: int = 1
+
+    def arrival(self, t: int | np.ndarray) -> int | np.ndarray:
+        """The tick at whose end a message sent on tick ``t`` arrives (its group's last)."""
+        return (t // self.group + 1) * self.group - 1
 
 
 def _op_lists(
@@ -61,6 +77,18 @@ def _one_f_one_b(k_: int, m_: int, k: int) -> list[tuple[str, int]]:
     return ops + [("B", m) for m in range(m_ - warmup, m_)]
 
 
+def _needs(stages: int, k: int, op: str, m: int, fold_last: bool) -> list[tuple[str, int, int]]:
+    """The operations ``(op, stage, micro-batch)`` whose results stage k's ``(op, m)`` uses."""
+    if op == "F":
+        return [("F", k - 1, m)] if k > 0 else []
+    if k < stages - 1:
+        return [("B", k + 1, m)]
+    if not fold_last:
+        return [("F", k, m)]  # the last stage's own forward
+    # Folded: the input its backward computes the forward from.
+    return [("F", k - 1, m)] if k > 0 else []
+
+
 def _simulate(
     stages: int, microbatches: int, kind: str, fold_last: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -76,15 +104,7 @@ def _simulate(
             if position[k] == len(orders[k]):
                 continue
             op, m = orders[k][position[k]]
-            if op == "F":
-                needs = [("F", k - 1, m)] if k > 0 else []
-            elif k < stages - 1:
-                needs = [("B", k + 1, m)]
-            elif not fold_last:
-                needs = [("F", k, m)]  # the last stage's own forward
-            else:  # folded: the input its backward computes the forward from
-                needs = [("F", k - 1, m)] if k > 0 else []
-            if all(done.get(n, t) < t for n in needs):
+            if all(done.get(n, t) < t for n in _needs(stages, k, op, m, fold_last)):
                 (row_f if op == "F" else row_b)[k] = m
         for k in range(stages):
             for op, row in (("F", row_f), ("B", row_b)):
@@ -97,8 +117,135 @@ def _simulate(
     return np.array(forward, np.int32), np.array(backward, np.int32)
 
 
+Costs = Sequence[tuple[float, float]]
+
+
+def _cost(costs: Costs, stages: int, k: int, op: str) -> float:
+    """Stage k's cost of ``op``; the last stage's forward runs inside its backward."""
+    return 0.0 if op == "F" and k == stages - 1 else float(costs[k][op == "B"])
+
+
+def _grouped(
+    stages: int, microbatches: int, kind: str, costs: Costs, overshoot: bool
+) -> list[list[list[tuple[str, int]]]]:
+    """Each stage's operations (in its order, the last stage folded) packed into groups of
+    lock-step ticks: ``groups[g][k]`` are stage k's operations in group g, each needing only
+    what arrived at the end of an earlier group (see :func:`_next_group`)."""
+    orders = _op_lists(stages, microbatches, kind, fold_last=True)
+    done: set[tuple[str, int, int]] = set()  # (op, stage, micro-batch) of earlier groups
+    position = [0] * stages
+    left = [sum(_cost(costs, stages, k, op) for op, _ in ops) for k, ops in enumerate(orders)]
+    groups: list[list[list[tuple[str, int]]]] = []
+    while any(p < len(o) for p, o in zip(position, orders, strict=True)):
+        # What each stage could run now, in its order: what the operations need has arrived.
+        ready = [
+            list(
+                itertools.takewhile(
+                    lambda o, k=k: all(n in done for n in _needs(stages, k, *o, fold_last=True)),
+                    orders[k][position[k] :],
+                )
+            )
+            for k in range(stages)
+        ]
+        costly = max(range(stages), key=left.__getitem__)
+        group = _next_group(
+            ready,
+            [[_cost(costs, stages, k, op) for op, _ in r] for k, r in enumerate(ready)],
+            costly if overshoot else None,
+        )
+        for k, ops in enumerate(group):
+            done.update((op, k, m) for op, m in ops)
+            position[k] += len(ops)
+            left[k] -= sum(_cost(costs, stages, k, op) for op, _ in ops)
+        groups.append(group)
+    return groups
+
+
+def _next_group(
+    ready: list[list[tuple[str, int]]], costs: list[list[float]], costly: int | None
+) -> list[list[tuple[str, int]]]:
+    """What each stage runs in the next group, from the operations it could run in order
+    (``ready[k]``, costing ``costs[k]``).
+
+    The group lasts as long as the costliest first operation a stage can run; every stage
+    then runs further operations while they fit. A ``costly`` stage (the one with the most
+    work left, which sets the step's length) that would still idle runs one operation more
+    and the group lengthens: idling it costs the whole step, idling another only its slack.
+    """
+    counts = [min(len(r), 1) for r in ready]
+    work = [sum(c[:n]) for c, n in zip(costs, counts, strict=True)]
+
+    def fill() -> None:
+        length = max(work)
+        for k, c in enumerate(costs):
+            while counts[k] < len(c) and work[k] + c[counts[k]] <= length:
+                work[k] += c[counts[k]]
+                counts[k] += 1
+
+    fill()
+    if costly is not None and counts[costly] < len(costs[costly]) and work[costly] < max(work):
+        work[costly] += costs[costly][counts[costly]]
+        counts[costly] += 1
+        fill()
+    return [r[:n] for r, n in zip(ready, counts, strict=True)]
+
+
+def _tables(
+    groups: list[list[list[tuple[str, int]]]], stages: int, microbatches: int, kind: str
+) -> Schedule:
+    """The groups as a ``Schedule``: group g is ticks ``G g .. G g + G - 1``."""
+    size = max(len(ops) for group in groups for ops in group)
+    forward = np.full((len(groups) * size, stages), IDLE, np.int32)
+    backward = forward.copy()
+    for g, group in enumerate(groups):
+        for k, ops in enumerate(group):
+            for j, (op, m) in enumerate(ops):
+                (forward if op == "F" else backward)[g * size + j, k] = m
+    return Schedule(forward, backward, stages, microbatches, kind, size)
+
+
+def lockstep_time(schedule: Schedule, costs: Costs) -> float:
+    """The schedule's time if stage k's forward and backward of a micro-batch cost
+    ``costs[k]`` and nothing else does: the sum over groups of ticks (single ticks for
+    ``group=1``) of the longest stage's work in it. The last stage's forward is free: it
+    runs inside its backward. (``costs`` in any unit: seconds, flops.)"""
+    check_costs(costs, schedule.stages)
+    k_, g_ = schedule.stages, schedule.group
+    per_stage = np.zeros(schedule.forward.shape)
+    for k in range(k_):
+        per_stage[:, k] = (schedule.forward[:, k] >= 0) * _cost(costs, k_, k, "F") + (
+            schedule.backward[:, k] >= 0
+        ) * _cost(costs, k_, k, "B")
+    return float(per_stage.reshape(-1, g_, k_).sum(axis=1).max(axis=1).sum())
+
+
+def check_costs(costs: Costs, stages: int, name: str = "costs") -> None:
+    """A ``ValueError`` naming ``name`` unless ``costs`` is ``stages`` pairs of finite
+    non-negative numbers."""
+    try:
+        pairs = np.asarray(costs, np.float64)
+    except (TypeError, ValueError):
+        pairs = None
+    if (
+        pairs is None
+        or pairs.shape != (stages, 2)
+        or not np.isfinite(pairs).all()
+        or (pairs < 0).any()
+    ):
+        raise ValueError(
+            f"{name} must be {stages} pairs (forward, backward) of finite non-negative numbers, "
+            f"one per stage, got {costs!r}."
+        )
+
+
 def make_schedule(
-    stages: int, microbatches: int, kind: str, *, tick: int = 0, fold_last: bool = False
+    stages: int,
+    microbatches: int,
+    kind: str,
+    *,
+    tick: int = 0,
+    fold_last: bool = False,
+    costs: Costs | None = None,
 ) -> Schedule:
     """The schedule of one training step.
 
@@ -123,6 +270,12 @@ def make_schedule(
         arrived (``forward[:, K-1]`` is all ``-1``). ``ddl.pipeline`` runs 1F1B this way,
         where the last stage's forward and backward follow each other anyway: for K = 2,
         M = 4 its 10 ticks, every second one idle on the last stage, become 8.
+      costs: for ``gpipe`` and ``1f1b``, stage k's ``(forward, backward)`` cost of one
+        micro-batch (the backward as the pipeline runs it, re-running the forward; the last
+        stage's forward is not used). The result groups ticks (``group`` > 1), the
+        per-stage orders unchanged, where that makes :func:`lockstep_time` at least 5%
+        (``GROUPING_GAIN``) shorter than the unit-cost schedule's: with unequal stages a
+        cheap stage runs several operations while a costly one runs one.
 
     Returns:
       A ``Schedule``; ``gpipe`` and ``1f1b`` take ``2 (M + K - 1)`` ticks unfolded, ``ddg``
@@ -130,6 +283,22 @@ def make_schedule(
     """
     if kind not in SCHEDULES:
         raise ValueError(f"schedule={kind!r} is not known; valid: {list(SCHEDULES)}.")
+    if costs is not None:
+        if kind == "ddg":
+            raise ValueError(
+                "costs= groups the ticks of 'gpipe' and '1f1b'; 'ddg' has none to group."
+            )
+        check_costs(costs, stages)
+        unit = make_schedule(stages, microbatches, kind, fold_last=fold_last)
+        grouped = min(
+            (
+                _tables(_grouped(stages, microbatches, kind, costs, o), stages, microbatches, kind)
+                for o in (False, True)
+            ),
+            key=lambda s: lockstep_time(s, costs),
+        )
+        saves = lockstep_time(grouped, costs) < (1 - GROUPING_GAIN) * lockstep_time(unit, costs)
+        return grouped if saves else unit
     if kind == "ddg":
         t = np.arange(tick, tick + microbatches)[:, None]
         k = np.arange(stages)[None, :]
@@ -142,19 +311,21 @@ def make_schedule(
 def idle_fraction(schedule: Schedule) -> float:
     """The fraction of stage time spent waiting (the pipeline bubble).
 
-    A tick lasts as long as its busiest stage (one unit per forward or backward), and
-    ``idle = 1 - work / (K * total time)``; for GPipe this is ``(K-1) / (M+K-1)``.
+    A tick (a group of ticks) lasts as long as its busiest stage (one unit per forward or
+    backward), and ``idle = 1 - work / (K * total time)``; for GPipe this is
+    ``(K-1) / (M+K-1)``.
     """
     work = (schedule.forward >= 0).astype(int) + (schedule.backward >= 0)
-    return float(1 - work.sum() / (schedule.stages * work.max(axis=1).sum()))
+    per_group = work.reshape(-1, schedule.group, schedule.stages).sum(axis=1)
+    return float(1 - work.sum() / (schedule.stages * per_group.max(axis=1).sum()))
 
 
 def stash_intervals(schedule: Schedule) -> list[dict[int, tuple[int, int]]]:
     """For each stage, the ticks ``(first, last)`` it holds each micro-batch's input.
 
-    A stage holds an input from the tick it arrives (the end of the tick its predecessor
-    ran the forward; for the first stage, the tick of its own forward) through the tick of
-    its backward, which re-runs the stage from that input.
+    A stage holds an input from the tick it arrives (the end of the tick, or group of
+    ticks, its predecessor ran the forward in; for the first stage, the tick of its own
+    forward) through the tick of its backward, which re-runs the stage from that input.
     """
     held = []
     for k in range(schedule.stages):
@@ -163,6 +334,8 @@ def stash_intervals(schedule: Schedule) -> list[dict[int, tuple[int, int]]]:
         for m in range(schedule.microbatches):
             (last,) = np.flatnonzero(schedule.backward[:, k] == m)
             arrived = np.flatnonzero(source == m)
+            if k > 0:
+                arrived = schedule.arrival(arrived)
             # A single folded stage runs no forward: it holds its input in its backward only.
             intervals[m] = (int(arrived[0]) if len(arrived) else int(last), int(last))
         held.append(intervals)
@@ -191,8 +364,8 @@ def gradient_wait(schedule: Schedule) -> int:
     for k in range(schedule.stages - 1):
         ticks = np.zeros(len(schedule.backward), int)
         for m in range(schedule.microbatches):
-            (first,) = np.flatnonzero(schedule.backward[:, k + 1] == m)
+            (sent,) = np.flatnonzero(schedule.backward[:, k + 1] == m)
             (last,) = np.flatnonzero(schedule.backward[:, k] == m)
-            ticks[first:last] += 1
+            ticks[schedule.arrival(sent) : last] += 1
         peak = max(peak, int(ticks.max()))
     return peak

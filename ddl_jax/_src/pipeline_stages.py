@@ -211,16 +211,42 @@ def build_stages(cfg: PipelineConfig, micro: Any) -> Stages:
                 y, vjp, new = jax.vjp(
                     lambda q, x_buf: run(q, s, x_buf, micro, key), q, x_buf, has_aux=True
                 )
-                ct = jnp.ones_like(y) if last else unpack(ct_buf, y)
+                # The last stage differentiates scale * loss; the others receive error
+                # gradients scaled so (one product per micro-batch instead of a pass over
+                # every stage's gradient).
+                ct = jnp.full_like(y, scale) if last else unpack(ct_buf, y)
                 return y, *vjp(ct), new
 
             if cfg.transposes_weight_gradients:
                 differentiate = transposed_weight_gradients(differentiate)
             y, grad_p, grad_x, new = differentiate(view.unravel(p), x_buf, ct_buf)
             loss = y if last else jnp.zeros((), jnp.float32)
-            return scale * view.ravel(grad_p, p.shape[0], p.dtype), grad_x, loss, new
+            return view.ravel(grad_p, p.shape[0], p.dtype), grad_x, loss, new
 
         return forward, backward
 
     fns = [stage_fn(i) for i in range(cfg.k)]
     return Stages([f for f, _ in fns], [b for _, b in fns], width, dtype)
+
+
+def flop_costs(cfg: PipelineConfig, fns: Stages, micro: Any) -> list[tuple[float, float]] | None:
+    """Each stage's ``(forward, backward)`` flops on one micro-batch of shape ``micro``, as
+    XLA's cost analysis counts them (the backward as the pipeline runs it, the forward
+    re-run included); ``None`` where the backend gives no count."""
+    p = jax.ShapeDtypeStruct((cfg.param_len,), cfg.param_dtype)
+    s = jax.ShapeDtypeStruct((cfg.state_len,), cfg.state_dtype)
+    buf = jax.ShapeDtypeStruct((fns.width,), fns.dtype)
+    key = jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32"))
+    costs = []
+    for forward, backward in zip(fns.forward, fns.backward, strict=True):
+        pair = []
+        for fn, args in (
+            (forward, (p, s, buf, micro, key)),
+            (backward, (p, s, buf, buf, micro, key, 1.0)),
+        ):
+            analysis = jax.jit(fn).lower(*args).cost_analysis()
+            if not analysis:
+                return None
+            pair.append(float(analysis.get("flops", 0.0)))  # none counted: no arithmetic
+        costs.append((pair[0], pair[1]))
+    return costs
