@@ -2,10 +2,11 @@
 
     python benchmarks/_pipeline_worker.py PROCESS_ID PORT CONFIG_JSON
 
-Process 0 prints one JSON line: per mode, the seconds of each timed round and the idle
-fraction of its schedule. Each process then prints its stage's compute alone, in
-milliseconds, on a micro-batch and on the whole batch: the forward, and the backward as
-the pipeline runs it (the forward re-run, then its vjp; the last stage's with the loss).
+Process 0 prints one JSON line: per mode, the seconds of each timed round. Each process
+then prints its stage's compute alone, in milliseconds, on a micro-batch and on the whole
+batch: the forward, and the backward as the pipeline runs it (the forward re-run, then its
+vjp; the last stage's with the loss), with XLA's flop counts of both (what the pipeline
+groups its ticks by).
 """
 
 import json
@@ -68,6 +69,12 @@ modes = {
     "sequential": dict(microbatches=1, schedule="gpipe"),
     "gpipe": dict(microbatches=config["microbatches"], schedule="gpipe"),
     "1f1b": dict(microbatches=config["microbatches"], schedule="1f1b"),
+    "gpipe, unit ticks": dict(
+        microbatches=config["microbatches"], schedule="gpipe", tick_costs="unit"
+    ),
+    "1f1b, unit ticks": dict(
+        microbatches=config["microbatches"], schedule="1f1b", tick_costs="unit"
+    ),
     "ddg": dict(microbatches=config["microbatches"], schedule="ddg", example_batch=local),
 }
 runs = {}
@@ -81,14 +88,8 @@ for name, kwargs in modes.items():
     runs[name] = (step, state)
 
 times = interleaved(runs, config["rounds"], config["steps"], lambda i: batch)
-idle = {
-    name: ddl.schedules.idle_fraction(
-        ddl.schedules.make_schedule(2, kw["microbatches"], kw["schedule"], tick=2)
-    )
-    for name, kw in modes.items()
-}
 if process_id == 0:
-    print(json.dumps({"seconds": times, "idle_fraction": idle}), flush=True)
+    print(json.dumps({"seconds": times}), flush=True)
 
 
 def stage_costs(rows: int) -> dict[str, float]:
@@ -111,6 +112,9 @@ def stage_costs(rows: int) -> dict[str, float]:
     backward = jax.jit(backward)
     forward = jax.jit(apply)
 
+    def flops(fn, *args):
+        return jax.jit(fn).lower(*args).cost_analysis()["flops"]
+
     def ms(fn, *args):
         jax.block_until_ready(fn(*args))
         runs = []
@@ -120,7 +124,11 @@ def stage_costs(rows: int) -> dict[str, float]:
             runs.append(1e3 * (time.perf_counter() - start))
         return float(np.median(runs))
 
-    return {"forward": ms(forward, p, x), "backward": ms(backward, *args)}
+    return {
+        "forward": ms(forward, p, x),
+        "backward": ms(backward, *args),
+        "flops": [flops(apply, p, x), flops(backward, *args)],
+    }
 
 
 rows = {"micro": size // config["microbatches"], "batch": size}

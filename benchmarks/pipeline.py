@@ -11,8 +11,10 @@ writes JSON and markdown to benchmarks/results/.
 
 Each process also times its stage's compute alone (forward; backward as the pipeline
 runs it), on a micro-batch and on the whole batch. With these costs the table gives each
-schedule's tick bound: its ticks' time if every tick lasted as long as its slowest
-stage's compute and nothing else, what lock-step ticks allow with these stages.
+schedule's tick bound (``ddl.schedules.lockstep_time``): its ticks' time if every tick
+(or group of ticks) lasted as long as its slowest stage's compute and nothing else, what
+lock-step ticks allow with these stages. GPipe and 1F1B run the schedules ``ddl.pipeline``
+picks by the stages' flop counts (``make_schedule(costs=...)``).
 
     python benchmarks/pipeline.py [--width 1024] [--layers-per-stage 2] [--batch 512]
         [--microbatches 4] [--steps 5] [--rounds 5]
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from _pinned import free_port, run_pinned
 
-from ddl_jax.schedules import Schedule, make_schedule
+from ddl_jax.schedules import idle_fraction, lockstep_time, make_schedule
 
 
 def main() -> None:
@@ -58,14 +60,24 @@ def main() -> None:
     reports = [json.loads(line) for out in outs for line in out.splitlines() if line[:1] == "{"]
     [result] = [r for r in reports if "seconds" in r]
     costs = sorted((r for r in reports if "stage" in r), key=lambda r: r["stage"])
-    times, idle = result["seconds"], result["idle_fraction"]
+    times = result["seconds"]
     micro, whole = [c["micro"] for c in costs], [c["batch"] for c in costs]
     m = args.microbatches
+    # The schedules ddl.pipeline runs: GPipe and 1F1B grouped by the stages' flop counts.
+    plans = {
+        "sequential": make_schedule(2, 1, "gpipe", costs=[c["flops"] for c in whole]),
+        "gpipe": make_schedule(2, m, "gpipe", costs=[c["flops"] for c in micro]),
+        "1f1b": make_schedule(2, m, "1f1b", fold_last=True, costs=[c["flops"] for c in micro]),
+        "gpipe, unit ticks": make_schedule(2, m, "gpipe"),
+        "1f1b, unit ticks": make_schedule(2, m, "1f1b", fold_last=True),
+        "ddg": make_schedule(2, m, "ddg", tick=2),
+    }
     bounds = {
-        "sequential": tick_bound(make_schedule(2, 1, "gpipe"), whole),
-        "gpipe": tick_bound(make_schedule(2, m, "gpipe"), micro),
-        "1f1b": tick_bound(make_schedule(2, m, "1f1b", fold_last=True), micro),
-        "ddg": tick_bound(make_schedule(2, m, "ddg", tick=2), micro),
+        name: lockstep_time(
+            plan,
+            [(c["forward"], c["backward"]) for c in (whole if name == "sequential" else micro)],
+        )
+        for name, plan in plans.items()
     }
 
     samples = args.batch * args.steps
@@ -83,7 +95,8 @@ def main() -> None:
                 "ms_per_step": 1e3 * args.batch / rate,
                 "tick_bound_ms": bounds[name],
                 "bound_vs_sequential": bounds["sequential"] / bounds[name],
-                "schedule_idle_fraction": idle[name],
+                "ticks_per_group": plans[name].group,
+                "schedule_idle_fraction": idle_fraction(plans[name]),
                 "round_seconds": seconds,
             }
         )
@@ -93,12 +106,13 @@ def main() -> None:
         f"{args.rounds} rounds of {args.steps} steps",
         "",
         "| mode | M | samples/s | vs sequential | ms a step | tick bound, ms | bound vs "
-        "sequential | idle fraction of the schedule |",
-        "|---|---|---|---|---|---|---|---|",
+        "sequential | ticks a group | idle fraction of the schedule |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['mode']} | {r['microbatches']} | {r['samples_per_s']:,.0f} | "
             f"{r['vs_sequential']:.2f} | {r['ms_per_step']:.1f} | {r['tick_bound_ms']:.1f} | "
-            f"{r['bound_vs_sequential']:.2f} | {r['schedule_idle_fraction']:.3f} |"
+            f"{r['bound_vs_sequential']:.2f} | {r['ticks_per_group']} | "
+            f"{r['schedule_idle_fraction']:.3f} |"
             for r in rows
         ),
         "",
@@ -116,21 +130,6 @@ def main() -> None:
     (args.out / "pipeline.json").write_text(
         json.dumps({"config": config, "rows": rows, "stage_costs_ms": costs}, indent=2)
     )
-
-
-def tick_bound(plan: Schedule, costs: list[dict[str, float]]) -> float:
-    """Milliseconds of ``plan``'s ticks if each lasted as long as its slowest stage's
-    compute (``costs[k]``: stage k's forward and backward). The last stage's forward runs
-    inside its backward, so it costs nothing on its own tick."""
-    last = plan.stages - 1
-    total = 0.0
-    for forwards, backwards in zip(plan.forward, plan.backward, strict=True):
-        total += max(
-            (cost["forward"] if f >= 0 and k < last else 0.0)
-            + (cost["backward"] if b >= 0 else 0.0)
-            for k, (f, b, cost) in enumerate(zip(forwards, backwards, costs, strict=True))
-        )
-    return total
 
 
 if __name__ == "__main__":
