@@ -435,11 +435,9 @@ def synchronous_step(
         ]
 
     def sending(flags: np.ndarray) -> list[int]:
-        """The ticks of a group whose outputs its message carries: from the first on which
-        some group of the run sends through the last (so nothing leaves before the
-        group's last tick has run)."""
-        ticks = np.flatnonzero(flags.any(axis=(0, 2)))
-        return list(range(ticks[0], flags.shape[1])) if len(ticks) else []
+        """The ticks of a group whose outputs its message carries: those on which some
+        group of the run sends."""
+        return np.flatnonzero(flags.any(axis=(0, 2))).tolist()
 
     def run_phase(
         carry: tuple, kinds: list[tuple[bool, bool]], rows: dict[str, np.ndarray]
@@ -476,9 +474,8 @@ def synchronous_step(
                     )
                     loss_sum = loss_sum + out["loss"] / m_
                 outs.append(out)
-            # One message per direction and group, holding its ticks' outputs (a message per
-            # tick would let XLA send the first tick's, and wait for its receiver, before
-            # running the second).
+            # One message per direction and group, holding its ticks' outputs, sent after
+            # the group's last tick (the token orders them).
             if act_ticks:
                 flag = row["any_act"][np.array(act_ticks)].any()
                 payload = jnp.stack([outs[j].get("act", zero("act")) for j in act_ticks])
