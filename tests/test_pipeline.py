@@ -27,7 +27,9 @@ from hypothesis import strategies as hs
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
+from ddl_jax._src.pipeline import _setup as pipeline_setup
 from ddl_jax._src.pipeline_programs import one_kind_ticks
+from ddl_jax._src.pipeline_stages import build_stages, flop_costs
 from ddl_jax.schedules import (
     idle_fraction,
     lockstep_time,
@@ -261,6 +263,28 @@ def test_gpipe_grouped_by_unequal_stage_costs_runs_as_long_as_its_busiest_stage(
         make_schedule(2, 4, "gpipe", costs=[(1.0, -2.0), (1.0, 1.0)])
     with pytest.raises(ValueError, match="'ddg' has none"):
         make_schedule(2, 4, "ddg", costs=costs)
+
+
+def test_flop_costs_count_the_dense_layers_products():
+    """``tick_costs="flops"``: XLA's counts for a stage Dense(64 -> 128) + ReLU and a last
+    stage Dense(128 -> 32) + loss, on micro-batches of 16 rows, against 2 r a b per
+    product: the first stage's backward re-runs its forward and forms the weight gradient
+    (2 products), the last stage's runs the forward, the weight and the input gradient (3);
+    its forward alone computes nothing (its backward runs it)."""
+    stages, _ = split_mlp(2, [64, 128, 32])
+    _, cfg = pipeline_setup(
+        stages, xent, optax.sgd(0.1), ddl.make_mesh(data=1, stage=2), 4, "gpipe", None, None
+    )
+    micro = {
+        "x": jax.ShapeDtypeStruct((16, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct((16,), jnp.int32),
+    }
+    (f0, b0), (f1, b1) = flop_costs(cfg, build_stages(cfg, micro), micro)
+    first, last = 2 * 16 * 64 * 128, 2 * 16 * 128 * 32
+    assert f0 == pytest.approx(first, rel=0.05)
+    assert b0 == pytest.approx(2 * first, rel=0.05)
+    assert b1 == pytest.approx(3 * last, rel=0.1)
+    assert f1 < 0.01 * last
 
 
 @settings(max_examples=8, deadline=None)
