@@ -352,7 +352,6 @@ GROUPING = {2: [(5.0, 10.6), (3.4, 10.3)], 4: [(1, 1), (2, 4), (1, 1), (0, 6)]}
     [
         ("gpipe", 1, 2, 2, "flops"),
         ("1f1b", 1, 1, 4, "flops"),  # folded: one stage, no forward ticks at all
-        ("gpipe", 2, 1, 4, "unit"),
         ("gpipe", 2, 2, 4, GROUPING[2]),
         ("gpipe", 4, 2, 4, "flops"),
         ("1f1b", 2, 2, 2, "flops"),
@@ -818,7 +817,6 @@ def micro_batch_loop(modules, optimizer, batches, n, m):
     [
         ("gpipe", 2, 2, 0.0, "flops"),
         ("1f1b", 1, 4, 0.0, "flops"),
-        ("gpipe", 2, 2, 0.3, "flops"),
         ("gpipe", 1, 4, 0.3, GROUPING[2]),
         ("1f1b", 2, 3, 0.3, "flops"),
     ],
