@@ -28,7 +28,7 @@ from hypothesis import strategies as hs
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
 from ddl_jax._src.pipeline import _setup as pipeline_setup
-from ddl_jax._src.pipeline_programs import one_kind_ticks
+from ddl_jax._src.pipeline_schedules import one_kind_ticks
 from ddl_jax._src.pipeline_stages import build_stages, flop_costs
 from ddl_jax.schedules import (
     idle_fraction,
@@ -273,7 +273,15 @@ def test_flop_costs_count_the_dense_layers_products():
     its forward alone computes nothing (its backward runs it)."""
     stages, _ = split_mlp(2, [64, 128, 32])
     _, cfg = pipeline_setup(
-        stages, xent, optax.sgd(0.1), ddl.make_mesh(data=1, stage=2), 4, "gpipe", None, None
+        stages,
+        xent,
+        optax.sgd(0.1),
+        ddl.make_mesh(data=1, stage=2),
+        4,
+        "gpipe",
+        None,
+        None,
+        "flops",
     )
     micro = {
         "x": jax.ShapeDtypeStruct((16, 64), jnp.float32),

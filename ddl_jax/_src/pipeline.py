@@ -61,6 +61,7 @@ def _setup(
     schedule: str,
     example_batch: Any,
     reducer: optax.GradientTransformation | None,
+    tick_costs: str | Costs,
 ) -> tuple[Kit, PipelineConfig]:
     """What both builders share: the checked arguments, the kit and the config."""
     if isinstance(loss_fn, ModelLoss):
@@ -84,6 +85,16 @@ def _setup(
     state_dtype = jnp.result_type(*state_dtypes) if state_dtypes else jnp.dtype(jnp.float32)
     # A reducer that needs the stages' trees (power_sgd) refuses their flat vectors itself.
     jax.eval_shape(kit.reducer.init, jax.ShapeDtypeStruct((param_len,), param_dtype))
+    if schedule == "ddg" and tick_costs != "flops":
+        raise ValueError("tick_costs= groups the ticks of 'gpipe' and '1f1b'; 'ddg' has none.")
+    if isinstance(tick_costs, str):
+        if tick_costs not in ("flops", "unit"):
+            raise ValueError(
+                f"tick_costs={tick_costs!r} is not known; valid: 'flops', 'unit', or "
+                f"{k_} pairs (forward, backward), one per stage."
+            )
+    else:
+        check_costs(tick_costs, k_, "tick_costs")
     if schedule == "ddg" and k_ > 1 and example_batch is None:
         raise ValueError(
             "schedule='ddg' with K > 1 stages needs example_batch= (a global batch or its "
@@ -276,96 +287,83 @@ def pipeline(
 ) -> st.Strategy:
     """Pipeline model parallelism over the ``stage`` mesh axis (and data parallelism over ``data``).
 
-    The model is ``loss_fn(f_{K-1}(... f_1(f_0(batch; w_0); w_1) ...; w_{K-1}), batch)``,
-    stage ``f_k`` on the devices at position k of the ``stage`` axis. Each data worker's
-    share of the global batch is cut into M micro-batches that flow through the stages.
+    The model is ``loss_fn(f_{K-1}(... f_1(f_0(batch; w_0); w_1) ...; w_{K-1}), batch)``, stage
+    ``f_k`` on the devices at position k of the ``stage`` axis. Each data worker's share of the
+    global batch is cut into M micro-batches that flow through the stages; a stage keeps each
+    in-flight micro-batch's input and re-runs its forward in its backward (as GPipe).
 
-    * ``"gpipe"`` and ``"1f1b"``: one step runs the schedule's ``2(M+K-1)`` ticks and then
-      ``w_k <- w_k + optimizer(reducer(g_k))`` with ``g_k`` the exact gradient of the mean
-      loss over the global batch, as in single-device training. GPipe (Huang et al. 2019,
-      arXiv:1811.06965) runs all forwards then all backwards, idle fraction
-      ``(K-1)/(M+K-1)``, and each stage keeps M micro-batches' inputs; 1F1B
-      (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503) has the same bubble but
-      keeps at most K, and runs folded (``ddl.schedules.make_schedule(fold_last=True)``).
+    * ``"gpipe"`` and ``"1f1b"``: one step runs the schedule's ticks and then ``w_k <- w_k +
+      optimizer(reducer(g_k))`` with ``g_k`` the exact gradient of the mean loss over the global
+      batch, as in single-device training. GPipe (Huang et al. 2019, arXiv:1811.06965) runs all
+      forwards then all backwards, idle fraction ``(K-1)/(M+K-1)``, and each stage keeps M
+      micro-batches' inputs; 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503) has
+      the same bubble but keeps at most K, and runs folded
+      (``ddl.schedules.make_schedule(fold_last=True)``).
     * ``"ddg"``, decoupled parallel backpropagation with delayed gradients (Huo et al. 2018,
-      arXiv:1804.10574): every tick, every stage runs one forward and one backward and
-      updates its weights, with no bubble. At global tick t stage k forwards micro-batch
-      ``t-k`` and backpropagates micro-batch ``j = t-2(K-1)+k`` with the error gradient
-      ``delta_j`` that stage k+1 sent on tick t-1 (the last stage uses its own loss at once):
-      ``w_k <- w_k + optimizer(reducer(d f_k(h_j; w_k)/d w_k . delta_j))``, recomputing the
-      stage from its stashed input ``h_j`` with its current weights. Huo et al. keep the
-      forward pass locked, so their stage k sees a gradient delayed by K-1-k iterations;
-      here the forward is pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs
-      M ticks, so M updates of micro-batch size; the pipeline stays full across steps.
-      The delay narrows the stable learning rates (``docs/figures.md``): DDG on the digits
-      MLP is stable up to SGD 0.02 and Adam 3e-3 at K = 2, at no tested rate at K = 4;
-      ``ddl.scale_by_staleness`` (below) widens that, short of GPipe's range.
+      arXiv:1804.10574): every tick, every stage runs one forward and one backward and updates
+      its weights, with no bubble. At global tick t stage k forwards micro-batch ``t-k`` and
+      backpropagates micro-batch ``j = t-2(K-1)+k`` with the error gradient ``delta_j`` that
+      stage k+1 sent on tick t-1 (the last stage uses its own loss at once): ``w_k <- w_k +
+      optimizer(reducer(d f_k(h_j; w_k)/d w_k . delta_j))``, recomputing the stage from its
+      stashed input ``h_j`` with its current weights. Huo et al. keep the forward pass locked,
+      so their stage k sees a gradient delayed by K-1-k iterations; here the forward is
+      pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs M ticks, so M updates of
+      micro-batch size; the pipeline stays full across steps. The delay narrows the stable
+      learning rates; ``ddl.scale_by_staleness`` (below) widens them (``docs/figures.md``).
 
-    A stage keeps each in-flight micro-batch's input and re-runs its forward (as GPipe).
+    Model state and randomness (stateful stages: ``pipeline_stages`` of modules with BatchNorm or
+    Dropout; see ``docs/design.md``, section 2): stage k's model state lives with its stage
+    (flattened, ``state.model.state[k]``), is updated by the stage's forward of each micro-batch
+    in the schedule's order (the last stage's by its backward, which computes its forward) while
+    backwards re-run the stage from the current state and drop the update (exact for BatchNorm in
+    training mode), and is averaged over ``data`` after each step. Micro-batch j of stage k on
+    data worker w at step t draws ``fold_in(fold_in(fold_in(fold_in(key, t), w), k), j)`` in its
+    forward and in its backward's recomputation alike (the gradient is exact for the mask used); k
+    is folded in only for K > 1, j only for M > 1 (one stage and one micro-batch draw
+    ``data_parallel``'s keys). DDG, which updates every tick, uses micro-batch j's global index
+    (the tick stage 0 forwards it) as the step: ``fold_in(fold_in(fold_in(key, j), w), k)``.
+    ``key`` and ``t`` live in ``state.model``: a resumed run draws the masks an uninterrupted one
+    would.
 
-    Stages run in lock-step: a tick lasts as long as its slowest stage. With unequal stages
-    GPipe and 1F1B group ticks by the stages' costs (``tick_costs``): a stage whose
-    operations are cheap runs several of them while a costly one runs one, each stage in
-    its schedule's order, and the messages travel at the group's end
-    (``ddl.schedules.make_schedule(costs=...)``; the same gradients, in fewer lock-step
-    waits).
-
-    Model state and randomness (stateful stages: ``pipeline_stages`` of modules with
-    BatchNorm or Dropout; see ``docs/design.md``, section 2): stage k's model state lives
-    with its stage (flattened, ``state.model.state[k]``), is updated by the stage's forward
-    of each micro-batch in the schedule's order (the last stage's by its backward, which
-    computes its forward) while backwards re-run the stage from the current state and drop
-    the update (exact for BatchNorm in training mode), and is averaged over ``data`` after
-    each step. Micro-batch j of stage k on data worker w at step t draws
-    ``fold_in(fold_in(fold_in(fold_in(key, t), w), k), j)`` in its forward and in its
-    backward's recomputation alike (the gradient is exact for the mask used); k is folded in
-    only for K > 1, j only for M > 1 (one stage and one micro-batch draw ``data_parallel``'s
-    keys). DDG, which updates every tick, uses micro-batch j's global index (the tick stage 0
-    forwards it) as the step: ``fold_in(fold_in(fold_in(key, j), w), k)``. ``key`` and ``t``
-    live in ``state.model``: a resumed run draws the masks an uninterrupted one would.
-
-    What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each
-    stage one flat vector, its leaves concatenated in tree order, cast to one dtype and
-    zero-padded to the largest stage's size; each stage has its own optimizer and reducer
-    state. Transforms that treat every entry on its own are exact (they update each
-    parameter as on the tree): ``optax.sgd``, ``momentum``, ``adam``, ``adamw`` without a
-    ``mask``, learning-rate schedules, ``ddl.allreduce_mean``, ``ddl.compression.cast``.
-    Anything that looks at the tree changes meaning, mostly without an error: norms and
-    scales are taken per stage over its padded vector (``optax.clip_by_global_norm`` clips
-    each stage on its own, ``ddl.compression.sign`` has one scale per stage, ``top_k``'s and
-    ``threshold``'s entry budgets and ``qsgd``'s buckets are per stage), and masks and
-    ``optax.multi_transform`` labels get one array per stage instead of the tree.
-    ``ddl.compression.power_sgd`` would find no matrices, so it is refused (``ValueError``).
-    The optimizer also receives optax's extra argument ``staleness``, stage k's gradient
-    delay (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer,
-    ddl.scale_by_staleness())`` gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
+    What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each stage
+    one flat vector, its leaves concatenated in tree order, cast to one dtype and zero-padded to
+    the largest stage's size; each stage has its own optimizer and reducer state. Transforms that
+    treat every entry on its own are exact (they update each parameter as on the tree):
+    ``optax.sgd``, ``momentum``, ``adam``, ``adamw`` without a ``mask``, learning-rate schedules,
+    ``ddl.allreduce_mean``, ``ddl.compression.cast``. Anything that looks at the tree changes
+    meaning, mostly without an error: norms and scales are taken per stage over its padded vector
+    (``optax.clip_by_global_norm`` clips each stage on its own, ``ddl.compression.sign`` has one
+    scale per stage, ``top_k``'s and ``threshold``'s entry budgets and ``qsgd``'s buckets are per
+    stage), and masks and ``optax.multi_transform`` labels get one array per stage instead of the
+    tree. ``ddl.compression.power_sgd`` would find no matrices, so it is refused (``ValueError``).
+    The optimizer also receives optax's extra argument ``staleness``, stage k's gradient delay
+    (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer, ddl.scale_by_staleness())``
+    gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
 
     Args:
       stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
         micro-batch pytree, stage k>0 the previous stage's output, which must be one
-        floating-point array (any shape, stages may differ). ``params`` is a template (arrays
-        or ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes. A stateful stage
-        is a pair ``(ddl.ModelLoss(fn, seed), variables)``, ``fn(params_k, model_state_k,
-        x, key) -> (y, new_model_state_k)`` and ``variables`` the template
-        ``{"params": ..., "batch_stats": ...}``; the run's key comes from the first stateful
-        stage's seed. NNX modules convert with ``pipeline_stages``.
-      loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch
-        (a plain function: model state and dropout belong in the stages).
-      optimizer: optax transform applied per stage to its flat parameter vector (see
-        above; it also receives ``staleness``).
+        floating-point array (any shape, stages may differ). ``params`` is a template (arrays or
+        ``jax.ShapeDtypeStruct``) fixing each stage's parameter shapes. A stateful stage is a
+        pair ``(ddl.ModelLoss(fn, seed), variables)``, ``fn(params_k, model_state_k, x, key) ->
+        (y, new_model_state_k)`` and ``variables`` the template ``{"params": ..., "batch_stats":
+        ...}``; the run's key comes from the first stateful stage's seed. NNX modules convert
+        with ``pipeline_stages``.
+      loss_fn: ``(last stage's output, micro_batch) -> scalar`` mean over the micro-batch (a
+        plain function: model state and dropout belong in the stages).
+      optimizer: optax transform applied per stage to its flat parameter vector (see above; it
+        also receives ``staleness``).
       mesh: a mesh with a ``stage`` axis of size K (none: K = 1) and optionally ``data``.
-      microbatches: M, micro-batches per data worker per step; the global batch must
-        divide by ``data`` x M.
+      microbatches: M, micro-batches per data worker per step; the global batch must divide by
+        ``data`` x M.
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"ddg"``.
-      example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``), required by
-        ``"ddg"`` with K > 1 (its state stashes activations); later batches share its shapes.
+      example_batch: a global batch (arrays or ``jax.ShapeDtypeStruct``), required by ``"ddg"``
+        with K > 1 (its state stashes activations); later batches share its shapes.
       reducer: reduces each stage's flat gradient vector over ``data`` (default
         ``ddl.allreduce_mean("data")``). Not ``ddl.compression.power_sgd``.
-      tick_costs: for ``"gpipe"`` and ``"1f1b"``, what groups the ticks: ``"flops"`` (XLA's
-        flop count of each stage's forward and backward on a micro-batch, counted when the
-        step is traced), ``"unit"`` (one operation per tick: the papers' schedules), or K
-        pairs ``(forward, backward)``, e.g. measured seconds (the last stage's forward is
-        not used: its backward runs it).
+      tick_costs: for ``"gpipe"`` and ``"1f1b"``, stage costs that group lock-step ticks (a cheap
+        stage runs several operations beside a costly one; the same gradients): ``"flops"`` (XLA's
+        counts per micro-batch), ``"unit"`` (one operation a tick), or K ``(forward, backward)``.
 
     Returns:
       A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
@@ -390,18 +388,8 @@ def pipeline(
     [(4, 8), (8, 4)]
     """
     kit, cfg = _setup(
-        stages, loss_fn, optimizer, mesh, microbatches, schedule, example_batch, reducer
+        stages, loss_fn, optimizer, mesh, microbatches, schedule, example_batch, reducer, tick_costs
     )
     if schedule == "ddg":
-        if tick_costs != "flops":
-            raise ValueError("tick_costs= groups the ticks of 'gpipe' and '1f1b'; 'ddg' has none.")
         return _ddg_pipeline(kit, cfg)
-    if isinstance(tick_costs, str):
-        if tick_costs not in ("flops", "unit"):
-            raise ValueError(
-                f"tick_costs={tick_costs!r} is not known; valid: 'flops', 'unit', or "
-                f"{cfg.k} pairs (forward, backward), one per stage."
-            )
-    else:
-        check_costs(tick_costs, cfg.k, "tick_costs")
     return _exact_pipeline(kit, cfg, schedule, tick_costs)

@@ -12,7 +12,6 @@ dropout key.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,7 +25,7 @@ from jax import lax
 from ddl_jax._src.flat import FlatView
 from ddl_jax._src.kit import vary
 from ddl_jax._src.model_loss import ModelLoss, ModelVars, mean_over, worker_key
-from ddl_jax._src.pipeline_schedules import Schedule, gradient_wait, peak_stash
+from ddl_jax._src.pipeline_schedules import Schedule, gradient_wait, one_kind_ticks, peak_stash
 from ddl_jax._src.strategy import DATA, STAGE
 
 #: A stage's apply: ``(params, x) -> y``, or a ``ModelLoss`` whose
@@ -248,40 +247,6 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array, keep: jax.Array
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), slot, 0)
 
 
-def one_kind_ticks(plan: Schedule) -> Schedule:
-    """The same groups of ticks, laid out so that no tick runs a forward on one stage and
-    a backward on another: a stage's operations keep their order within its group, and
-    the group grows by the ticks that takes (idle ticks cost next to nothing; nothing
-    travels between a group's ticks). A tick of both kinds would have every stage's
-    forward return a zero parameter gradient as large as the stage, for the switch's
-    branches to agree. The last stage's forwards are left out (its backward runs them).
-    """
-    k_, g_ = plan.stages, plan.group
-    groups = []
-    for g in range(len(plan.forward) // g_):
-        ops: list[list[tuple[str, int]]] = [[] for _ in range(k_)]
-        for t, k in itertools.product(range(g * g_, (g + 1) * g_), range(k_)):
-            if plan.forward[t, k] >= 0 and k < k_ - 1:
-                ops[k].append(("F", int(plan.forward[t, k])))
-            if plan.backward[t, k] >= 0:
-                ops[k].append(("B", int(plan.backward[t, k])))
-        layout = []
-        while any(ops):
-            # Next, the kind of work of the stage with the most operations left.
-            kind = max((len(o), o[0][0] == "F") for o in ops if o)[1]
-            layout.append([o.pop(0) if o and (o[0][0] == "F") == kind else None for o in ops])
-        groups.append(layout)
-    size = max(1, *(len(layout) for layout in groups))
-    forward = np.full((len(groups) * size, k_), -1, np.int32)
-    backward = forward.copy()
-    for g, layout in enumerate(groups):
-        for j, row in enumerate(layout):
-            for k, op in enumerate(row):
-                if op is not None:
-                    (forward if op[0] == "F" else backward)[g * size + j, k] = op[1]
-    return plan._replace(forward=forward, backward=backward, group=size)
-
-
 def _columns(plan: Schedule) -> dict[str, np.ndarray]:
     """:func:`tick_tables` as ``[groups, G, K]``, with ``ran_forward``, ``ran_backward``
     (the stage runs a forward / a backward), ``any_act`` and ``any_grad`` (some stage sends
@@ -367,6 +332,79 @@ def after(order: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.where(order >= 0, x, jnp.zeros_like(x))
 
 
+def _tick_branches(
+    cfg: PipelineConfig, fns: Stages, p: jax.Array, fwd: bool, bwd: bool
+) -> list[Callable[..., dict[str, Any]]]:
+    """The branches of the switch on a tick of forwards (``fwd``) and/or backwards
+    (``bwd``): idle, each stage's forward, each stage's backward. Each returns what such a
+    tick needs (zeros where its branch did none of it) and the ordering token advanced."""
+    k_, both = cfg.k, (DATA, STAGE)
+
+    def zero(name: str) -> jax.Array:
+        if name == "grad_p":
+            return jnp.zeros_like(p)
+        return jnp.zeros((), jnp.float32) if name == "loss" else jnp.zeros((fns.width,), fns.dtype)
+
+    def branch(kind: str, i: int) -> Callable[..., dict[str, Any]]:
+        def run(
+            p: jax.Array,
+            s: jax.Array,
+            x_buf: jax.Array,
+            ct: jax.Array,
+            mb: Any,
+            key: Any,
+            order: jax.Array,
+        ) -> dict[str, Any]:
+            out = {"s": s, "order": order + 1}
+            if kind == "forward":
+                out["act"], out["s"] = fns.forward[i](p, s, x_buf, mb, key)
+            elif kind == "backward":
+                grad_p, out["grad_x"], loss, new = fns.backward[i](
+                    p, s, x_buf, ct, mb, key, 1 / cfg.m
+                )
+                out["grad_p"], out["loss"] = grad_p, loss.astype(jnp.float32)
+                out["s"] = new if i == k_ - 1 else s
+            needs = [
+                "s",
+                "order",
+                *(["act"] if fwd else []),
+                *(["grad_x", "grad_p", "loss"] if bwd else []),
+            ]
+            return vary({name: out[name] if name in out else zero(name) for name in needs}, both)
+
+        return run
+
+    return [
+        branch("idle", 0),
+        *([branch("forward", i) for i in range(k_)] if fwd else []),
+        *([branch("backward", i) for i in range(k_)] if bwd else []),
+    ]
+
+
+def _exchange(
+    outputs: list[jax.Array],
+    sends: jax.Array | None,
+    received: jax.Array | None,
+    buffer: jax.Array,
+    order: jax.Array,
+    k_: int,
+    direction: int,
+) -> tuple[jax.Array, jax.Array]:
+    """One message to the next (+1) or previous (-1) stage holding a group's ``outputs``,
+    if some stage sends (``sends``: per output, the same on every device); what arrives is
+    stored in ``buffer`` at the slots of the micro-batches ``received`` (-1: nothing).
+    Returns the buffer and the ordering token."""
+    if not outputs:
+        return buffer, order
+    got, order = _send_if(
+        sends.any(), lambda a: _shift(a, k_, direction), jnp.stack(outputs), order
+    )
+    slots = buffer.shape[0]
+    for i, m in enumerate(received):
+        buffer = _store(buffer, m % slots, got[i], m >= 0)
+    return buffer, order
+
+
 def synchronous_step(
     cfg: PipelineConfig, plan: Schedule, fns: Stages, state: PipelineState, batch: Any
 ) -> tuple[PipelineState, Metrics]:
@@ -392,68 +430,24 @@ def synchronous_step(
     key = worker_key(state.model, lax.axis_index(DATA))
     micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
 
-    def branch(kind: str, i: int, fwd: bool, bwd: bool) -> Callable[..., dict[str, Any]]:
-        """Stage i's work of ``kind`` (idle, forward, backward): what a tick of forwards
-        (``fwd``) and/or backwards (``bwd``) needs, zeros where it did none."""
-
-        def run(
-            p: jax.Array,
-            s: jax.Array,
-            x_buf: jax.Array,
-            ct: jax.Array,
-            mb: Any,
-            key: Any,
-            order: jax.Array,
-        ) -> dict[str, Any]:
-            out = {"s": s, "order": order + 1}
-            if kind == "forward":
-                out["act"], out["s"] = fns.forward[i](p, s, x_buf, mb, key)
-            elif kind == "backward":
-                grad_p, out["grad_x"], loss, new = fns.backward[i](p, s, x_buf, ct, mb, key, 1 / m_)
-                out["grad_p"], out["loss"] = grad_p, loss.astype(jnp.float32)
-                out["s"] = new if i == k_ - 1 else s
-            needs = [
-                "s",
-                "order",
-                *(["act"] if fwd else []),
-                *(["grad_x", "grad_p", "loss"] if bwd else []),
-            ]
-            return vary({name: out[name] if name in out else zero(name) for name in needs}, both)
-
-        return run
-
-    def zero(name: str) -> jax.Array:
-        if name == "grad_p":
-            return jnp.zeros_like(p)
-        return jnp.zeros((), jnp.float32) if name == "loss" else jnp.zeros((fns.width,), fns.dtype)
-
-    def branches(fwd: bool, bwd: bool) -> list[Callable[..., dict[str, Any]]]:
-        return [
-            branch("idle", 0, fwd, bwd),
-            *([branch("forward", i, fwd, bwd) for i in range(k_)] if fwd else []),
-            *([branch("backward", i, fwd, bwd) for i in range(k_)] if bwd else []),
-        ]
-
-    def sending(flags: np.ndarray) -> list[int]:
-        """The ticks of a group whose outputs its message carries: those on which some
-        group of the run sends."""
-        return np.flatnonzero(flags.any(axis=(0, 2))).tolist()
-
     def run_phase(
         carry: tuple, kinds: list[tuple[bool, bool]], rows: dict[str, np.ndarray]
     ) -> tuple:
-        act_ticks = sending(rows["any_act"]) if k_ > 1 else []
-        grad_ticks = sending(rows["any_grad"]) if k_ > 1 else []
+        # The ticks of a group whose outputs its messages carry: those on which some
+        # group of the run sends.
+        act_ticks = np.flatnonzero(rows["any_act"].any(axis=(0, 2))).tolist() if k_ > 1 else []
+        grad_ticks = np.flatnonzero(rows["any_grad"].any(axis=(0, 2))).tolist() if k_ > 1 else []
+        branches = {kind: _tick_branches(cfg, fns, p, *kind) for kind in set(kinds)}
 
         def group(carry: tuple, row: dict[str, jax.Array]) -> tuple[tuple, None]:
             """The group's ticks on this stage, then what they send."""
             acts, inbox, s, grad_sum, loss_sum, order = carry
             outs = []
-            for j, (fwd, bwd) in enumerate(kinds):
+            for j, kind in enumerate(kinds):
                 m = row["micro"][j]
                 out = lax.switch(
                     after(order, row["branch"][j]),
-                    branches(fwd, bwd),
+                    branches[kind],
                     p_var,
                     s,
                     acts[m % slots],
@@ -463,7 +457,7 @@ def synchronous_step(
                     order,
                 )
                 s, order = out["s"], out["order"]
-                if bwd:
+                if kind[1]:
                     # Summed outside the switch (a sum threaded through the conditional
                     # made XLA copy it in and out of every tick), on this stage's backwards.
                     grad_sum = lax.cond(
@@ -476,20 +470,25 @@ def synchronous_step(
                 outs.append(out)
             # One message per direction and group, holding its ticks' outputs, sent after
             # the group's last tick (the token orders them).
-            if act_ticks:
-                flag = row["any_act"][np.array(act_ticks)].any()
-                payload = jnp.stack([outs[j].get("act", zero("act")) for j in act_ticks])
-                got, order = _send_if(flag, lambda a: _shift(a, k_, 1), payload, order)
-                for i, j in enumerate(act_ticks):
-                    received = row["recv_act"][j]
-                    acts = _store(acts, received % slots, got[i], received >= 0)
-            if grad_ticks:
-                flag = row["any_grad"][np.array(grad_ticks)].any()
-                payload = jnp.stack([outs[j].get("grad_x", zero("grad_x")) for j in grad_ticks])
-                got, order = _send_if(flag, lambda a: _shift(a, k_, -1), payload, order)
-                for i, j in enumerate(grad_ticks):
-                    received = row["recv_grad"][j]
-                    inbox = _store(inbox, received % inbox_slots, got[i], received >= 0)
+            zero = jnp.zeros((fns.width,), fns.dtype)
+            acts, order = _exchange(
+                [outs[j].get("act", zero) for j in act_ticks],
+                row["any_act"][np.array(act_ticks)] if act_ticks else None,
+                row["recv_act"][np.array(act_ticks)] if act_ticks else None,
+                acts,
+                order,
+                k_,
+                1,
+            )
+            inbox, order = _exchange(
+                [outs[j].get("grad_x", zero) for j in grad_ticks],
+                row["any_grad"][np.array(grad_ticks)] if grad_ticks else None,
+                row["recv_grad"][np.array(grad_ticks)] if grad_ticks else None,
+                inbox,
+                order,
+                k_,
+                -1,
+            )
             return (acts, inbox, s, grad_sum, loss_sum, order), None
 
         columns = {name: jnp.asarray(table)[:, :, k] for name, table in rows.items()}

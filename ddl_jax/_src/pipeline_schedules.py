@@ -190,18 +190,60 @@ def _next_group(
     return [r[:n] for r, n in zip(ready, counts, strict=True)]
 
 
+def _from_rows(
+    layouts: list[list[list[tuple[str, int] | None]]], stages: int, microbatches: int, kind: str
+) -> Schedule:
+    """Groups given tick by tick (``layouts[g][j][k]``: stage k's operation ``(op, m)`` on
+    tick j of group g, or ``None``) as a ``Schedule``: group g is ticks ``G g .. G g + G -
+    1``, G the longest group."""
+    size = max(1, *(len(rows) for rows in layouts))
+    forward = np.full((len(layouts) * size, stages), IDLE, np.int32)
+    backward = forward.copy()
+    for g, rows in enumerate(layouts):
+        for j, row in enumerate(rows):
+            for k, op in enumerate(row):
+                if op is not None:
+                    (forward if op[0] == "F" else backward)[g * size + j, k] = op[1]
+    return Schedule(forward, backward, stages, microbatches, kind, size)
+
+
 def _tables(
     groups: list[list[list[tuple[str, int]]]], stages: int, microbatches: int, kind: str
 ) -> Schedule:
-    """The groups as a ``Schedule``: group g is ticks ``G g .. G g + G - 1``."""
-    size = max(len(ops) for group in groups for ops in group)
-    forward = np.full((len(groups) * size, stages), IDLE, np.int32)
-    backward = forward.copy()
-    for g, group in enumerate(groups):
-        for k, ops in enumerate(group):
-            for j, (op, m) in enumerate(ops):
-                (forward if op == "F" else backward)[g * size + j, k] = m
-    return Schedule(forward, backward, stages, microbatches, kind, size)
+    """The groups (``groups[g][k]``: stage k's operations in group g) as a ``Schedule``,
+    each stage's operations on its group's first ticks."""
+    return _from_rows(
+        [[list(row) for row in itertools.zip_longest(*group)] for group in groups],
+        stages,
+        microbatches,
+        kind,
+    )
+
+
+def one_kind_ticks(plan: Schedule) -> Schedule:
+    """The same groups of ticks, laid out so that no tick runs a forward on one stage and
+    a backward on another: a stage's operations keep their order within its group, and
+    the group grows by the ticks that takes (idle ticks cost next to nothing; nothing
+    travels between a group's ticks). A tick of both kinds would have every stage's
+    forward return a zero parameter gradient as large as the stage, for the switch's
+    branches to agree. The last stage's forwards are left out (its backward runs them).
+    """
+    k_, g_ = plan.stages, plan.group
+    groups = []
+    for g in range(len(plan.forward) // g_):
+        ops: list[list[tuple[str, int]]] = [[] for _ in range(k_)]
+        for t, k in itertools.product(range(g * g_, (g + 1) * g_), range(k_)):
+            if plan.forward[t, k] >= 0 and k < k_ - 1:
+                ops[k].append(("F", int(plan.forward[t, k])))
+            if plan.backward[t, k] >= 0:
+                ops[k].append(("B", int(plan.backward[t, k])))
+        layout: list[list[tuple[str, int] | None]] = []
+        while any(ops):
+            # Next, the kind of work of the stage with the most operations left.
+            kind = max((len(o), o[0][0] == "F") for o in ops if o)[1]
+            layout.append([o.pop(0) if o and (o[0][0] == "F") == kind else None for o in ops])
+        groups.append(layout)
+    return _from_rows(groups, k_, plan.microbatches, plan.kind)
 
 
 def lockstep_time(schedule: Schedule, costs: Costs) -> float:
