@@ -11,14 +11,17 @@ def interleaved(
     runs: dict[str, tuple[Callable, Any]], rounds: int, steps: int, batch_at: Callable[[int], Any]
 ) -> dict[str, list[float]]:
     """Per program, the seconds of ``steps`` steps in each of ``rounds`` rounds; within a
-    round the programs take turns, so drift in the machine's speed hits all alike.
+    round the programs take turns, so drift in the machine's speed hits all alike, and
+    round r starts with program r (mod their number), so none always runs first or last.
 
     ``runs`` maps a name to ``(jitted step, state)`` and is updated with the new states;
     step i of a round trains on ``batch_at(i)``.
     """
     seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, (step, state) in runs.items():
+    names = list(runs)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step, state = runs[name]
             start = time.perf_counter()
             for i in range(steps):
                 state, metrics = step(state, batch_at(i))
