@@ -179,9 +179,34 @@ def test_launcher_stops_the_others_and_names_the_dead_rank(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 128 + 9
     assert "[rank 0] hello from 0 2" in out and "[rank 1] hello from 1 2" in out
-    assert "rank 1 failed with exit code -9 (killed by SIGKILL)" in err
+    assert "rank 1 failed with exit code -9 (killed by SIGKILL); stopped the other 1" in err
+    assert "rank 0 failed" not in err  # stopped by the launcher, not a failure
     assert "giving up" in err
     assert elapsed < 10  # rank 0 would sleep 60 s had it not been killed
+
+
+def test_ranks_failing_together_are_all_named_in_the_order_they_exit(tmp_path, capsys):
+    # As when a peer of a killed rank aborts in gloo and is reaped first: both are named.
+    path = script(
+        tmp_path,
+        f"""
+        import os, signal, time
+        rank = int(os.environ["DDL_JAX_PROCESS_ID"])
+        time.sleep(max({time.time() + 1.5} + 0.15 * rank - time.time(), 0))
+        os.kill(os.getpid(), [signal.SIGABRT, signal.SIGKILL][rank] if rank < 2 else 0)
+        time.sleep(60)
+        """,
+    )
+    code = cli.main(["launch", "-n", "3", "--grace", "0.5", "--", sys.executable, path])
+    err = capsys.readouterr().err
+    assert code == 128 + 6  # the first to exit
+    both = (
+        "rank 0 failed with exit code -6 (killed by SIGABRT) and rank 1 failed with exit "
+        "code -9 (killed by SIGKILL) within 0.5 s of each other"
+    )
+    assert f"launch: {both}" in err and "stopped the other 1 process(es)" in err, err
+    assert f"giving up: {both}" in err, err
+    assert "rank 2 failed" not in err  # alive until stopped
 
 
 def test_launcher_returns_the_exit_code_after_the_restarts(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import queue
 import signal
@@ -20,6 +21,8 @@ from ddl_jax._src import launch
 from ddl_jax._src.strategy import check_int, check_real
 
 _POLL_S = 0.05
+#: Seconds after a rank's failure in which the failures of others are reported with it.
+_SETTLE_S = 0.5
 
 
 def _free_port() -> int:
@@ -91,22 +94,42 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
         proc.wait()
 
 
-def _supervise(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    """Waits until every rank succeeded (``None``) or one failed (``(rank, code)``).
+def _supervise(procs: list[subprocess.Popen]) -> list[tuple[int, int]]:
+    """Waits until every rank succeeded (``[]``) or one failed; then returns ``(rank, code)``
+    for each rank that failed within ``_SETTLE_S`` seconds of the first, in exit order.
 
-    One waiting thread per rank reports exits in the order they happen, so the rank named
-    is the one that failed first, not a peer that aborted because it lost that rank.
+    One waiting thread per rank reports exits in the order they happen. A rank whose peer
+    dies often fails within milliseconds (gloo aborts it), and it can be reaped before the
+    peer that caused it; naming every rank of that moment keeps the cause in the report.
     """
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for rank, proc in enumerate(procs):
         threading.Thread(
             target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True
         ).start()
+    failures: list[tuple[int, int]] = []
+    deadline = math.inf
     for _ in procs:
-        rank, code = exits.get()
+        try:
+            wait = max(deadline - time.monotonic(), 0) if failures else None
+            rank, code = exits.get(timeout=wait)
+        except queue.Empty:  # the others are alive (or hung on the dead rank): stop them
+            break
         if code != 0:
-            return rank, code
-    return None
+            deadline = min(deadline, time.monotonic() + _SETTLE_S)  # from the first
+            failures.append((rank, code))
+    return failures
+
+
+def _failed(failures: list[tuple[int, int]]) -> str:
+    """``rank 1 failed with exit code -9 (killed by SIGKILL)``, one clause per failure."""
+    message = " and ".join(f"rank {r} failed with {_describe(c)}" for r, c in failures)
+    if len(failures) > 1:
+        message += (
+            f" within {_SETTLE_S} s of each other (a rank that loses a peer fails with it, "
+            "so the first to exit need not be the cause)"
+        )
+    return message
 
 
 def _log(message: str, lock: threading.Lock) -> None:
@@ -119,14 +142,14 @@ def run_launch(args: argparse.Namespace) -> int:
     """Runs ``args.command`` as ``args.num_processes`` ranks; returns the exit status.
 
     Returns:
-      0 when every rank exits 0; otherwise the failing rank's exit code (128 + signal
-      number for a rank killed by a signal), once restarts are used up.
+      0 when every rank exits 0; otherwise the exit code of the first rank to fail (128 +
+      signal number for a rank killed by a signal), once restarts are used up.
     """
     lock = threading.Lock()
     for attempt in range(args.restarts + 1):
         procs, pumps = _start(args, attempt, lock)
         try:
-            failure = _supervise(procs)
+            failures = _supervise(procs)
         except KeyboardInterrupt:
             _log("interrupted; stopping every rank.", lock)
             return 130
@@ -134,21 +157,19 @@ def run_launch(args: argparse.Namespace) -> int:
             _stop(procs, args.grace)
             for pump in pumps:
                 pump.join()
-        if failure is None:
+        if not failures:
             return 0
-        rank, code = failure
-        _log(
-            f"rank {rank} failed with {_describe(code)}; stopped the other "
-            f"{args.num_processes - 1} process(es).",
-            lock,
-        )
+        others = args.num_processes - len(failures)
+        stopped = f"; stopped the other {others} process(es)" if others else ""
+        _log(f"{_failed(failures)}{stopped}.", lock)
         if attempt < args.restarts:
             _log(
                 f"restarting all {args.num_processes} processes (restart {attempt + 1} of "
                 f"{args.restarts}); they resume from their latest checkpoint.",
                 lock,
             )
-    _log(f"giving up: rank {rank} failed with {_describe(code)}.", lock)
+    _log(f"giving up: {_failed(failures)}.", lock)
+    code = failures[0][1]
     return code if code > 0 else 128 - code
 
 
