@@ -31,6 +31,7 @@ import itertools  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -93,7 +94,8 @@ if process_id == 0:
 
 
 def stage_costs(rows: int) -> dict[str, float]:
-    """This process's stage alone on ``rows`` examples: forward and backward, milliseconds."""
+    """This process's stage on ``rows`` examples: forward and backward, milliseconds
+    (:func:`timed`), and their flops."""
     apply, p = stages[process_id]
     labels = {"y": local["y"][:rows]}
     if process_id == 0:
@@ -115,22 +117,43 @@ def stage_costs(rows: int) -> dict[str, float]:
     def flops(fn, *args):
         return jax.jit(fn).lower(*args).cost_analysis()["flops"]
 
-    def ms(fn, *args):
-        jax.block_until_ready(fn(*args))
-        runs = []
-        for _ in range(7):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            runs.append(1e3 * (time.perf_counter() - start))
-        return float(np.median(runs))
-
     return {
-        "forward": ms(forward, p, x),
-        "backward": ms(backward, *args),
+        "forward": timed(forward, p, x),
+        "backward": timed(backward, *args),
         "flops": [flops(apply, p, x), flops(backward, *args)],
     }
 
 
+def timed(fn, *args) -> dict[str, float]:
+    """Median milliseconds of ``fn`` with this process's core alone busy (the other
+    process asleep), and with both cores busy at once: the pipelined modes run so, and
+    two cores running at once slow each other (shared cache and memory bandwidth).
+
+    Both processes call this for the same functions in the same order; the three windows
+    (stage 0 alone, stage 1 alone, both) start together, after a barrier, and last as long
+    as eight runs of the slower stage's."""
+    jax.block_until_ready(fn(*args))  # compiled and warm
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    slowest = multihost_utils.process_allgather(np.float64(time.perf_counter() - start))
+    window = max(0.5, 8 * float(np.max(slowest)))
+    multihost_utils.sync_global_devices(f"stage costs {next(_barriers)}")
+    opened = time.perf_counter()
+    medians = {}
+    for w, (name, busy) in enumerate([("alone", [0]), ("alone", [1]), ("busy", [0, 1])]):
+        close = opened + (w + 1) * window
+        runs = []
+        while process_id in busy and (not runs or time.perf_counter() + 1.5e-3 * max(runs) < close):
+            begin = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            runs.append(1e3 * (time.perf_counter() - begin))
+        if runs:
+            medians[name] = float(np.median(runs))
+        time.sleep(max(close - time.perf_counter(), 0))
+    return medians
+
+
+_barriers = itertools.count()
 rows = {"micro": size // config["microbatches"], "batch": size}
 print(json.dumps({"stage": process_id, **{k: stage_costs(r) for k, r in rows.items()}}))
 jax.distributed.shutdown()
