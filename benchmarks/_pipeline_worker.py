@@ -142,7 +142,7 @@ def timed(fn, *args) -> dict[str, float]:
     medians = {}
     for w, (name, busy) in enumerate([("alone", [0]), ("alone", [1]), ("busy", [0, 1])]):
         close = opened + (w + 1) * window
-        runs = []
+        runs = []  # no run starts unless 1.5 of the longest so far end in the window
         while process_id in busy and (not runs or time.perf_counter() + 1.5e-3 * max(runs) < close):
             begin = time.perf_counter()
             jax.block_until_ready(fn(*args))
