@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import queue
 import signal
@@ -108,15 +107,16 @@ def _supervise(procs: list[subprocess.Popen]) -> list[tuple[int, int]]:
             target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True
         ).start()
     failures: list[tuple[int, int]] = []
-    deadline = math.inf
+    deadline = None  # _SETTLE_S after the first failure
     for _ in procs:
         try:
-            wait = max(deadline - time.monotonic(), 0) if failures else None
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0)
             rank, code = exits.get(timeout=wait)
         except queue.Empty:  # the others are alive (or hung on the dead rank): stop them
             break
         if code != 0:
-            deadline = min(deadline, time.monotonic() + _SETTLE_S)  # from the first
+            if deadline is None:
+                deadline = time.monotonic() + _SETTLE_S
             failures.append((rank, code))
     return failures
 
