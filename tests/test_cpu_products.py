@@ -146,3 +146,33 @@ def test_pipeline_backward_on_one_core_has_no_leading_contraction(one_core):
     strategy = ddl.pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2)
     state, batch = strategy.init(params), make_batches(1, 16)[0]
     assert leading_products(strategy.step, state, batch) == 0
+
+
+def transposed_shapes(fn, *args) -> set[str]:
+    """The shapes of the transposes (or fusions rooted in one) in ``fn``'s compiled HLO."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return set(
+        re.findall(r"= (f32\[[\d,]+\])\{[\d,]+\} (?:transpose\(|fusion\([^\n]*transpose)", hlo)
+    )
+
+
+def test_the_narrower_operand_is_transposed():
+    """A hidden layer (64 -> 256) transposes its input x, [32, 64]; the last layer (256 ->
+    4) transposes its error gradient dy, [32, 4], and the small [4, 256] result, not its
+    input, [32, 256]."""
+    rng = np.random.default_rng(3)
+    params = init([64, 256, 4])
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(32, 64)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 4, size=32), jnp.int32),
+    }
+    grad = jax.grad(lambda p, b: dense_loss(p, b)[0])
+    shapes = transposed_shapes(transposed_weight_gradients(grad), params, batch)
+    assert {"f32[64,32]", "f32[4,32]"} <= shapes
+    assert "f32[256,32]" not in shapes
+    chex.assert_trees_all_close(
+        jax.jit(transposed_weight_gradients(grad))(params, batch),
+        jax.jit(grad)(params, batch),
+        rtol=1e-5,
+        atol=1e-6,
+    )

@@ -79,20 +79,24 @@ def _product(lhs: Any, rhs: Any, params: dict[str, Any]) -> Any:
 
     When ``rhs`` contracts the same leading dimensions (autodiff's weight gradient,
     ``dy^T x`` over the batch), both are viewed as matrices of those rows and the product
-    is computed as ``(x^T dy)^T``: the transpose autodiff applies next then cancels.
+    is computed as ``(x^T dy)^T``: the transpose autodiff applies next then cancels. Where
+    ``dy`` is so much narrower than ``x`` that transposing it and the result moves fewer
+    entries than transposing ``x``, it is computed as ``dy^T x`` from a transposed ``dy``.
     """
     (lhs_c, rhs_c), _ = params["dimension_numbers"]
     barrier = lax.optimization_barrier
     if tuple(rhs_c) == tuple(lhs_c):
         rows = math.prod(lhs.shape[: len(lhs_c)])
         dy, x = lhs.reshape(rows, -1), rhs.reshape(rows, -1)
-        swapped = {
-            **params,
-            "dimension_numbers": (((1,), (0,)), ((), ())),
-            "out_sharding": _transposed(params.get("out_sharding")),
-        }
+        shape = lhs.shape[len(lhs_c) :] + rhs.shape[len(rhs_c) :]
+        contract = {**params, "dimension_numbers": (((1,), (0,)), ((), ()))}
+        if rows * dy.shape[1] + dy.shape[1] * x.shape[1] < rows * x.shape[1]:
+            # dy much narrower than x (a classifier's last layer): transpose dy, then the
+            # small result (where autodiff transposes it next), rather than all of x.
+            return barrier(dot_general_p.bind(barrier(dy.T), x, **contract)).reshape(shape)
+        swapped = {**contract, "out_sharding": _transposed(params.get("out_sharding"))}
         out = barrier(dot_general_p.bind(barrier(x.T), dy, **swapped)).T
-        return out.reshape(lhs.shape[len(lhs_c) :] + rhs.shape[len(rhs_c) :])
+        return out.reshape(shape)
     leading = {**params, "dimension_numbers": (((1,), tuple(rhs_c)), ((), ()))}
     return barrier(dot_general_p.bind(barrier(lhs.T), rhs, **leading))
 
