@@ -65,12 +65,14 @@ def _contracts_leading(eqn: Any) -> bool:
     return (lhs.ndim, rhs.ndim) == (2, 2)
 
 
-def _transposed(sharding: NamedSharding | None) -> NamedSharding | None:
-    """The sharding of the transposed 2-D product (``_product``'s ``x^T dy``)."""
+def _matrix(sharding: NamedSharding | None, transposed: bool) -> NamedSharding | None:
+    """The sharding of ``_product``'s 2-D product (``dy^T x``, or ``x^T dy`` if
+    ``transposed``), from the weight gradient's (``_contracts_leading``: more than two
+    dimensions only where it partitions nothing)."""
     if sharding is None:
         return None
     spec = (*sharding.spec, None, None)[:2]
-    return NamedSharding(sharding.mesh, P(*reversed(spec)))
+    return NamedSharding(sharding.mesh, P(*(reversed(spec) if transposed else spec)))
 
 
 def _product(lhs: Any, rhs: Any, params: dict[str, Any]) -> Any:
@@ -89,12 +91,14 @@ def _product(lhs: Any, rhs: Any, params: dict[str, Any]) -> Any:
         rows = math.prod(lhs.shape[: len(lhs_c)])
         dy, x = lhs.reshape(rows, -1), rhs.reshape(rows, -1)
         shape = lhs.shape[len(lhs_c) :] + rhs.shape[len(rhs_c) :]
+        sharding = params.get("out_sharding")
         contract = {**params, "dimension_numbers": (((1,), (0,)), ((), ()))}
         if rows * dy.shape[1] + dy.shape[1] * x.shape[1] < rows * x.shape[1]:
             # dy much narrower than x (a classifier's last layer): transpose dy, then the
             # small result (where autodiff transposes it next), rather than all of x.
-            return barrier(dot_general_p.bind(barrier(dy.T), x, **contract)).reshape(shape)
-        swapped = {**contract, "out_sharding": _transposed(params.get("out_sharding"))}
+            direct = {**contract, "out_sharding": _matrix(sharding, transposed=False)}
+            return barrier(dot_general_p.bind(barrier(dy.T), x, **direct)).reshape(shape)
+        swapped = {**contract, "out_sharding": _matrix(sharding, transposed=True)}
         out = barrier(dot_general_p.bind(barrier(x.T), dy, **swapped)).T
         return out.reshape(shape)
     leading = {**params, "dimension_numbers": (((1,), tuple(rhs_c)), ((), ()))}
