@@ -7,19 +7,22 @@ import shutil
 # Most of the suite's time is XLA compiling small programs. LLVM's optimisation of their
 # machine code costs more than running it, and leaves the optimised HLO, which the tests
 # read, as it is. Compiled programs are kept on disk, shared by the test processes and by
-# the processes the tests launch (they inherit these variables). JAX's size bound on the
+# the processes the tests launch (given ``COMPILE_ENV``). JAX's size bound on the
 # cache takes a file lock on every read, which costs more than it saves, so the cache is
 # emptied here instead, by the first process of a run, once it passes 1 GiB.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-).strip()
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
 _FIRST_PROCESS = "PYTEST_XDIST_WORKER" not in os.environ
 if _FIRST_PROCESS and _CACHE.is_dir() and sum(f.stat().st_size for f in _CACHE.iterdir()) > 2**30:
     shutil.rmtree(_CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+COMPILE_ENV = {
+    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    "JAX_COMPILATION_CACHE_DIR": str(_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+os.environ.update(
+    {**COMPILE_ENV, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_ENV['XLA_FLAGS']}"}
+)
 
 import ddl_jax as ddl  # noqa: E402
 
