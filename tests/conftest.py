@@ -20,9 +20,8 @@ COMPILE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
-os.environ.update(
-    {**COMPILE_ENV, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_ENV['XLA_FLAGS']}"}
-)
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ.update(COMPILE_ENV, XLA_FLAGS=f"{_USER_XLA_FLAGS} {COMPILE_ENV['XLA_FLAGS']}")
 
 import ddl_jax as ddl  # noqa: E402
 
