@@ -39,6 +39,13 @@ from flax import nnx  # noqa: E402
 from ddl_jax._src import reducers  # noqa: E402
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a process a test launches: CPU, the compile settings above, and
+    none of this process's JAX / XLA / launcher variables (its 8 simulated devices)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DDL_JAX"))}
+    return {**env, "JAX_PLATFORMS": "cpu", **COMPILE_ENV}
+
+
 def mlp_loss(model, batch):
     logits = model(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import COMPILE_ENV, mlp_loss
+from conftest import child_env, mlp_loss
 from flax import nnx
 
 import ddl_jax as ddl
@@ -81,11 +81,6 @@ WORKER = textwrap.dedent(
     print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
     """
 )
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "DDL_JAX"))}
-    return {**env, "JAX_PLATFORMS": "cpu", **COMPILE_ENV}
 
 
 def run_launcher(tmp_path, name: str, kill_at: int, *extra: str):

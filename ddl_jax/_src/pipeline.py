@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,6 +40,7 @@ from ddl_jax._src.pipeline_programs import (
     StageFn,
     Stages,
     ddg_step,
+    stage_step,
     synchronous_step,
 )
 from ddl_jax._src.pipeline_schedules import SCHEDULES, Costs, Schedule, check_costs, make_schedule
@@ -195,6 +197,26 @@ def _stage_params(kit: Kit, cfg: PipelineConfig) -> Callable[[Any], list[Any]]:
 MODEL_SPECS = ModelVars(state=P(STAGE), key=P(), step=P())
 
 
+def process_stage(mesh: Mesh) -> int | None:
+    """The stage of every device of ``mesh`` this process holds, where it holds devices of
+    one stage only and other processes hold the other stages (one stage per process or
+    host), on CPU devices: its GPipe / 1F1B step is then that stage's program alone
+    (``stage_step``). ``None`` otherwise: every stage's work behind a switch.
+
+    Processes that compile different programs meet in their messages in the schedule's
+    order; this is checked with gloo's CPU collectives, so other platforms keep the switch.
+    """
+    if jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu":
+        return None
+    axis = mesh.axis_names.index(STAGE)
+    mine = {
+        index[axis]
+        for index, device in np.ndenumerate(mesh.devices)
+        if device.process_index == jax.process_index()
+    }
+    return mine.pop() if len(mine) == 1 else None
+
+
 def _plan(
     cfg: PipelineConfig, schedule: str, tick_costs: str | Costs, fns: Stages, batch: Any
 ) -> Schedule:
@@ -225,7 +247,10 @@ def _exact_pipeline(
     def worker_step(state: PipelineState, batch: Any) -> tuple[PipelineState, Metrics]:
         fns = _local_stages(cfg, batch)
         plan = _plan(cfg, schedule, tick_costs, fns, batch)
-        return synchronous_step(cfg, plan, fns, state, batch)
+        stage = process_stage(kit.mesh)
+        if stage is None:
+            return synchronous_step(cfg, plan, fns, state, batch)
+        return stage_step(cfg, plan, fns, state, batch, stage)
 
     return st.Strategy(
         init=kit.init(make_state, specs),

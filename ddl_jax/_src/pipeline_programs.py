@@ -508,11 +508,123 @@ def synchronous_step(
     for kinds, rows in phases(plan):
         carry = run_phase(carry, kinds, rows)
     _, _, s, grads, loss, _ = carry
+    return _updated(cfg, state, p, s, grads, loss)
+
+
+def _updated(
+    cfg: PipelineConfig,
+    state: PipelineState,
+    p: jax.Array,
+    s: jax.Array,
+    grads: jax.Array,
+    loss: jax.Array,
+) -> tuple[PipelineState, Metrics]:
+    """The end of a GPipe / 1F1B step: the stage's update with the step's gradient sum."""
     reducer_state = _local(state.reducer_state, 2)
     p, opt_state, reducer_state = cfg.update(p, _local(state.opt_state, 1), reducer_state, grads)
     model = merged_model(cfg, state.model, s)
     new = PipelineState(p[None], _unlocal(opt_state, 1), _unlocal(reducer_state, 2), model)
     return new, {"loss": lax.pmean(lax.psum(loss, STAGE), DATA)}
+
+
+def _advanced(order: jax.Array, y: jax.Array) -> jax.Array:
+    """The ordering token, made to depend on ``y``: it adds 1 where an entry of ``y`` is
+    unequal to itself, which it never is; XLA cannot know that."""
+    v = y.reshape(-1)[0]
+    return order + (v != v).astype(order.dtype)
+
+
+def _tied(order: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` with 0 times the token added to its first entry: what reads it waits for the
+    token. XLA keeps the addition (0 times a float is not 0 for inf or NaN), so even a
+    constant ``x`` (a stage that sends or sums nothing) waits."""
+    flat = x.reshape(-1)
+    return flat.at[0].add(order.astype(x.dtype) * 0).reshape(x.shape)
+
+
+def stage_step(
+    cfg: PipelineConfig,
+    plan: Schedule,
+    fns: Stages,
+    state: PipelineState,
+    batch: Any,
+    stage: int,
+) -> tuple[PipelineState, Metrics]:
+    """:func:`synchronous_step` on a device of stage ``stage`` only: the program of a
+    process whose devices all belong to that stage (one stage per process or host).
+
+    The same ticks, messages and arithmetic, with this stage's work called directly: no
+    switch over the stages, no zero outputs for the branches to agree, no conditionals,
+    and each stage's gradient summed as it is computed. Each process compiles its own
+    stage's program; the processes meet only in the messages, which run in the schedule's
+    order in every program: each message reads the ordering token, which reads what the
+    previous one received, and each tick's inputs wait for the token (XLA:CPU orders its
+    operations by their data, not by the program's text).
+    """
+    k_, m_ = cfg.k, cfg.m
+    slots, inbox_slots = peak_stash(plan), max(gradient_wait(plan), 1)
+    both = (DATA, STAGE)
+    k = lax.axis_index(STAGE)
+    p = state.params[0]
+    p_var = vary(p, (DATA,))
+    key = worker_key(state.model, lax.axis_index(DATA))
+    micro = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
+    acts, inbox, s, loss, order = vary(
+        (
+            jnp.zeros((slots, fns.width), fns.dtype),
+            jnp.zeros((inbox_slots, fns.width), fns.dtype),
+            local_model_state(cfg, state.model),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.int32),
+        ),
+        both,
+    )
+    grads = None
+    for kinds, rows in phases(plan):
+        for g in range(len(rows["branch"])):
+            outs = []
+            for j, (fwd, _) in enumerate(kinds):
+                branch, m = int(rows["branch"][g, j, stage]), int(rows["micro"][g, j, stage])
+                out = {}
+                if branch:
+                    x_buf, ct, mb = jax.tree.map(
+                        lambda x, o=order: _tied(o, x),
+                        (acts[m % slots], inbox[m % inbox_slots], _index(micro, m)),
+                    )
+                    key_m = stage_key(cfg, key, k, m)
+                    if fwd and branch <= k_:
+                        out["act"], s = fns.forward[branch - 1](p_var, s, x_buf, mb, key_m)
+                        order = _advanced(order, out["act"])
+                    else:
+                        i = branch - 1 - (k_ if fwd else 0)
+                        grad_p, out["grad_x"], loss_m, new = fns.backward[i](
+                            p_var, s, x_buf, ct, mb, key_m, 1 / m_
+                        )
+                        s = new if i == k_ - 1 else s
+                        grads = grad_p if grads is None else grads + grad_p
+                        loss = loss + loss_m.astype(jnp.float32) / m_
+                        order = _advanced(_advanced(order, out["grad_x"]), grads)
+                outs.append(out)
+            for name, flag, arrives, buffer_slots, direction in (
+                ("act", "any_act", "recv_act", slots, 1),
+                ("grad_x", "any_grad", "recv_grad", inbox_slots, -1),
+            ):
+                ticks = np.flatnonzero(rows[flag][g, :, 0]).tolist() if k_ > 1 else []
+                if not ticks:
+                    continue
+                zero = jnp.zeros((fns.width,), fns.dtype)
+                message = vary(jnp.stack([outs[j].get(name, zero) for j in ticks]), both)
+                got = _shift(_tied(order, message), k_, direction)
+                order = _advanced(order, got)
+                for i, j in enumerate(ticks):
+                    if (m := int(rows[arrives][g, j, stage])) >= 0:
+                        if name == "act":
+                            acts = acts.at[m % buffer_slots].set(got[i])
+                        else:
+                            inbox = inbox.at[m % buffer_slots].set(got[i])
+    grads = jnp.zeros_like(p_var) if grads is None else grads
+    # The stage axis' sum of the loss follows every message on every process.
+    return _updated(cfg, state, p, s, grads, _tied(order, loss))
 
 
 def ddg_step(
