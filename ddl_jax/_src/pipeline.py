@@ -11,7 +11,9 @@ stacked over ``stage`` like the parameters.
 
 :func:`pipeline` checks its arguments once into a ``PipelineConfig`` (:func:`_setup`) and
 hands it to one of two builders on the kit: :func:`_exact_pipeline` (GPipe, 1F1B) and
-:func:`_ddg_pipeline`; their per-device programs are in ``pipeline_programs``.
+:func:`_ddg_pipeline`; their per-device programs are in ``pipeline_programs``. A process
+whose devices all belong to one stage runs GPipe and 1F1B as that stage's program alone
+(:func:`process_stage`).
 """
 
 from __future__ import annotations
@@ -349,6 +351,12 @@ def pipeline(
     (the tick stage 0 forwards it) as the step: ``fold_in(fold_in(fold_in(key, j), w), k)``.
     ``key`` and ``t`` live in ``state.model``: a resumed run draws the masks an uninterrupted one
     would.
+
+    Where each process holds devices of one stage only (CPU devices, one stage per process or
+    host, as ``ddl-jax launch`` runs them when the mesh puts each process's devices on one
+    position of ``stage``), each process compiles GPipe's or 1F1B's step for its own stage alone;
+    a process that holds several stages runs one program with a switch over them. Both train
+    alike; the first is faster (``docs/figures.md``, Pipelines).
 
     What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each stage
     one flat vector, its leaves concatenated in tree order, cast to one dtype and zero-padded to
