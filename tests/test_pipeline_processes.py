@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import child_env
 
+import ddl_jax as ddl
 from ddl_jax._src.pipeline import process_stage
 
 # Shared by the launched processes and this one: the model, its data, its loss.
@@ -48,6 +50,26 @@ MODEL = textwrap.dedent(
                   Block([8, 5], last=True, rngs=nnx.Rngs(1))]
         return ddl.pipeline_stages(blocks)
 
+    class NormBlock(nnx.Module):
+        # Dense, batch norm, ReLU, dropout: a stage with model state and randomness.
+
+        def __init__(self, a, b, *, rngs):
+            self.linear = nnx.Linear(a, b, rngs=rngs)
+            self.norm = nnx.BatchNorm(b, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, x):
+            x = x["x"] if isinstance(x, dict) else x
+            return self.drop(nnx.relu(self.norm(self.linear(x))))
+
+    def split_norm_model():
+        blocks = [NormBlock(12, 8, rngs=nnx.Rngs(0, dropout=7)),
+                  NormBlock(8, 5, rngs=nnx.Rngs(1, dropout=7))]
+        return ddl.pipeline_stages(blocks)
+
+    RUNS = {"gpipe": ("gpipe", split_model), "1f1b": ("1f1b", split_model),
+            "1f1b_norm": ("1f1b", split_norm_model)}
+
     def xent(logits, batch):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
@@ -72,7 +94,6 @@ WORKER = (
     + MODEL
     + textwrap.dedent(
         """
-    stages, params = split_model()
     by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
     # Row-major (data, stage): stage s is process s's devices.
     devices = [d for row in zip(*by_process) for d in row]
@@ -84,18 +105,19 @@ WORKER = (
         for b in make_batches()
     ]
     out = {}
-    for schedule in ("gpipe", "1f1b"):
+    for name, (schedule, split) in RUNS.items():
+        stages, params = split()
         strategy = ddl.pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=4,
                                 schedule=schedule)
         step = jax.jit(strategy.step)
         state = strategy.init(params)
         text = step.lower(state, batches[0]).compile().as_text()
-        print(schedule, "stage", process_stage(mesh), "conditionals", text.count("conditional("))
+        print(name, "stage", process_stage(mesh), "conditionals", text.count("conditional("))
         for batch in batches:
             state, metrics = step(state, batch)
         leaves = jax.tree.leaves(jax.device_get(strategy.params(state)))
-        out |= {f"{schedule}_{i}": leaf for i, leaf in enumerate(leaves)}
-        out[f"{schedule}_loss"] = jax.device_get(metrics["loss"])
+        out |= {f"{name}_{i}": leaf for i, leaf in enumerate(leaves)}
+        out[f"{name}_loss"] = jax.device_get(metrics["loss"])
     if jax.process_index() == 0:
         np.savez(sys.argv[1], **out)
     """
@@ -107,7 +129,10 @@ def test_one_process_holds_every_stage_so_its_step_switches_over_them():
     assert process_stage(jax.make_mesh((4, 2), ("data", "stage"))) is None
 
 
-def test_stages_in_two_processes_run_their_own_programs_and_train_like_one_device(tmp_path):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The worker's stdout and saved arrays: 2 processes x 2 devices, one stage each."""
+    tmp_path = tmp_path_factory.mktemp("stages")
     script, out = tmp_path / "worker.py", tmp_path / "params.npz"
     script.write_text(WORKER)
     launcher = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
@@ -119,16 +144,32 @@ def test_stages_in_two_processes_run_their_own_programs_and_train_like_one_devic
         text=True,
         timeout=240,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    for rank in (0, 1):
-        for schedule in ("gpipe", "1f1b"):
-            assert f"[rank {rank}] {schedule} stage {rank} conditionals 0" in proc.stdout, log
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with np.load(out) as arrays:
+        return proc.stdout, dict(arrays)
 
+
+def model():
     namespace = {}
     exec(MODEL, namespace)  # the launched processes' model, built here too
+    return namespace
+
+
+def saved(arrays, name, count):
+    return [arrays[f"{name}_{i}"] for i in range(count)], arrays[f"{name}_loss"]
+
+
+def test_each_process_compiles_its_own_stage_without_a_switch(launched):
+    stdout, _ = launched
+    for rank in (0, 1):
+        for name in model()["RUNS"]:
+            assert f"[rank {rank}] {name} stage {rank} conditionals 0" in stdout, stdout
+
+
+def test_gpipe_and_1f1b_train_like_one_device_on_the_whole_batch(launched):
+    _, arrays = launched
+    namespace = model()
     stages, params = namespace["split_model"]()
-    batches = namespace["make_batches"]()
 
     def loss(params, batch):
         x = batch
@@ -138,12 +179,31 @@ def test_stages_in_two_processes_run_their_own_programs_and_train_like_one_devic
 
     optimizer = optax.sgd(0.1)
     expected, opt_state = jax.tree.map(jnp.asarray, params), optimizer.init(params)
-    for batch in batches:
+    for batch in namespace["make_batches"]():
         last_loss = loss(expected, batch)
         updates, opt_state = optimizer.update(jax.grad(loss)(expected, batch), opt_state, expected)
         expected = optax.apply_updates(expected, updates)
-    with np.load(out) as got:
-        for schedule in ("gpipe", "1f1b"):
-            leaves = [got[f"{schedule}_{i}"] for i in range(len(jax.tree.leaves(expected)))]
-            chex.assert_trees_all_close(leaves, jax.tree.leaves(expected), atol=1e-5, rtol=0)
-            np.testing.assert_allclose(got[f"{schedule}_loss"], last_loss, rtol=1e-5)
+    expected = jax.tree.leaves(expected)
+    for name in ("gpipe", "1f1b"):
+        leaves, last = saved(arrays, name, len(expected))
+        chex.assert_trees_all_close(leaves, expected, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(last, last_loss, rtol=1e-5)
+
+
+def test_batch_norm_and_dropout_stages_train_as_the_program_with_a_switch(launched):
+    """The reference: the same pipeline in this process, which holds both stages (the
+    switch program, itself tested against a loop over micro-batches in test_pipeline)."""
+    _, arrays = launched
+    namespace = model()
+    stages, params = namespace["split_norm_model"]()
+    mesh = ddl.make_mesh(data=2, stage=2)
+    strategy = ddl.pipeline(
+        stages, namespace["xent"], optax.sgd(0.1), mesh, microbatches=4, schedule="1f1b"
+    )
+    step, state = jax.jit(strategy.step), strategy.init(params)
+    for batch in namespace["make_batches"]():
+        state, metrics = step(state, batch)
+    expected = jax.tree.leaves(strategy.params(state))
+    leaves, last = saved(arrays, "1f1b_norm", len(expected))
+    chex.assert_trees_all_close(leaves, expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(last, metrics["loss"], rtol=1e-5)
