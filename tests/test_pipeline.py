@@ -24,6 +24,7 @@ from conftest import (
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+from pipeline_models import Block, xent
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
@@ -42,22 +43,6 @@ from ddl_jax.schedules import (
 WIDTHS = {1: [12, 16, 5], 2: [12, 16, 8, 5], 4: [12, 16, 8, 16, 5]}
 
 
-class Block(nnx.Module):
-    """Dense layers; ReLU after each but the model's last."""
-
-    def __init__(self, sizes, *, last: bool, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
-        self.last = last
-
-    def __call__(self, x):
-        x = x["x"] if isinstance(x, dict) else x
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if not (self.last and i == len(self.layers) - 1):
-                x = nnx.relu(x)
-        return x
-
-
 def split_mlp(k: int, widths=None, seed: int = 0):
     """An MLP cut into K stages: ``(stages, params)``; stage 0 gets the micro-batch dict."""
     widths = widths or WIDTHS[k]
@@ -69,10 +54,6 @@ def split_mlp(k: int, widths=None, seed: int = 0):
         for i, (a, b) in enumerate(itertools.pairwise(cuts))
     ]
     return pipeline_stages(modules)
-
-
-def xent(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def full_loss(stages):

@@ -6,6 +6,7 @@ out so that each process holds one stage's two data workers; GPipe and 1F1B then
 batch.
 """
 
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,85 +16,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pipeline_models
 import pytest
 from conftest import child_env
 
 import ddl_jax as ddl
 from ddl_jax._src.pipeline import process_stage
 
-# Shared by the launched processes and this one: the model, its data, its loss.
-MODEL = textwrap.dedent(
-    """
-    import itertools
-    import numpy as np, optax
-    from flax import nnx
-    import ddl_jax as ddl
-
-    class Block(nnx.Module):
-        def __init__(self, sizes, *, last, rngs):
-            self.layers = nnx.List(
-                [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)]
-            )
-            self.last = last
-
-        def __call__(self, x):
-            x = x["x"] if isinstance(x, dict) else x
-            for i, layer in enumerate(self.layers):
-                x = layer(x)
-                if not (self.last and i == len(self.layers) - 1):
-                    x = nnx.relu(x)
-            return x
-
-    def split_model():
-        # Unequal stages: parameter vectors and activations are padded to the largest.
-        blocks = [Block([12, 16, 8], last=False, rngs=nnx.Rngs(0)),
-                  Block([8, 5], last=True, rngs=nnx.Rngs(1))]
-        return ddl.pipeline_stages(blocks)
-
-    class NormBlock(nnx.Module):
-        # Dense, batch norm, ReLU, dropout: a stage with model state and randomness.
-
-        def __init__(self, a, b, *, rngs):
-            self.linear = nnx.Linear(a, b, rngs=rngs)
-            self.norm = nnx.BatchNorm(b, rngs=rngs)
-            self.drop = nnx.Dropout(0.3, rngs=rngs)
-
-        def __call__(self, x):
-            x = x["x"] if isinstance(x, dict) else x
-            return self.drop(nnx.relu(self.norm(self.linear(x))))
-
-    def split_norm_model():
-        blocks = [NormBlock(12, 8, rngs=nnx.Rngs(0, dropout=7)),
-                  NormBlock(8, 5, rngs=nnx.Rngs(1, dropout=7))]
-        return ddl.pipeline_stages(blocks)
-
-    RUNS = {"gpipe": ("gpipe", split_model), "1f1b": ("1f1b", split_model),
-            "1f1b_norm": ("1f1b", split_norm_model)}
-
-    def xent(logits, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    def make_batches():
-        rng = np.random.default_rng(0)
-        return [{"x": rng.normal(size=(16, 12)).astype(np.float32),
-                 "y": rng.integers(0, 5, size=16).astype(np.int32)} for _ in range(3)]
-    """
-)
-
-WORKER = (
-    textwrap.dedent(
-        """
+WORKER = textwrap.dedent(
+    f"""
     import sys
+    sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
     from ddl_jax._src import launch
     launch.initialize()
     import jax
+    import numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
+    import ddl_jax as ddl
     from ddl_jax._src.pipeline import process_stage
+    from pipeline_models import RUNS, make_batches, xent
     """
-    )
-    + MODEL
-    + textwrap.dedent(
-        """
+) + textwrap.dedent(
+    """
     by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
     # Row-major (data, stage): stage s is process s's devices.
     devices = [d for row in zip(*by_process) for d in row]
@@ -121,7 +65,6 @@ WORKER = (
     if jax.process_index() == 0:
         np.savez(sys.argv[1], **out)
     """
-    )
 )
 
 
@@ -149,12 +92,6 @@ def launched(tmp_path_factory):
         return proc.stdout, dict(arrays)
 
 
-def model():
-    namespace = {}
-    exec(MODEL, namespace)  # the launched processes' model, built here too
-    return namespace
-
-
 def saved(arrays, name, count):
     return [arrays[f"{name}_{i}"] for i in range(count)], arrays[f"{name}_loss"]
 
@@ -162,24 +99,23 @@ def saved(arrays, name, count):
 def test_each_process_compiles_its_own_stage_without_a_switch(launched):
     stdout, _ = launched
     for rank in (0, 1):
-        for name in model()["RUNS"]:
+        for name in pipeline_models.RUNS:
             assert f"[rank {rank}] {name} stage {rank} conditionals 0" in stdout, stdout
 
 
 def test_gpipe_and_1f1b_train_like_one_device_on_the_whole_batch(launched):
     _, arrays = launched
-    namespace = model()
-    stages, params = namespace["split_model"]()
+    stages, params = pipeline_models.split_model()
 
     def loss(params, batch):
         x = batch
         for (apply, _), p in zip(stages, params, strict=True):
             x = apply(p, x)
-        return namespace["xent"](x, batch)
+        return pipeline_models.xent(x, batch)
 
     optimizer = optax.sgd(0.1)
     expected, opt_state = jax.tree.map(jnp.asarray, params), optimizer.init(params)
-    for batch in namespace["make_batches"]():
+    for batch in pipeline_models.make_batches():
         last_loss = loss(expected, batch)
         updates, opt_state = optimizer.update(jax.grad(loss)(expected, batch), opt_state, expected)
         expected = optax.apply_updates(expected, updates)
@@ -194,14 +130,13 @@ def test_batch_norm_and_dropout_stages_train_as_the_program_with_a_switch(launch
     """The reference: the same pipeline in this process, which holds both stages (the
     switch program, itself tested against a loop over micro-batches in test_pipeline)."""
     _, arrays = launched
-    namespace = model()
-    stages, params = namespace["split_norm_model"]()
+    stages, params = pipeline_models.split_norm_model()
     mesh = ddl.make_mesh(data=2, stage=2)
     strategy = ddl.pipeline(
-        stages, namespace["xent"], optax.sgd(0.1), mesh, microbatches=4, schedule="1f1b"
+        stages, pipeline_models.xent, optax.sgd(0.1), mesh, microbatches=4, schedule="1f1b"
     )
     step, state = jax.jit(strategy.step), strategy.init(params)
-    for batch in namespace["make_batches"]():
+    for batch in pipeline_models.make_batches():
         state, metrics = step(state, batch)
     expected = jax.tree.leaves(strategy.params(state))
     leaves, last = saved(arrays, "1f1b_norm", len(expected))
