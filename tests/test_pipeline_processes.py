@@ -53,9 +53,9 @@ WORKER = textwrap.dedent(
         stages, params = split()
         strategy = ddl.pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=4,
                                 schedule=schedule)
-        step = jax.jit(strategy.step)
         state = strategy.init(params)
-        text = step.lower(state, batches[0]).compile().as_text()
+        step = jax.jit(strategy.step).lower(state, batches[0]).compile()  # the program run
+        text = step.as_text()
         print(name, "stage", process_stage(mesh), "conditionals", text.count("conditional("))
         for batch in batches:
             state, metrics = step(state, batch)
