@@ -1,7 +1,7 @@
 """A pipeline whose stages live in different processes: each compiles its stage's program.
 
-Two processes x 2 CPU devices over gloo (``ddl-jax launch``), a ``data=2, stage=2`` mesh laid
-out so that each process holds one stage's two data workers; GPipe and 1F1B then run
+Two processes x 2 CPU devices over gloo (``ddl-jax launch``), a ``data=2, stage=2`` mesh
+(``ddl.make_mesh`` gives each process one stage's two data workers); GPipe and 1F1B then run
 ``stage_step`` (no switch over the stages) and must train as one device does on the whole
 batch.
 """
@@ -38,10 +38,7 @@ WORKER = textwrap.dedent(
     """
 ) + textwrap.dedent(
     """
-    by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
-    # Row-major (data, stage): stage s is process s's devices.
-    devices = [d for row in zip(*by_process) for d in row]
-    mesh = ddl.make_mesh(data=2, stage=2, devices=devices)
+    mesh = ddl.make_mesh(data=2, stage=2)  # across processes: one stage each
     sharding = NamedSharding(mesh, P("data"))
     batches = [
         {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from ddl_jax._src.strategy import AXIS_NAMES, check_int
@@ -52,7 +53,11 @@ def make_mesh(
       stage: size of the pipeline axis (omitted from the mesh when 1).
       model: size of the tensor-parallel axis (omitted from the mesh when 1).
       devices: devices to use (default ``jax.devices()``); the first
-        ``data * stage * model`` of them form the mesh.
+        ``data * stage * model`` of them form the mesh, in this order along ``data, stage,
+        model``. By default, with several processes and ``stage`` > 1, a process's devices
+        fill one stage before the next: pipeline messages cross processes, collectives over
+        ``data`` and ``model`` stay within one, and a process holding one stage compiles
+        that stage's program alone (``ddl.pipeline``).
 
     Returns:
       A ``jax.sharding.Mesh`` with axes in the order ``data, stage, model``.
@@ -64,6 +69,7 @@ def make_mesh(
       >>> dict(ddl.make_mesh(stage=2).shape)  # data takes the devices left: 8 / 2
       {'data': 4, 'stage': 2}
     """
+    by_process = devices is None and stage > 1 and jax.process_count() > 1
     devices = list(jax.devices() if devices is None else devices)
     stage = check_int("make_mesh: stage", stage, minimum=1)
     model = check_int("make_mesh: model", model, minimum=1)
@@ -83,5 +89,9 @@ def make_mesh(
             f"make_mesh: data={data} x stage={stage} x model={model} needs {needed} devices, "
             f"only {len(devices)} available (ddl.simulate_cpu_devices(n) makes more on CPU)."
         )
+    devices = devices[:needed]
+    if by_process:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        devices = list(np.array(ordered).reshape(stage, data, model).transpose(1, 0, 2).flat)
     names = tuple(a for a in AXIS_NAMES if a == "data" or sizes[a] > 1)
-    return jax.make_mesh(tuple(sizes[a] for a in names), names, devices=devices[:needed])
+    return jax.make_mesh(tuple(sizes[a] for a in names), names, devices=devices)
