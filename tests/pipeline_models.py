@@ -3,6 +3,8 @@ devices): by ``test_pipeline`` and by the processes ``test_pipeline_processes`` 
 
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -67,6 +69,27 @@ RUNS = {
 
 def xent(logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def full_loss(stages):
+    """The unsplit model's loss: the stages composed on one device."""
+
+    def loss(params, batch):
+        x = batch
+        for (apply, _), p in zip(stages, params, strict=True):
+            x = apply(p, x)
+        return xent(x, batch)
+
+    return loss
+
+
+def reference(loss_fn, optimizer, params, batches):
+    params = jax.tree.map(jnp.asarray, params)
+    opt_state = optimizer.init(params)
+    for batch in batches:
+        updates, opt_state = optimizer.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
 
 
 def make_batches():

@@ -24,7 +24,7 @@ from conftest import (
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from pipeline_models import Block, xent
+from pipeline_models import Block, full_loss, reference, xent
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
@@ -54,27 +54,6 @@ def split_mlp(k: int, widths=None, seed: int = 0):
         for i, (a, b) in enumerate(itertools.pairwise(cuts))
     ]
     return pipeline_stages(modules)
-
-
-def full_loss(stages):
-    """The unsplit model's loss: the stages composed on one device."""
-
-    def loss(params, batch):
-        x = batch
-        for (apply, _), p in zip(stages, params, strict=True):
-            x = apply(p, x)
-        return xent(x, batch)
-
-    return loss
-
-
-def reference(loss_fn, optimizer, params, batches):
-    params = jax.tree.map(jnp.asarray, params)
-    opt_state = optimizer.init(params)
-    for batch in batches:
-        updates, opt_state = optimizer.update(jax.grad(loss_fn)(params, batch), opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
 
 
 def train(strategy, params, batches):

@@ -352,12 +352,6 @@ def pipeline(
     ``key`` and ``t`` live in ``state.model``: a resumed run draws the masks an uninterrupted one
     would.
 
-    Where each process holds devices of one stage only (CPU devices, one stage per process or
-    host: ``ddl.make_mesh`` lays out a multi-process mesh with ``stage`` > 1 so), each process
-    compiles GPipe's or 1F1B's step for its own stage alone; a process that holds several stages
-    runs one program with a switch over them. Both train alike; the first is faster
-    (``docs/figures.md``, Pipelines).
-
     What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each stage
     one flat vector, its leaves concatenated in tree order, cast to one dtype and zero-padded to
     the largest stage's size; each stage has its own optimizer and reducer state. Transforms that
