@@ -24,7 +24,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ddl_jax._src.compare_workloads import make_workload  # noqa: E402
+from ddl_jax.compare.workloads import make_workload  # noqa: E402
 
 workload = make_workload("text-gpt", seed=0, devices=2 * config["windows"] // 8)
 mesh = ddl.make_mesh(data=2)

@@ -206,7 +206,7 @@ def run_dots() -> None:
         jax.block_until_ready(out)
         return (time.perf_counter() - start) / n * 1e3
 
-    from ddl_jax._src.cpu_products import transposed_weight_gradients  # as ddl on one core
+    from ddl_jax._src.xla_cpu.products import transposed_weight_gradients  # as ddl on one core
 
     # JAX's products as autodiff emits them; PyTorch's as its autograd computes them.
     products = {

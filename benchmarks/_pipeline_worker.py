@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 
 import ddl_jax as ddl
-from ddl_jax._src import cpu_products
+from ddl_jax._src.xla_cpu import products as cpu_products
 
 # Appended, not prepended: the benchmarks' script names must not shadow real modules.
 sys.path.append(str(Path(__file__).parent))
@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ddl_jax._src import pipeline as pipeline_module  # noqa: E402
+from ddl_jax._src.strategies.pipeline import builder as pipeline_module  # noqa: E402
 
 
 class Stage(nnx.Module):

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from ddl_jax._src.compare_workloads import make_workload  # noqa: E402
+from ddl_jax.compare.workloads import make_workload  # noqa: E402
 
 DEVICES = 8
 

@@ -31,7 +31,7 @@ ddl.simulate_cpu_devices(8)
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from ddl_jax._src.compare_workloads import make_workload  # noqa: E402
+from ddl_jax.compare.workloads import make_workload  # noqa: E402
 
 PERIOD = 16
 OUTER = {

@@ -13,24 +13,15 @@ from ddl_jax import (
     schedules,
     sim,
 )
-from ddl_jax._src.adasum import adasum
-from ddl_jax._src.async_sgd import AsyncSGDState, async_sgd
-from ddl_jax._src.comm import CommStats, comm_stats
-from ddl_jax._src.data_parallel import DataParallelState, data_parallel
-from ddl_jax._src.delayed_nesterov import delayed_nesterov
-from ddl_jax._src.fit import fit, guard_nonfinite
-from ddl_jax._src.fsdp import FSDPState, fsdp
-from ddl_jax._src.gossip import GossipState, gossip, mixing_matrix
-from ddl_jax._src.local_sgd import LocalSGDState, local_sgd
-from ddl_jax._src.mesh import make_mesh, simulate_cpu_devices
-from ddl_jax._src.model_loss import ModelLoss, ModelVars
-from ddl_jax._src.noloco import NoLoCoState, noloco
-from ddl_jax._src.pipeline import pipeline
-from ddl_jax._src.pipeline_programs import DDGState, PipelineState
-from ddl_jax._src.pipeline_stages import pipeline_stages
-from ddl_jax._src.precision import mixed_precision
-from ddl_jax._src.reducers import allreduce_mean, chain
-from ddl_jax._src.staleness import (
+from ddl_jax._src.core.mesh import make_mesh, simulate_cpu_devices
+from ddl_jax._src.core.model_loss import ModelLoss, ModelVars
+from ddl_jax._src.core.strategy import Strategy
+from ddl_jax._src.measure.comm import CommStats, comm_stats
+from ddl_jax._src.reduce.adasum import adasum
+from ddl_jax._src.reduce.allreduce import allreduce_mean, chain
+from ddl_jax._src.strategies.asynchronous.delayed_nesterov import delayed_nesterov
+from ddl_jax._src.strategies.asynchronous.sgd import AsyncSGDState, async_sgd
+from ddl_jax._src.strategies.asynchronous.staleness import (
     ComputeTime,
     async_local,
     churn,
@@ -40,9 +31,18 @@ from ddl_jax._src.staleness import (
     softsync,
     ssp,
 )
-from ddl_jax._src.strategy import Strategy
-from ddl_jax._src.streaming_diloco import StreamingDiLoCoState, streaming_diloco
-from ddl_jax._src.tensor_parallel import TensorParallelState, tensor_parallel
+from ddl_jax._src.strategies.data_parallel import DataParallelState, data_parallel
+from ddl_jax._src.strategies.fsdp import FSDPState, fsdp
+from ddl_jax._src.strategies.gossip import GossipState, gossip, mixing_matrix
+from ddl_jax._src.strategies.local_sgd import LocalSGDState, local_sgd
+from ddl_jax._src.strategies.noloco import NoLoCoState, noloco
+from ddl_jax._src.strategies.pipeline.builder import pipeline
+from ddl_jax._src.strategies.pipeline.programs import DDGState, PipelineState
+from ddl_jax._src.strategies.pipeline.stages import pipeline_stages
+from ddl_jax._src.strategies.streaming_diloco import StreamingDiLoCoState, streaming_diloco
+from ddl_jax._src.strategies.tensor_parallel import TensorParallelState, tensor_parallel
+from ddl_jax._src.train.fit import fit, guard_nonfinite
+from ddl_jax._src.train.precision import mixed_precision
 
 __version__ = "0.1.0"
 

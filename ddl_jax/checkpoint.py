@@ -1,7 +1,7 @@
 """Whole-strategy checkpoints: asynchronous orbax saves, the last k kept, safe resume, and
 the trained variables read back without the strategy."""
 
-from ddl_jax._src.checkpoint import (
+from ddl_jax._src.train.checkpoint import (
     check_compatible,
     checkpoint_manager,
     export,

@@ -1,10 +1,10 @@
 """Gradient compression as reducers: pass one as ``reducer=`` to a strategy (the
 ``scatter_*`` ones to ``ddl.fsdp``, which reduce-scatters)."""
 
-from ddl_jax._src.compression import CastState, QSGDState, SignState, cast, qsgd, sign
-from ddl_jax._src.compression_lowrank import PowerSGDState, power_sgd
-from ddl_jax._src.compression_outer import DeMoState, SparseLoCoState, demo, sparse_loco
-from ddl_jax._src.compression_scatter import (
+from ddl_jax._src.reduce.lowrank import PowerSGDState, power_sgd
+from ddl_jax._src.reduce.outer import DeMoState, SparseLoCoState, demo, sparse_loco
+from ddl_jax._src.reduce.quantise import CastState, QSGDState, SignState, cast, qsgd, sign
+from ddl_jax._src.reduce.scatter import (
     ScatterReducer,
     ScatterState,
     ScatterTopKState,
@@ -12,8 +12,8 @@ from ddl_jax._src.compression_scatter import (
     scatter_qsgd,
     scatter_top_k,
 )
-from ddl_jax._src.compression_sparse import ThresholdState, TopKState, threshold, top_k
-from ddl_jax._src.compression_wire import reducer_metrics
+from ddl_jax._src.reduce.sparse import ThresholdState, TopKState, threshold, top_k
+from ddl_jax._src.reduce.wire import reducer_metrics
 
 __all__ = [
     "CastState",

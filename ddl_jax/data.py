@@ -1,6 +1,6 @@
 """Bundled real data and global-batch iterators."""
 
-from ddl_jax._src.data import (
+from ddl_jax._src.data.datasets import (
     TEXT_TRAIN_FILES,
     TEXT_VALIDATION_FILES,
     Dataset,
@@ -9,7 +9,7 @@ from ddl_jax._src.data import (
     lm_batches,
     text,
 )
-from ddl_jax._src.non_iid import dirichlet_shares, non_iid_batches
+from ddl_jax._src.data.non_iid import dirichlet_shares, non_iid_batches
 
 __all__ = [
     "TEXT_TRAIN_FILES",

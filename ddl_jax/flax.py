@@ -1,5 +1,5 @@
 """Flax adapters: NNX and Linen modules to ``loss_fn(params, batch)`` and back."""
 
-from ddl_jax._src.flax_bridge import loss_from_module, split, update_module
+from ddl_jax._src.core.flax_bridge import loss_from_module, split, update_module
 
 __all__ = ["loss_from_module", "split", "update_module"]

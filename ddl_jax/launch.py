@@ -3,6 +3,6 @@
 Run a script on N local processes with ``ddl-jax launch -n N -- python script.py``.
 """
 
-from ddl_jax._src.launch import global_batch, initialize, process_batches, process_rows
+from ddl_jax._src.train.launch import global_batch, initialize, process_batches, process_rows
 
 __all__ = ["global_batch", "initialize", "process_batches", "process_rows"]

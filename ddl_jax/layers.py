@@ -1,6 +1,6 @@
 """Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX."""
 
-from ddl_jax._src.layers import (
+from ddl_jax._src.models.layers import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,

@@ -2,7 +2,7 @@
 its activation memory and its lock-step time under given stage costs, readable without
 running anything."""
 
-from ddl_jax._src.pipeline_schedules import (
+from ddl_jax._src.strategies.pipeline.schedules import (
     Schedule,
     idle_fraction,
     lockstep_time,

@@ -36,7 +36,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddl_jax._src import reducers  # noqa: E402
+from ddl_jax._src.reduce import allreduce as reducers  # noqa: E402
 
 
 def child_env() -> dict[str, str]:

@@ -9,10 +9,10 @@ import pytest
 from conftest import make_batches, train_steps, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src import async_events as ev
-from ddl_jax._src.async_sgd import async_sgd
-from ddl_jax._src.delayed_nesterov import delayed_nesterov
-from ddl_jax._src.staleness import (
+from ddl_jax._src.strategies.asynchronous import events as ev
+from ddl_jax._src.strategies.asynchronous.delayed_nesterov import delayed_nesterov
+from ddl_jax._src.strategies.asynchronous.sgd import async_sgd
+from ddl_jax._src.strategies.asynchronous.staleness import (
     AsyncLocal,
     as_protocol,
     async_local,

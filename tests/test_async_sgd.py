@@ -15,9 +15,9 @@ from hypothesis import example, given, settings
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import async_events as ev
-from ddl_jax._src.async_sgd import async_sgd
-from ddl_jax._src.staleness import (
+from ddl_jax._src.strategies.asynchronous import events as ev
+from ddl_jax._src.strategies.asynchronous.sgd import async_sgd
+from ddl_jax._src.strategies.asynchronous.staleness import (
     SSP,
     Downpour,
     SoftSync,

@@ -15,8 +15,8 @@ from conftest import make_batches, mlp_loss
 from flax import nnx
 
 import ddl_jax as ddl
-from ddl_jax._src import checkpoint
-from ddl_jax._src.fit import fit
+from ddl_jax._src.train import checkpoint
+from ddl_jax._src.train.fit import fit
 
 # One model and one strategy object per (name, workers) for the whole module, so that fit's
 # jitted step compiles once per strategy rather than once per test.

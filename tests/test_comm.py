@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src.comm import collectives, shape_bytes
+from ddl_jax._src.measure.comm import collectives, shape_bytes
 
 ADD = """
 %add (x: f32[], y: f32[]) -> f32[] {

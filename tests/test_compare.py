@@ -6,9 +6,9 @@ import json
 import jax
 import pytest
 
-from ddl_jax._src import cli
-from ddl_jax._src.compare_config import make_config
-from ddl_jax._src.compare_specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
+from ddl_jax import cli
+from ddl_jax.compare.config import make_config
+from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
 
 # JAX's backend starts here, with conftest's 8 CPU devices, so that `compare` cannot
 # change the device count of this test process.

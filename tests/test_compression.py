@@ -12,13 +12,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import compression_wire as wire
-from ddl_jax._src import kit
-from ddl_jax._src.comm import collectives
-from ddl_jax._src.compression import _dequantise, _quantise, cast, qsgd, sign
-from ddl_jax._src.compression_lowrank import _power_sgd, power_sgd
-from ddl_jax._src.compression_sparse import threshold, top_k
-from ddl_jax._src.reducers import PermuteReducer, checks_vma
+from ddl_jax._src.core import kit
+from ddl_jax._src.measure.comm import collectives
+from ddl_jax._src.reduce import wire
+from ddl_jax._src.reduce.allreduce import PermuteReducer, checks_vma
+from ddl_jax._src.reduce.lowrank import _power_sgd, power_sgd
+from ddl_jax._src.reduce.quantise import _dequantise, _quantise, cast, qsgd, sign
+from ddl_jax._src.reduce.sparse import threshold, top_k
 
 SHAPES = {"w": (6, 20), "b": (13,)}  # a matrix and a vector; neither divides by 8 x workers
 

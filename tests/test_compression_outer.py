@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import kit
-from ddl_jax._src.comm import collectives
-from ddl_jax._src.compression_outer import demo, sparse_loco
+from ddl_jax._src.core import kit
+from ddl_jax._src.measure.comm import collectives
+from ddl_jax._src.reduce.outer import demo, sparse_loco
 
 SHAPE = (7, 19)  # 133 entries: chunks of 32 or 16 leave a short, padded last chunk
 

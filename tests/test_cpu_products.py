@@ -15,8 +15,8 @@ from flax import nnx
 from jax import lax
 
 import ddl_jax as ddl
-from ddl_jax._src import cpu_products
-from ddl_jax._src.cpu_products import transposed_weight_gradients
+from ddl_jax._src.xla_cpu import products as cpu_products
+from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 
 LEADING = re.compile(r" dot\([^)]*\), lhs_contracting_dims=\{0\}")
 

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import reducers
-from ddl_jax._src.comm import collectives
+from ddl_jax._src.measure.comm import collectives
+from ddl_jax._src.reduce import allreduce as reducers
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from ddl_jax._src.delayed_nesterov import delayed_nesterov
+from ddl_jax._src.strategies.asynchronous.delayed_nesterov import delayed_nesterov
 
 
 def arrivals(count, seed=0):

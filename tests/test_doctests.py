@@ -35,8 +35,8 @@ MODULES = modules_with_examples()
 
 def test_the_examples_are_found():
     # Discovery must not come back empty: these modules have examples.
-    expected = {"reducers", "compression", "compression_sparse", "compression_lowrank"}
-    expected |= {"collectives", "comm", "mesh", "data"}
+    expected = {"reduce.allreduce", "reduce.quantise", "reduce.sparse", "reduce.lowrank"}
+    expected |= {"reduce.collectives", "measure.comm", "core.mesh", "data.datasets"}
     assert {f"ddl_jax._src.{m}" for m in expected} <= set(MODULES)
 
 

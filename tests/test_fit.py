@@ -17,7 +17,7 @@ import pytest
 from conftest import make_batches, mlp_pair, reference_sgd
 
 import ddl_jax as ddl
-from ddl_jax._src import fit_log
+from ddl_jax._src.train import log as fit_log
 
 
 def test_fit_trains_like_the_reference_and_records_every_step(mlp):

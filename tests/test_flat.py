@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from jax.flatten_util import ravel_pytree
 
-from ddl_jax._src import compression_wire as wire
-from ddl_jax._src.flat import FlatView, map_fused, pad_to, padded_size
+from ddl_jax._src.core.flat import FlatView, map_fused, pad_to, padded_size
+from ddl_jax._src.reduce import wire
 
 
 def mixed_tree(seed: int = 0) -> dict:

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src.gossip import link_masks
+from ddl_jax._src.strategies.gossip import link_masks
 
 LR, MOMENTUM = 0.1, 0.9
 

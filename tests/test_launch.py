@@ -23,8 +23,9 @@ from conftest import child_env, mlp_loss
 from flax import nnx
 
 import ddl_jax as ddl
-from ddl_jax._src import cli, launch
-from ddl_jax._src.fit import fit
+from ddl_jax import cli
+from ddl_jax._src.train import launch
+from ddl_jax._src.train.fit import fit
 
 STEPS, BATCH, EVERY = 8, 32, 2
 
@@ -35,12 +36,12 @@ STEPS, BATCH, EVERY = 8, 32, 2
 WORKER = textwrap.dedent(
     f"""
     import os, signal, sys
-    from ddl_jax._src import launch
+    from ddl_jax._src.train import launch
     launch.initialize()
     import jax, numpy as np, optax
     from flax import nnx
     import ddl_jax as ddl
-    from ddl_jax._src.fit import fit
+    from ddl_jax._src.train.fit import fit
 
     checkpoint_dir, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rng = np.random.default_rng(0)  # not digits: sklearn's import would slow each start
@@ -87,7 +88,7 @@ def run_launcher(tmp_path, name: str, kill_at: int, *extra: str):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"{name}.npz"
-    launcher = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
+    launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2"]
     options = ["--devices-per-process", "4", "--heartbeat-timeout", "5", "--grace", "2"]
     worker = [sys.executable, str(script), str(tmp_path / f"{name}_ckpt"), str(out), str(kill_at)]
     cmd = [*launcher, *options, *extra, "--", *worker]
@@ -224,7 +225,7 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
     path = script(
         tmp_path, "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
     )
-    prefix = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
+    prefix = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2"]
     cmd = [*prefix, "--", sys.executable, path]
     launcher = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, text=True)
     pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
@@ -323,7 +324,7 @@ def test_unreachable_coordinator_is_a_clear_error_within_the_timeout():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = (
-        "from ddl_jax._src.launch import initialize; "
+        "from ddl_jax._src.train.launch import initialize; "
         f"initialize('127.0.0.1:{port}', 2, 1, initialization_timeout=2)"
     )
     tick = time.monotonic()

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
-from ddl_jax._src import layers
+from ddl_jax._src.models import layers
 from ddl_jax.layers import (
     ColumnParallelLinear,
     ParallelSelfAttention,

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 import ddl_jax as ddl
-from ddl_jax._src.consistency import CHURN_STREAM
+from ddl_jax._src.measure.consistency import CHURN_STREAM
 
 
 def mean_tree(trees):

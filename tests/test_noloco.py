@@ -11,7 +11,7 @@ import pytest
 from conftest import make_batches, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src.noloco import draw_pairing, pairing_rounds
+from ddl_jax._src.strategies.noloco import draw_pairing, pairing_rounds
 
 LR = 0.1
 

@@ -28,9 +28,9 @@ from pipeline_models import Block, full_loss, reference, xent
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
-from ddl_jax._src.pipeline import _setup as pipeline_setup
-from ddl_jax._src.pipeline_schedules import one_kind_ticks
-from ddl_jax._src.pipeline_stages import build_stages, flop_costs
+from ddl_jax._src.strategies.pipeline.builder import _setup as pipeline_setup
+from ddl_jax._src.strategies.pipeline.schedules import one_kind_ticks
+from ddl_jax._src.strategies.pipeline.stages import build_stages, flop_costs
 from ddl_jax.schedules import (
     idle_fraction,
     lockstep_time,

@@ -20,19 +20,19 @@ import pytest
 from conftest import child_env
 
 import ddl_jax as ddl
-from ddl_jax._src.pipeline import process_stage
+from ddl_jax._src.strategies.pipeline.builder import process_stage
 
 WORKER = textwrap.dedent(
     f"""
     import sys
     sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-    from ddl_jax._src import launch
+    from ddl_jax._src.train import launch
     launch.initialize()
     import jax
     import numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import ddl_jax as ddl
-    from ddl_jax._src.pipeline import process_stage
+    from ddl_jax._src.strategies.pipeline.builder import process_stage
     from pipeline_models import RUNS, make_batches, xent
     """
 ) + textwrap.dedent(
@@ -74,7 +74,7 @@ def launched(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("stages")
     script, out = tmp_path / "worker.py", tmp_path / "params.npz"
     script.write_text(WORKER)
-    launcher = [sys.executable, "-m", "ddl_jax._src.cli", "launch", "-n", "2"]
+    launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2"]
     options = ["--devices-per-process", "2", "--heartbeat-timeout", "10"]
     proc = subprocess.run(
         [*launcher, *options, "--", sys.executable, str(script), str(out)],

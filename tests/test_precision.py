@@ -13,7 +13,7 @@ import pytest
 from conftest import bn_dropout_pair, make_batches, mlp_pair
 
 import ddl_jax as ddl
-from ddl_jax._src.precision import mixed_precision
+from ddl_jax._src.train.precision import mixed_precision
 
 KEY = jax.random.key(3)
 

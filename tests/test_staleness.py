@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from ddl_jax._src.staleness import (
+from ddl_jax._src.strategies.asynchronous.staleness import (
     SSP,
     Async,
     Downpour,

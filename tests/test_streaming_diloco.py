@@ -10,7 +10,7 @@ import pytest
 from conftest import bn_dropout_pair, make_batches, train_steps, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src.streaming_diloco import fragment_bounds
+from ddl_jax._src.strategies.streaming_diloco import fragment_bounds
 
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax import tensor_parallel
-from ddl_jax._src.kit import explicit_mesh
+from ddl_jax._src.core.kit import explicit_mesh
 from ddl_jax.layers import ParallelMLP, ParallelTransformerBlock, param_specs
 
 

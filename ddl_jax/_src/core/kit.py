@@ -1,0 +1,365 @@
+"""The builder kit: the one set of parts every strategy builder is assembled from.
+
+A builder calls :func:`prepare` (argument checks, the mesh, the default reducer, the
+model contract), states its state's ``PartitionSpec``s once, and gets from the kit:
+
+* ``kit.init(make_state, specs)``: a pure ``make_state(params, model)`` placed by
+  ``jax.jit(..., out_shardings=specs)`` (as big_vision does): no state is ever built on
+  one device and moved;
+* ``kit.step(worker_step, specs)``: ``worker_step(state, local_batch)`` under
+  ``jax.shard_map`` with the same specs, after checking and sharding the global batch;
+* ``kit.value_and_grad``: one worker's loss and gradient, over micro-batches, with model
+  state and a dropout key (see ``model_loss.py``);
+* ``kit.replicated(fn)``: ``fn`` jitted once, its output replicated, for ``Strategy.params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src.core import model_loss as ml
+from ddl_jax._src.core import strategy as st
+from ddl_jax._src.reduce.allreduce import allreduce_mean, checks_vma
+from ddl_jax._src.xla_cpu import products as cpu_products
+
+Specs = Any  # a PartitionSpec prefix of a state, or ``abstract state -> that prefix``
+WorkerStep = Callable[[st.State, st.Batch], tuple[st.State, st.Metrics]]
+
+
+def explicit_mesh(mesh: Mesh, axes: tuple[str, ...] = ()) -> Mesh:
+    """``mesh`` with every axis Explicit, and a size-1 axis for each of ``axes`` it lacks.
+
+    ``jax.make_mesh`` (and ``ddl.make_mesh``) already make Explicit axes; a
+    ``jax.sharding.Mesh`` built by hand has Auto ones, which ``jax.sharding.reshard`` refuses.
+    """
+    devices, names = mesh.devices, tuple(mesh.axis_names)
+    for axis in axes:
+        if axis not in names:
+            devices, names = devices[..., None], (*names, axis)
+    if names == mesh.axis_names and all(t == AxisType.Explicit for t in mesh.axis_types):
+        return mesh
+    return Mesh(devices, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Inside ``shard_map``: ``tree`` cast to varying over ``axes`` (where it is not yet)."""
+
+    def one(leaf: jax.Array) -> jax.Array:
+        varying = jax.typeof(leaf).manual_axis_type.varying
+        missing = tuple(a for a in axes if a not in varying)
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(one, tree)
+
+
+def unstack(tree: Any) -> Any:
+    """Inside ``shard_map``: this worker's entry of leaves stacked over the worker axis."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def restack(tree: Any) -> Any:
+    """Inside ``shard_map``: the inverse of ``unstack``, for a ``P(axis)`` out_spec."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def one_worker(stacked: Any) -> Any:
+    """Abstract shapes of one worker's entry of a worker-stacked pytree."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+
+
+def replica_mean(stacked: Any) -> Any:
+    """The average of worker-stacked replicas (summed in at least float32)."""
+    return jax.tree.map(
+        lambda x: x.mean(axis=0, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(x.dtype),
+        stacked,
+    )
+
+
+def abstract(tree: Any) -> Any:
+    """``tree`` as ``jax.ShapeDtypeStruct``s, dtypes as JAX would make its arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+class Kit(NamedTuple):
+    """What :func:`prepare` checked and derived; the parts a builder assembles.
+
+    Attributes:
+      mesh: the mesh, every axis Explicit.
+      axis: the worker (data) axis; ``n`` its size.
+      reducer: the gradient reducer (``ddl.allreduce_mean(axis)`` by default), or ``None``
+        for a builder that takes none.
+      loss_fn: the user's loss, plain or a ``ModelLoss``.
+      has_aux: whether the loss returns ``(loss, aux)``.
+      accumulate: micro-batches per worker per gradient.
+    """
+
+    mesh: Mesh
+    axis: str
+    n: int
+    reducer: optax.GradientTransformation | None
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+    accumulate: int
+
+    @property
+    def transposes_weight_gradients(self) -> bool:
+        """Whether gradients are computed with ``cpu_products.transposed_weight_gradients``
+        (CPU devices, a process on one core: ``cpu_products.applies``)."""
+        return cpu_products.applies(self.mesh)
+
+    def shardings(self, specs: Any) -> Any:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
+
+    def stack(self, tree: Any) -> Any:
+        """Inside ``make_state``: one copy of ``tree`` per worker (a leading axis of size n)."""
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), tree)
+
+    def init(
+        self, make_state: Callable[[st.Params, ml.ModelVars], st.State], specs: Specs
+    ) -> Callable[[Any], st.State]:
+        """``Strategy.init``: checks the variables, then builds and places the state at once.
+
+        Args:
+          make_state: ``(params, model) -> state``, pure; ``model`` is the fresh
+            ``ModelVars`` (its ``state`` unstacked: stack it where workers hold their own).
+          specs: the state's ``PartitionSpec`` prefix, or a function of the abstract state
+            returning it.
+        """
+
+        def build(params, model_state):
+            # Copies, so that no output aliases the caller's buffers (steps donate the state).
+            params, model_state = jax.tree.map(jnp.copy, (params, model_state))
+            return make_state(params, ml.init_vars(self.loss_fn, model_state))
+
+        def init(variables: Any) -> st.State:
+            params, model_state = ml.split_variables(self.loss_fn, variables)
+            st.check_params(params)
+            _check_model_state(model_state)
+            out = specs(jax.eval_shape(build, params, model_state)) if callable(specs) else specs
+            return jax.jit(build, out_shardings=self.shardings(out))(params, model_state)
+
+        return init
+
+    def step(
+        self,
+        worker_step: WorkerStep,
+        specs: Specs,
+        *,
+        divisor: int | None = None,
+        why: str | None = None,
+        out_specs: Specs | None = None,
+    ) -> Callable[[st.State, st.Batch], tuple[Any, st.Metrics]]:
+        """``Strategy.step``: checks the global batch, shards it over the worker axis and
+        runs ``worker_step(state, local_batch) -> (state, metrics)`` under ``shard_map``
+        (state by ``specs``, metrics replicated).
+
+        Args:
+          divisor: what the global batch must divide by (default ``n * accumulate``);
+            ``why`` says what it is made of.
+          out_specs: for a worker step that returns something other than a new state
+            (``ddl.fsdp``'s gradient shards), its ``PartitionSpec``s, or a function of the
+            abstract state returning them; the state's specs by default.
+        """
+        divisor = self.n * self.accumulate if divisor is None else divisor
+        why = why or f"{self.n} workers on axis {self.axis!r} x accumulate={self.accumulate}"
+        vma = self.reducer is None or checks_vma(self.reducer)
+
+        def step(state: st.State, batch: st.Batch) -> tuple[st.State, st.Metrics]:
+            st.check_batch(batch, divisor, why=why)
+            state_specs = specs(abstract(state)) if callable(specs) else specs
+            out = state_specs if out_specs is None else out_specs
+            out = out(abstract(state)) if callable(out) else out
+            program = jax.shard_map(
+                worker_step,
+                mesh=self.mesh,
+                in_specs=(state_specs, P(self.axis)),
+                out_specs=(out, P()),
+                check_vma=vma,
+            )
+            sharding = NamedSharding(self.mesh, P(self.axis))
+            batch = jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
+            try:
+                return program(state, batch)
+            except ValueError as e:
+                if "can't be statically inferred" not in str(e):
+                    raise
+                raise ValueError(
+                    "the reducer's output is not provably the same on every worker. A "
+                    "reducer must average over the workers (e.g. ddl.allreduce_mean()); "
+                    "allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain loses the "
+                    "mark that lets strategies run its ppermute rounds: chain it with "
+                    "ddl.chain instead."
+                ) from e
+
+        return step
+
+    def replicated(self, fn: Callable[[st.State], Any]) -> Callable[[st.State], Any]:
+        """``fn`` jitted once (not per call), its output replicated on the mesh."""
+        return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))
+
+    def replica_variables(self) -> Callable[[st.State], Any]:
+        """``Strategy.params`` of a state whose ``params`` and ``model.state`` are stacked
+        per worker: the mean of the replicas, jitted once."""
+
+        def mean(state: st.State) -> Any:
+            model = state.model._replace(state=replica_mean(state.model.state))
+            return self.variables(replica_mean(state.params), model)
+
+        return self.replicated(mean)
+
+    def variables(self, params: st.Params, model: ml.ModelVars) -> Any:
+        """What ``Strategy.params`` returns: the params, with the model state if any."""
+        return ml.join_variables(self.loss_fn, params, model.state)
+
+    @property
+    def value_and_grad(self) -> Callable[..., Any]:
+        """``(params, model_state, batch, key) -> ((loss, aux), grads, model_state)``.
+
+        One worker's loss and gradient on its local batch, averaged over ``accumulate``
+        micro-batches visited by ``lax.scan`` with a running sum (memory holds one
+        micro-batch's activations and one gradient); the model state passes through the
+        micro-batches in order, and micro-batch j draws ``fold_in(key, j)``. Where
+        :attr:`transposes_weight_gradients`, the weight-gradient products are laid out for
+        XLA:CPU (``cpu_products.py``).
+        """
+        fn, has_aux, stateful = ml.as_model_loss(self.loss_fn).fn, self.has_aux, self.stateful
+
+        def one(params, model_state, batch, key):
+            def loss(p):
+                out, new_state = fn(p, model_state, batch, key)
+                st.check_loss_output(abstract(out), has_aux=has_aux)
+                if stateful:
+                    _check_returned_state(model_state, new_state)
+                value, aux = out if has_aux else (out, {})
+                return value, (aux, new_state)
+
+            (value, (aux, new_state)), grads = grad(loss)(params)
+            return (value, aux), grads, new_state
+
+        def grad(loss):
+            value_and_grad = jax.value_and_grad(loss, has_aux=True)
+            if self.transposes_weight_gradients:
+                return cpu_products.transposed_weight_gradients(value_and_grad)
+            return value_and_grad
+
+        accumulate, axis = self.accumulate, self.axis
+        if accumulate == 1:
+            return one
+
+        def accumulated(params, model_state, batch, key):
+            micro = jax.tree.map(lambda x: x.reshape(accumulate, -1, *x.shape[1:]), batch)
+            first = jax.tree.map(lambda x: x[0], micro)
+            out = jax.eval_shape(one, params, model_state, first, key)
+            zeros = jax.tree.map(jnp.zeros_like, out[:2])
+
+            def add(carry, xs):
+                total, state = carry
+                j, mb = xs
+                (value, aux), grads, state = one(params, state, mb, jax.random.fold_in(key, j))
+                return (jax.tree.map(jnp.add, total, ((value, aux), grads)), state), None
+
+            # The state a worker's micro-batches update is its own until the strategy merges it.
+            carry = (zeros, vary(model_state, (axis,)))
+            (total, state), _ = lax.scan(add, carry, (jnp.arange(accumulate), micro))
+            total = jax.tree.map(lambda x: x / accumulate, total)
+            return (*total, state)
+
+        return accumulated
+
+    @property
+    def stateful(self) -> bool:
+        return isinstance(self.loss_fn, ml.ModelLoss)
+
+
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a ``PartitionSpec`` (a leaf of a spec tree, not a tuple to map over)."""
+    return isinstance(x, P)
+
+
+def _check_model_state(model_state: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
+        if not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"model state must be a pytree of arrays; variables{jax.tree_util.keystr(path)} "
+                f"is {type(leaf).__name__}."
+            )
+
+
+def _check_returned_state(before: Any, after: Any) -> None:
+    if jax.tree.structure(before) != jax.tree.structure(after) or any(
+        jnp.shape(a) != jnp.shape(b)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    ):
+        raise ValueError(
+            "the loss returned a model state of another structure than it received: got "
+            f"{jax.tree.map(jnp.shape, after)}, expected {jax.tree.map(jnp.shape, before)}. "
+            "Return the updated collections with the same keys and shapes."
+        )
+
+
+def _check_no_unused_axis(mesh: Mesh, used: tuple[str, ...]) -> None:
+    """Refuses a mesh axis of size > 1 the strategy does not use: its devices would hold
+    redundant copies doing the same work (a size-1 axis costs nothing and is accepted)."""
+    for name in mesh.axis_names:
+        if name not in used and mesh.shape[name] > 1:
+            raise ValueError(
+                f"mesh axis {name!r} (size {mesh.shape[name]}) is not one this strategy uses: "
+                f"it uses {list(dict.fromkeys(used))}, and every device along {name!r} would "
+                "repeat the same work. Build the mesh over those axes only."
+            )
+
+
+def prepare(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    axis: str = st.DATA,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    *,
+    add_axes: tuple[str, ...] = (),
+    reducer: optax.GradientTransformation | None = None,
+    takes_reducer: bool = True,
+) -> Kit:
+    """The builder preamble: checks the shared arguments and prepares the mesh.
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` or a ``ddl.ModelLoss``.
+      optimizer: an optax transform.
+      mesh: a ``jax.sharding.Mesh`` holding ``axis`` (unless ``axis`` is in ``add_axes``).
+      axis: the worker axis.
+      add_axes: axes the builder works on that the mesh may lack (they count as size 1).
+      reducer: the user's reducer; ``takes_reducer``: whether the builder has one (then
+        ``None`` means ``ddl.allreduce_mean(axis)``).
+      accumulate: micro-batches per worker per gradient, >= 1.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+    """
+    if not (callable(loss_fn) or isinstance(loss_fn, ml.ModelLoss)):
+        raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
+    st.check_transform("optimizer", optimizer, "optax.adam(1e-3)")
+    if reducer is not None:
+        st.check_transform(
+            "reducer", reducer, "ddl.allreduce_mean() or ddl.compression.top_k(0.01)"
+        )
+    accumulate = st.check_int("accumulate", accumulate, minimum=1)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (see ddl.make_mesh), got {type(mesh).__name__}."
+        )
+    if axis not in add_axes:
+        st.check_mesh_axis(mesh, axis)
+    _check_no_unused_axis(mesh, (axis, *add_axes))
+    mesh = explicit_mesh(mesh, add_axes)
+    if takes_reducer and reducer is None:
+        reducer = allreduce_mean(axis)
+    return Kit(mesh, axis, mesh.shape[axis], reducer, loss_fn, has_aux, accumulate)

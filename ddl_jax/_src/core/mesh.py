@@ -1,0 +1,97 @@
+"""Device meshes: simulated CPU devices and named mesh axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ddl_jax._src.core.strategy import AXIS_NAMES, check_int
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Makes JAX's CPU backend expose ``n`` devices (call before any JAX computation).
+
+    The devices share the host's cores: use them to check that a distributed program is
+    correct, not to measure speed-up.
+
+    Args:
+      n: number of CPU devices, >= 1.
+
+    Raises:
+      ValueError: ``n`` is not a positive integer.
+      RuntimeError: JAX's backends are already initialised with a different device count.
+    """
+    n = check_int("simulate_cpu_devices: n", n, minimum=1)
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"simulate_cpu_devices({n}) was called after JAX started with {have} CPU "
+            "device(s); call it right after `import jax`, before any computation."
+        ) from e
+
+
+def make_mesh(
+    data: int | None = None,
+    *,
+    stage: int = 1,
+    model: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a mesh with named axes ``data`` (and ``stage`` / ``model`` when > 1).
+
+    Args:
+      data: size of the data-parallel axis; ``None`` takes every device left once
+        ``stage`` and ``model`` are served.
+      stage: size of the pipeline axis (omitted from the mesh when 1).
+      model: size of the tensor-parallel axis (omitted from the mesh when 1).
+      devices: devices to use (default ``jax.devices()``); the first
+        ``data * stage * model`` of them form the mesh, in this order along ``data, stage,
+        model``. By default, with several processes and ``stage`` > 1, a process's devices
+        fill one stage before the next: pipeline messages cross processes, collectives over
+        ``data`` and ``model`` stay within one, and a process holding one stage compiles
+        that stage's program alone (``ddl.pipeline``).
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axes in the order ``data, stage, model``.
+
+    Example:
+      >>> import ddl_jax as ddl
+      >>> dict(ddl.make_mesh(data=2, model=4).shape)
+      {'data': 2, 'model': 4}
+      >>> dict(ddl.make_mesh(stage=2).shape)  # data takes the devices left: 8 / 2
+      {'data': 4, 'stage': 2}
+    """
+    by_process = devices is None and stage > 1 and jax.process_count() > 1
+    devices = list(jax.devices() if devices is None else devices)
+    stage = check_int("make_mesh: stage", stage, minimum=1)
+    model = check_int("make_mesh: model", model, minimum=1)
+    if data is not None:
+        data = check_int("make_mesh: data (or None)", data, minimum=1)
+    else:
+        if len(devices) % (stage * model):
+            raise ValueError(
+                f"make_mesh: {len(devices)} devices do not split into stage={stage} x "
+                f"model={model}; pass data= explicitly."
+            )
+        data = len(devices) // (stage * model)
+    sizes = {"data": data, "stage": stage, "model": model}
+    needed = math.prod(sizes.values())
+    if needed > len(devices):
+        raise ValueError(
+            f"make_mesh: data={data} x stage={stage} x model={model} needs {needed} devices, "
+            f"only {len(devices)} available (ddl.simulate_cpu_devices(n) makes more on CPU)."
+        )
+    devices = devices[:needed]
+    if by_process:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        devices = list(np.array(ordered).reshape(stage, data, model).transpose(1, 0, 2).flat)
+    names = tuple(a for a in AXIS_NAMES if a == "data" or sizes[a] > 1)
+    return jax.make_mesh(tuple(sizes[a] for a in names), names, devices=devices)

@@ -1,0 +1,1 @@
+"""Bundled datasets, batching, and non-i.i.d. shards."""

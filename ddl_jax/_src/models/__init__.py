@@ -1,0 +1,1 @@
+"""Test models and the tensor-parallel layers they are built from."""

@@ -1,0 +1,1 @@
+"""Gradient reducers: all-reduce algorithms, Adasum and the compressors, as optax transforms."""

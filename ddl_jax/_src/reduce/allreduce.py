@@ -1,0 +1,175 @@
+"""Reducers: optax transforms that turn per-worker gradients into one agreed gradient.
+
+A reducer is an ``optax.GradientTransformation`` whose ``update`` runs inside a
+strategy's ``shard_map``: it receives this worker's gradient (varying over the data
+axis) and returns an update that every worker agrees on. Its ``init`` builds the state of
+*one* worker; strategies give each worker its own copy (a leading axis sharded over the
+data axis), so error-feedback residuals and similar per-worker memories stay local.
+
+A reducer built from ``psum`` or from ``all_gather(..., to="invarying")`` (every
+``ddl.compression`` reducer) returns an update JAX types as invariant over the axis: it is
+a plain optax transform, and ``optax.chain`` composes it with any other. Only the explicit
+``ppermute`` algorithms (``allreduce_mean(algorithm="ring" | "tree" | "ps")``) return
+values typed as varying; they carry the ``PermuteReducer`` mark, which ``ddl.chain`` keeps.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import optax
+from jax import lax
+
+from ddl_jax._src.core.flat import map_fused
+from ddl_jax._src.core.strategy import check_real
+from ddl_jax._src.reduce.collectives import (
+    check_axis_in_scope,
+    ps_allreduce,
+    ring_allreduce,
+    tree_allreduce,
+)
+
+#: The bucket size in MiB where buckets are used (DDP's default).
+BUCKET_MB = 25.0
+
+
+def default_bucket_bytes() -> int | None:
+    """``bucket_mb="auto"``: 25 MiB buckets where collectives cross processes over gloo (a
+    CPU cluster: XLA:CPU's gloo makes one call per buffer), else ``None``, leaf by leaf.
+
+    Within one process XLA:CPU reduces separate buffers concurrently and one large buffer
+    slowly (the MLP's 7.5 MB gradient on 8 simulated devices: 7.2 ms leaf by leaf, 38 ms as
+    one bucket); on GPUs and TPUs XLA combines per-leaf collectives itself.
+    """
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return int(BUCKET_MB * 2**20)
+    return None
+
+
+def in_buckets(collective: Any, tree: Any, bucket_bytes: int | str | None = "auto") -> Any:
+    """``collective`` (a function of one array) applied to ``tree``'s leaves, packed in
+    buckets of ``bucket_bytes`` (``"auto"``: ``default_bucket_bytes()``; ``None``: leaf by
+    leaf)."""
+    if bucket_bytes == "auto":
+        bucket_bytes = default_bucket_bytes()
+    if bucket_bytes is None:
+        return jax.tree.map(collective, tree)
+    return map_fused(collective, tree, bucket_bytes)
+
+
+ALGORITHMS = {
+    "psum": lax.psum,
+    "ring": ring_allreduce,
+    "tree": tree_allreduce,
+    "ps": ps_allreduce,
+}
+
+
+class PermuteReducer(optax.GradientTransformation):
+    """A reducer whose output JAX types as varying over the axis: the explicit ring, tree
+    and parameter-server all-reduces, built from ``ppermute``.
+
+    Its output agrees across workers, but there is no cast from varying to invariant, so a
+    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
+    such a reducer to a strategy as it is, or chained with ``ddl.chain``: ``optax.chain``
+    would hide the mark.
+    """
+
+
+def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``optax.chain`` that keeps the mark of an explicit ring / tree / ps all-reduce among
+    ``transforms``, so a strategy can run the chain.
+
+    Without such a reducer it is ``optax.chain`` itself: ``psum``-based and
+    ``ddl.compression`` reducers compose with plain ``optax.chain`` too.
+
+    Example:
+      Clip each worker's gradient, then average with the ring algorithm:
+
+      >>> import optax, ddl_jax as ddl
+      >>> ring = ddl.allreduce_mean(algorithm="ring")
+      >>> reducer = ddl.chain(optax.clip_by_global_norm(1.0), ring)
+      >>> type(reducer).__name__  # the mark: strategies run it without the replication check
+      'PermuteReducer'
+    """
+    chained = optax.chain(*transforms)
+    if all(checks_vma(t) for t in transforms):
+        return chained
+    return PermuteReducer(chained.init, chained.update)
+
+
+def checks_vma(reducer: optax.GradientTransformation) -> bool:
+    """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
+    return not isinstance(reducer, PermuteReducer)
+
+
+def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int | str | None) -> Any:
+    if lax.axis_size(axis) == 1:  # one worker: nothing travels, no buffers to pack
+        return lax.psum(tree, axis)
+    return in_buckets(lambda x: lax.psum(x, axis), tree, bucket_bytes)
+
+
+def allreduce_mean(
+    axis: str = "data", algorithm: str = "psum", bucket_mb: float | str | None = "auto"
+) -> optax.GradientTransformation:
+    """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
+
+    Args:
+      axis: mesh axis the workers live on.
+      algorithm: how the sum travels. ``"psum"``: XLA's all-reduce (the backend picks the
+        implementation, NCCL/ICI/gloo). ``"ring"``, ``"tree"``, ``"ps"``: the explicit
+        algorithms of ``ddl.collectives`` (ring, binomial tree, central parameter server),
+        whose rounds and bytes show up in ``ddl.comm_stats``.
+      bucket_mb: with ``"psum"``, the leaves of a dtype travel packed in flat buckets of
+        at most this many MiB (a larger leaf alone), one all-reduce each, as DDP's
+        gradient buckets. ``None``: one all-reduce per leaf, which XLA may combine into
+        one op, but XLA:CPU's gloo still runs leaf by leaf: 7 calls for an MLP of 3
+        layers and its loss (``benchmarks/peers.py``: 1.3x the step time over 2 processes
+        before ``ddl.launch.initialize`` idled gloo's spinning thread, 1.4% after).
+        ``"auto"``: 25 MiB on a CPU cluster (more than one process), else ``None``; see
+        ``default_bucket_bytes``. The explicit algorithms always fuse each dtype into one
+        buffer.
+
+    Returns:
+      A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.
+
+    Example:
+      Inside ``shard_map`` each worker passes its own gradient and gets the mean:
+
+      >>> import jax, jax.numpy as jnp, ddl_jax as ddl
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = ddl.make_mesh(data=4)
+      >>> reducer = ddl.allreduce_mean()
+      >>> def worker(g):  # g: this worker's row of the [4, 2] gradients
+      ...     mean, _ = reducer.update(g[0], reducer.init(g[0]))
+      ...     return mean
+      >>> grads = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("data")))
+      >>> print(jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P())(grads))
+      [3. 4.]
+
+      A strategy takes it as ``reducer=`` (it is the default):
+      ``ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=ddl.allreduce_mean())``.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
+        )
+    total = ALGORITHMS[algorithm]
+    if bucket_mb is None or bucket_mb == "auto":
+        bucket_bytes = bucket_mb
+    elif isinstance(bucket_mb, str):
+        raise ValueError(f"bucket_mb must be 'auto', None or a size in MiB > 0, got {bucket_mb!r}.")
+    else:
+        bucket_bytes = int(check_real("bucket_mb", bucket_mb, minimum=0, exclusive=True) * 2**20)
+    if algorithm == "psum":
+        total = partial(_bucketed_psum, bucket_bytes=bucket_bytes)
+
+    def update(updates, state, params=None):
+        del params
+        n = check_axis_in_scope(axis)
+        return jax.tree.map(lambda s: s / n, total(updates, axis)), state
+
+    kind = optax.GradientTransformation if algorithm == "psum" else PermuteReducer
+    return kind(lambda params: optax.EmptyState(), update)

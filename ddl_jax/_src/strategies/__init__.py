@@ -1,0 +1,1 @@
+"""The strategies, one module or subpackage per family."""

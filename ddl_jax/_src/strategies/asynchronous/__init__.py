@@ -1,0 +1,1 @@
+"""Asynchronous SGD: the event clock, its protocols and staleness-aware optimizers."""

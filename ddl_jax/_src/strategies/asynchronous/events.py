@@ -1,0 +1,324 @@
+"""The event clock of ``async_sgd``: a pure simulation of a parameter server's schedule.
+
+Which worker arrives when, who pushes, when the server applies an update and who fetches
+depends only on the compute times and the protocol, never on the parameters. So the
+whole schedule of one ``Strategy.step`` is a pure function of a small :class:`Clock`
+(N-sized vectors and scalars), computed and tested here without a mesh or a model;
+``async_sgd`` replays the :class:`Event`s it returns on the parameters.
+
+Event model: worker i's k-th gradient takes ``d(i, k)`` simulated time units
+(``staleness.duration``; under ``async_local(H)`` a task is H gradients and the
+strategy hands the clock H times the per-gradient times, ``staleness.task_time``); it
+starts when the worker fetches (or is released) at time t and arrives at ``t + d(i, k)``.
+Arrivals are taken in time order, ties broken by the lower worker index. One step:
+
+1. :func:`start_step`: every worker that has started a task whose gradient is not
+   computed yet computes it (``computes``), so its gradient is ``ready``.
+2. :func:`next_event`, N times (2N with churn): the next arrival is processed if its
+   gradient is ready (or it is a rejoin); the first that is not (a worker that started a
+   new task during this step) stops the step, and every later event is empty. Each
+   worker thus completes at most one task per step (and rejoins at most once).
+
+Unreliable workers (``Rules.drop``, ``Rules.leave`` / ``Rules.away``), both seeded by the
+clock's key and (worker i, task k) alone (:func:`coin`), so a resumed run and a plain
+scheduler draw the same:
+
+* A push of task k is lost with probability ``drop``: the server never sees it (no
+  staleness, no group count, no update). The worker does not know; it fetches as after
+  any push, and since the server holds no push of its, nothing holds its fetch back: it
+  gets the server's current state at once, even under softsync (where the group keeps
+  waiting for the next arrivals). Its clock (SSP) counts the task all the same.
+* After completing task k - 1 (and its push), a worker leaves with probability ``leave``
+  (drawn for task k, the one it would start next): it is away, computing nothing, for
+  ``away`` simulated time; its return is an event (a *rejoin*) at which it fetches the
+  server's state and starts task k as a worker that just completed one would: the SSP
+  bound, or its push still in the open softsync group, may hold it (it fetches when
+  it starts).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ddl_jax._src.strategies.asynchronous import staleness as sl
+
+
+class Clock(NamedTuple):
+    """The server's view of its N workers, replicated on every device.
+
+    Attributes:
+      now: the simulated time of the last event, float32 scalar.
+      arrival: ``[N]`` float32, when each worker's task in flight completes (ignored
+        where ``waiting``).
+      fetched_version: ``[N]`` int32, the server version each worker last fetched.
+      tasks: ``[N]`` int32, gradients each worker has completed (its SSP clock); the task
+        in flight of worker i is its ``tasks[i]``-th (from 0).
+      ready: ``[N]`` bool, whether the gradient of a worker's task in flight is computed.
+      waiting: ``[N]`` bool, workers that finished a task and wait to start the next one
+        (for a softsync group to fill, or for the SSP bound).
+      version: server updates applied so far, int32 scalar.
+      group_count: pushes the server holds for its next update (softsync), int32 scalar.
+      group_staleness: the sum of their staleness, float32 scalar.
+      key: the PRNG key data (``uint32[2]``) of random compute times, lost pushes and
+        churn.
+      away: ``[N]`` bool, workers that left; their ``arrival`` is their rejoin time.
+      grouped: ``[N]`` bool, workers whose push is in the server's open softsync group.
+    """
+
+    now: jax.Array
+    arrival: jax.Array
+    fetched_version: jax.Array
+    tasks: jax.Array
+    ready: jax.Array
+    waiting: jax.Array
+    version: jax.Array
+    group_count: jax.Array
+    group_staleness: jax.Array
+    key: jax.Array
+    away: jax.Array
+    grouped: jax.Array
+
+
+class Event(NamedTuple):
+    """What one arrival makes the server and the workers do (all zero/False where not
+    ``happens``).
+
+    Attributes:
+      happens: bool, the next arrival's gradient is ready, so it is processed.
+      worker: int32, the arriving worker (the next in time order, whether or not it
+        ``happens``).
+      push: bool, the server receives a push (every arrival, or every ``n_push``-th
+        under Downpour, unless it is ``lost``).
+      apply: bool, the server then applies an update (the push completes a group).
+      staleness: float32, the push's tau: server updates since the worker's fetch.
+      update_staleness: float32, the mean tau of the pushes the update applies.
+      start: ``[N]`` bool, workers that start a new task after the event.
+      fetch: ``[N]`` bool, those of them that first fetch the server's (updated) state.
+      gap: float32, the largest lead in clocks of a starting worker over the slowest one.
+      lost: bool, the worker sent a push that is lost in transit.
+      rejoin: bool, the event is the worker's return (no task completes).
+      leave: bool, the worker leaves after this event's task.
+    """
+
+    happens: jax.Array
+    worker: jax.Array
+    push: jax.Array
+    apply: jax.Array
+    staleness: jax.Array
+    update_staleness: jax.Array
+    start: jax.Array
+    fetch: jax.Array
+    gap: jax.Array
+    lost: jax.Array
+    rejoin: jax.Array
+    leave: jax.Array
+
+
+class Rules(NamedTuple):
+    """A protocol and its faults as the numbers the clock needs (static Python values).
+
+    Attributes:
+      group_size: pushes per server update (softsync n; 1 otherwise).
+      bound: the SSP bound, or ``None``.
+      n_fetch: a worker fetches every ``n_fetch`` gradients (Downpour; 1 otherwise).
+      n_push: a worker pushes every ``n_push`` gradients (Downpour; 1 otherwise).
+      drop: the probability that a push is lost.
+      leave: the probability that a worker leaves after a task.
+      away: how long a worker that leaves stays away.
+    """
+
+    group_size: int = 1
+    bound: int | None = None
+    n_fetch: int = 1
+    n_push: int = 1
+    drop: float = 0.0
+    leave: float = 0.0
+    away: float = 0.0
+
+    @classmethod
+    def of(cls, protocol: sl.Protocol, drop: float = 0.0, churn: sl.Churn | None = None) -> Rules:
+        """The rules of a validated protocol (``staleness.as_protocol``), a push loss
+        probability in [0, 1] and a validated churn."""
+        faults = {"drop": drop}
+        if churn is not None:
+            faults |= {"leave": churn.leave, "away": churn.away}
+        if isinstance(protocol, sl.SoftSync):
+            return cls(group_size=protocol.n, **faults)
+        if isinstance(protocol, sl.SSP):
+            return cls(bound=protocol.bound, **faults)
+        if isinstance(protocol, sl.Downpour):
+            return cls(n_fetch=protocol.n_fetch, n_push=protocol.n_push, **faults)
+        return cls(**faults)
+
+    @property
+    def churn(self) -> bool:
+        return self.leave > 0
+
+
+# Streams of ``coin``: distinct from the durations' draws, which fold in no stream.
+DROP, LEAVE = 1, 2
+
+
+def coin(key: jax.Array, stream: int, worker: jax.Array, task: jax.Array, p: float) -> jax.Array:
+    """A bool that is True with probability ``p``, a pure function of (key, stream, worker,
+    task): ``uniform(fold_in(fold_in(fold_in(key, worker), task), stream)) < p``."""
+    if p == 0:
+        return jnp.zeros(jnp.shape(worker), bool)
+    key = jax.random.wrap_key_data(key, impl="threefry2x32")
+    draw = lambda i, k: jax.random.uniform(  # noqa: E731
+        jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, i), k), stream)
+    )
+    return jax.vmap(draw)(jnp.ravel(worker), jnp.ravel(task)).reshape(jnp.shape(worker)) < p
+
+
+def durations(times: sl.ComputeTime, key: jax.Array, tasks: jax.Array) -> jax.Array:
+    """``[N]``: how long each worker's ``tasks[i]``-th gradient takes."""
+    n = tasks.shape[0]
+    one = lambda i, k: sl.duration(times, n, key, i, k)  # noqa: E731
+    return jax.vmap(one)(jnp.arange(n), tasks)
+
+
+def initial_clock(times: sl.ComputeTime, n: int) -> Clock:
+    """Time 0: every worker has fetched version 0 and started its first task."""
+    key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
+    zeros = jnp.zeros(n, jnp.int32)
+    return Clock(
+        now=jnp.zeros((), jnp.float32),
+        arrival=durations(times, key, zeros),
+        fetched_version=zeros,
+        tasks=zeros,
+        ready=jnp.zeros(n, bool),
+        waiting=jnp.zeros(n, bool),
+        version=jnp.zeros((), jnp.int32),
+        group_count=jnp.zeros((), jnp.int32),
+        group_staleness=jnp.zeros((), jnp.float32),
+        key=key,
+        away=jnp.zeros(n, bool),
+        grouped=jnp.zeros(n, bool),
+    )
+
+
+def start_step(clock: Clock) -> tuple[Clock, jax.Array]:
+    """Step phase 1: returns the clock with every started gradient ready, and ``computes``
+    (``[N]`` bool), the workers that compute a gradient this step."""
+    present = ~clock.waiting & ~clock.away
+    return clock._replace(ready=clock.ready | present), ~clock.ready & present
+
+
+def next_event(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
+    """Step phase 2, one event: the next arrival, what it does, and the clock after it.
+
+    The arriving worker w completes a task (or rejoins, if it was away); if it pushes and
+    the push is not lost, the server counts it into its group and applies an update when
+    the group is full. Then w (unless it leaves) and every waiting worker start a new task
+    unless their push is in a softsync group still open or the SSP bound holds them back;
+    a starting worker fetches first if its task count is a multiple of ``n_fetch`` (or it
+    rejoins), and its next arrival is ``now + d(i, tasks[i])``; a leaving one returns at
+    ``now + away``. Where the arrival's gradient is not ready (and it is no rejoin), the
+    clock is returned unchanged and the event is empty.
+    """
+    n = clock.arrival.shape[0]
+    w = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival))
+    me = jnp.arange(n) == w
+    rejoin = clock.away[w]
+    happens = clock.ready[w] | rejoin
+    t = clock.arrival[w]
+    tasks = clock.tasks.at[w].add(jnp.where(rejoin, 0, 1))
+    sent = ~rejoin & (tasks[w] % rules.n_push == 0)
+    lost = sent & coin(clock.key, DROP, w, clock.tasks[w], rules.drop)
+    push = sent & ~lost
+    leave = ~rejoin & coin(clock.key, LEAVE, w, tasks[w], rules.leave)
+    tau = (clock.version - clock.fetched_version[w]).astype(jnp.float32)
+    count = jnp.where(push, clock.group_count + 1, clock.group_count)
+    tau_sum = jnp.where(push, clock.group_staleness + tau, clock.group_staleness)
+    apply = push & (count == rules.group_size)
+    version = clock.version + apply.astype(jnp.int32)
+    count, held_tau = jnp.where(apply, 0, count), jnp.where(apply, 0.0, tau_sum)
+    # Held by the open softsync group: the workers whose push is in it (none after an
+    # update, so never with groups of one).
+    grouped = jnp.where(apply, False, clock.grouped | (me & push))
+    waiting = clock.waiting | (me & ~leave)
+    lead = tasks - tasks.min()
+    allowed = ~grouped
+    if rules.bound is not None:
+        allowed &= lead <= rules.bound
+    start = waiting & allowed
+    fetch = start & ((tasks % rules.n_fetch == 0) | (me & rejoin))
+    arrival = jnp.where(start, t + durations(times, clock.key, tasks), clock.arrival)
+    after = Clock(
+        now=t,
+        arrival=jnp.where(me & leave, t + rules.away, arrival),
+        fetched_version=jnp.where(fetch, version, clock.fetched_version),
+        tasks=tasks,
+        ready=clock.ready.at[w].set(False),
+        waiting=waiting & ~start,
+        version=version,
+        group_count=count,
+        group_staleness=held_tau,
+        key=clock.key,
+        away=(clock.away & ~me) | (me & leave),
+        grouped=grouped,
+    )
+    clock = jax.tree.map(lambda new, old: jnp.where(happens, new, old), after, clock)
+    event = Event(
+        happens=happens,
+        worker=w.astype(jnp.int32),
+        push=happens & push,
+        apply=happens & apply,
+        staleness=jnp.where(happens & push, tau, 0.0),
+        update_staleness=jnp.where(happens & apply, tau_sum / rules.group_size, 0.0),
+        start=happens & start,
+        fetch=happens & fetch,
+        gap=jnp.where(happens, jnp.max(jnp.where(start, lead, 0)), 0).astype(jnp.float32),
+        lost=happens & lost,
+        rejoin=happens & rejoin,
+        leave=happens & leave,
+    )
+    return clock, event
+
+
+def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
+    """Phase 2 of a step: ``next_event`` N times (2N with churn; a ``lax.scan``); the
+    events stacked ``[N, ...]`` in order, the non-happening ones last."""
+    n = clock.arrival.shape[0] * (2 if rules.churn else 1)
+    return lax.scan(lambda c, _: next_event(c, rules, times), clock, None, length=n)
+
+
+def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, jax.Array, Event]:
+    """One whole step of the schedule: ``(clock, computes, events)`` (see the module)."""
+    clock, computes = start_step(clock)
+    clock, events = step_events(clock, rules, times)
+    return clock, computes, events
+
+
+class Summary(NamedTuple):
+    """A step's events in the metrics' terms (float32 scalars)."""
+
+    pushes: jax.Array
+    staleness_mean: jax.Array
+    staleness_max: jax.Array
+    clock_gap_max: jax.Array
+    pushes_lost: jax.Array
+
+
+def summarize(events: Event) -> Summary:
+    """Pushes received, their mean and largest staleness (0 if none), the largest clock
+    gap, and the pushes lost."""
+    pushes = events.push.sum().astype(jnp.float32)
+    return Summary(
+        pushes=pushes,
+        staleness_mean=events.staleness.sum() / jnp.maximum(pushes, 1.0),
+        staleness_max=events.staleness.max(),
+        clock_gap_max=events.gap.max(),
+        pushes_lost=events.lost.sum().astype(jnp.float32),
+    )
+
+
+def replica_lag(clock: Clock) -> jax.Array:
+    """The mean over workers of the server updates since each one's last fetch (float32):
+    how far behind the server, in versions, the parameters the workers hold are."""
+    return jnp.mean((clock.version - clock.fetched_version).astype(jnp.float32))

@@ -1,0 +1,587 @@
+"""Asynchronous SGD simulated exactly: a parameter server and N workers in one SPMD program.
+
+The schedule (who arrives, pushes, fetches, when the server applies) is the pure event
+clock of ``async_events.py``; this module replays it on the parameters and model state,
+one worker per device, the server replicated (or sharded, under Downpour).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src.core import strategy as st
+from ddl_jax._src.core.flat import FlatView
+from ddl_jax._src.core.kit import Kit, one_worker, prepare, restack, unstack, vary
+from ddl_jax._src.core.model_loss import ModelVars, worker_key
+from ddl_jax._src.measure.consistency import check_probability
+from ddl_jax._src.strategies.asynchronous import events as ev
+from ddl_jax._src.strategies.asynchronous import staleness as sl
+
+
+class Workers(NamedTuple):
+    """Each worker's side of :class:`AsyncSGDState`, ``[N, ...]`` sharded ``P(axis)``.
+
+    Attributes:
+      params: the server parameters the worker last fetched.
+      model_state: the server model state it fetched with them (``{}`` for a plain loss).
+      gradient: the gradient of its task in flight (valid where ``clock.ready``).
+      new_model_state: the model state that task returned; it travels with the gradient.
+    """
+
+    params: Any
+    model_state: Any
+    gradient: Any
+    new_model_state: Any
+
+
+class Plain(NamedTuple):
+    """``"async"``, ``ssp`` and ``softsync(1)``: the server holds nothing between pushes."""
+
+
+class Group(NamedTuple):
+    """``softsync(n)``, n > 1: the pushes the server holds for its next update, ``P()``.
+
+    Attributes:
+      gradient: the sum of their gradients.
+      model_state: the sum of their model states' floating leaves (in at least float32),
+        the maximum of their integer leaves.
+    """
+
+    gradient: Any
+    model_state: Any
+
+
+class Accrued(NamedTuple):
+    """``downpour``: each worker's gradients since its last push, ``[N, ...]`` ``P(axis)``.
+
+    Attributes:
+      gradient: their sum (Dean et al.'s accumulated Delta w).
+    """
+
+    gradient: Any
+
+
+class Inner(NamedTuple):
+    """``async_local``: each worker's inner optimizer state, ``[N, ...]`` ``P(axis)``.
+
+    Attributes:
+      opt_state: the state of ``inner_optimizer`` on the worker's local copy; kept from
+        task to task unless ``async_local(reset=True)``.
+    """
+
+    opt_state: Any
+
+
+class AsyncSGDState(NamedTuple):
+    """State of :func:`async_sgd`: the server, the workers, the protocol's and the clock.
+
+    Attributes:
+      params: the server's parameters, replicated ``P()``; under Downpour, the flattened
+        parameters (zero-padded to a multiple of N) as ``[N, ceil(size / N)]`` sharded
+        ``P(axis)``: device i holds the server's i-th shard.
+      opt_state: the server's optimizer state, replicated ``P()``; under Downpour, one
+        state per shard, ``[N, ...]`` sharded ``P(axis)``.
+      model: the server's model state (``P()``), the run's dropout key and the steps taken.
+      workers: each worker's fetched parameters and model state and its task in flight.
+      protocol: ``Plain()``, a softsync ``Group``, Downpour's ``Accrued`` or
+        ``async_local``'s ``Inner``.
+      clock: the simulated clocks (``async_events.Clock``), replicated ``P()``: every
+        device runs the same event schedule.
+    """
+
+    params: Any
+    opt_state: Any
+    model: ModelVars
+    workers: Workers
+    protocol: Plain | Group | Accrued | Inner
+    clock: ev.Clock
+
+
+class _Local(NamedTuple):
+    """Inside ``shard_map``: the server (its shard, under Downpour) and this worker."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    workers: Workers
+    protocol: Plain | Group | Accrued | Inner
+
+
+def _blocks(tree: Any, n: int) -> jax.Array:
+    """A params-shaped tree as the sharded server's ``[n, ceil(size / n)]`` blocks."""
+    return FlatView.of(tree).blocks(tree, n)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _masked(tree: Any, keep: jax.Array) -> Any:
+    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
+
+
+def _held_empty(model_state: Any) -> Any:
+    """An empty group's model state: zero sums (at least float32), integers at their min."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.full(x.shape, jnp.iinfo(x.dtype).min, x.dtype)
+        return jnp.zeros_like(x)
+
+    return jax.tree.map(one, model_state)
+
+
+def _held_add(held: Any, model_state: Any) -> Any:
+    def one(h: jax.Array, x: jax.Array) -> jax.Array:
+        return h + x.astype(h.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.maximum(h, x)
+
+    return jax.tree.map(one, held, model_state)
+
+
+def _held_mean(held: Any, size: int, like: Any) -> Any:
+    def one(h: jax.Array, x: jax.Array) -> jax.Array:
+        return (h / size).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else h
+
+    return jax.tree.map(one, held, like)
+
+
+def _keep(local: _Local, *_: Any) -> _Local:
+    return local
+
+
+def _mean0(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
+
+
+def local_steps(
+    value_and_grad: Callable[..., Any],
+    inner: optax.GradientTransformation,
+    protocol: sl.AsyncLocal,
+    axis: str,
+    params: Any,
+    model_state: Any,
+    batch: st.Batch,
+    key: jax.Array,
+    opt_state: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """One ``async_local`` task on one worker: H inner steps from the fetched ``params``.
+
+    Step h (a ``lax.scan``) takes ``value_and_grad`` on the h-th of H consecutive slices
+    of the worker's ``batch`` with key ``fold_in(key, h)`` (``key`` itself for H = 1),
+    the model state threaded through, and applies ``inner``. Returns ``((loss, aux), the
+    pseudo-gradient params - local params, the new model state, the inner state)``; loss
+    and aux are the means over the H steps.
+    """
+    steps = protocol.steps
+    if protocol.reset:  # a fresh inner state at every task (= at every fetch)
+        opt_state = vary(inner.init(params), (axis,))
+    micro = jax.tree.map(lambda x: x.reshape(steps, -1, *x.shape[1:]), batch)
+
+    def one(carry: Any, xs: Any) -> tuple[Any, Any]:
+        local, state, opt = carry
+        h, part = xs
+        out, grads, state = value_and_grad(
+            local, state, part, key if steps == 1 else jax.random.fold_in(key, h)
+        )
+        updates, opt = inner.update(grads, opt, local)
+        return (optax.apply_updates(local, updates), state, opt), out
+
+    carry = (params, model_state, opt_state)
+    (local, model_state, opt_state), out = lax.scan(one, carry, (jnp.arange(steps), micro))
+    pseudo = jax.tree.map(lambda a, b: (a - b).astype(a.dtype), params, local)
+    return _mean0(out), pseudo, model_state, opt_state
+
+
+def _check_inner(
+    protocol: sl.Protocol, inner_optimizer: optax.GradientTransformation | None
+) -> sl.AsyncLocal | None:
+    """``inner_optimizer`` is required by ``async_local`` and refused by the others."""
+    if not isinstance(protocol, sl.AsyncLocal):
+        if inner_optimizer is not None:
+            raise ValueError(
+                "inner_optimizer is the workers' optimizer of protocol=ddl.async_local(steps) "
+                f"only; protocol={protocol!r} computes plain gradients: drop inner_optimizer."
+            )
+        return None
+    if inner_optimizer is None:
+        raise ValueError(
+            f"protocol={protocol!r} needs inner_optimizer=, the optimizer of each worker's "
+            "H local steps (e.g. optax.adamw(1e-3)); optimizer= is the server's outer one."
+        )
+    st.check_transform("inner_optimizer", inner_optimizer, "optax.adamw(1e-3)")
+    return protocol
+
+
+class _Program(NamedTuple):
+    """The SPMD program of :func:`async_sgd`: builds the state and replays the events."""
+
+    kit: Kit
+    rules: ev.Rules
+    times: sl.ComputeTime
+    optimizer: optax.GradientTransformationExtraArgs
+    downpour: bool
+    local: sl.AsyncLocal | None = None
+    inner: optax.GradientTransformation | None = None
+
+    @classmethod
+    def build(
+        cls,
+        kit: Kit,
+        optimizer: optax.GradientTransformation,
+        compute_time: float | Sequence[float] | sl.ComputeTime,
+        protocol: str | sl.Protocol,
+        drop: float = 0.0,
+        churn: sl.Churn | None = None,
+        inner_optimizer: optax.GradientTransformation | None = None,
+    ) -> st.Strategy:
+        """Checks the protocol, the faults and the compute times; the ``Strategy``."""
+        times = sl.as_compute_time(compute_time, kit.n)
+        protocol = sl.as_protocol(protocol, kit.n)
+        local = _check_inner(protocol, inner_optimizer)
+        drop = check_probability("drop", drop)
+        rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
+        downpour = isinstance(protocol, sl.Downpour)
+        server_opt = optax.with_extra_args_support(optimizer)
+        times = sl.task_time(times, protocol)
+        program = cls(kit, rules, times, server_opt, downpour, local, inner_optimizer)
+        specs = program.specs()
+        params = kit.replicated(program.variables) if downpour else program.variables
+        divisor, why = None, None
+        if local is not None:  # each worker's shard splits into H inner micro-batches
+            divisor = kit.n * kit.accumulate * local.steps
+            why = (
+                f"{kit.n} workers on axis {kit.axis!r} x async_local steps={local.steps}, "
+                f"each worker's rows split into H inner micro-batches, x accumulate="
+                f"{kit.accumulate}"
+            )
+        step = kit.step(program.worker_step, specs, divisor=divisor, why=why)
+        return st.Strategy(kit.init(program.make_state, specs), step, params)
+
+    def specs(self) -> AsyncSGDState:
+        axis = self.kit.axis
+        server = P(axis) if self.downpour else P()
+        return AsyncSGDState(
+            params=server,
+            opt_state=server,
+            model=ModelVars(P(), P(), P()),
+            workers=P(axis),
+            protocol=P(axis) if self.downpour or self.local else P(),
+            clock=P(),
+        )
+
+    def make_state(self, params: st.Params, model: ModelVars) -> AsyncSGDState:
+        kit = self.kit
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        if self.downpour:
+            server = _blocks(params, kit.n)
+            opt_state = jax.vmap(self.optimizer.init)(server)
+        else:
+            server, opt_state = params, self.optimizer.init(params)
+        protocol: Plain | Group | Accrued | Inner = Plain()
+        if self.downpour:
+            protocol = Accrued(kit.stack(zeros))
+        elif self.local:
+            protocol = Inner(kit.stack(self.inner.init(params)))
+        elif self.rules.group_size > 1:
+            protocol = Group(zeros, _held_empty(model.state))
+        stacked = kit.stack((params, model.state, zeros, model.state))
+        return AsyncSGDState(
+            server,
+            opt_state,
+            model,
+            Workers(*stacked),
+            protocol,
+            ev.initial_clock(self.times, kit.n),
+        )
+
+    def task(self, params: Any, model_state: Any, batch: st.Batch, key: Any, inner: Any) -> Any:
+        """One task: ``((loss, aux), what is pushed, new model state, inner state)``."""
+        if self.local is None:
+            return (*self.kit.value_and_grad(params, model_state, batch, key), inner)
+        kit = self.kit
+        return local_steps(
+            kit.value_and_grad,
+            self.inner,
+            self.local,
+            kit.axis,
+            params,
+            model_state,
+            batch,
+            key,
+            inner,
+        )
+
+    def compute(
+        self, state: AsyncSGDState, me: jax.Array, computes: jax.Array, batch: st.Batch
+    ) -> tuple[Workers, Any, st.Metrics]:
+        """Phase 1 on the devices: a worker that ``computes`` takes its task's gradient
+        (``async_local``: pseudo-gradient) and model state on what it fetched, with the key
+        ``worker_key(model, me, step=k)`` of its k-th task; the others skip it. Returns the
+        workers, the protocol (``Inner`` updated) and the mean metrics of those computing."""
+        workers, axis = unstack(state.workers), self.kit.axis
+        key = worker_key(state.model, me, step=state.clock.tasks[me])
+        inner = unstack(state.protocol.opt_state) if self.local else None
+        args = (workers.params, workers.model_state, batch, key, inner)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.task, *args)[:3])
+        out = lax.cond(computes, self.task, lambda *a: (*zeros, a[-1]), *args)
+        (loss, aux), gradient, model_state, inner = out
+        protocol = Inner(restack(inner)) if self.local else state.protocol
+        workers = workers._replace(
+            gradient=_select(computes, gradient, workers.gradient),
+            new_model_state=_select(computes, model_state, workers.new_model_state),
+        )
+        count = jnp.maximum(lax.psum(computes.astype(jnp.float32), axis), 1.0)
+        metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
+        return workers, protocol, {k: v / count for k, v in metrics.items()}
+
+    def replay(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
+        """One event on the parameters: accrue (Downpour), push, apply, fetch."""
+        if self.downpour:  # a lost push empties the sum as a received one does
+            mine = me == event.worker
+            accrue = event.happens & ~event.rejoin & mine
+            total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
+            total = _select(accrue, total, local.protocol.gradient)
+            local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
+        local = lax.cond(event.push, functools.partial(self.push, me), _keep, local, event)
+        return self.fetch(me, local, event.fetch), None
+
+    def push(self, me: jax.Array, local: _Local, event: ev.Event) -> _Local:
+        """The arriving worker sends its gradient (Downpour: its accrued sum) and its new
+        model state: a masked all-reduce (Downpour: a reduce-scatter to the shards)."""
+        kit, mine = self.kit, me == event.worker
+        sent = local.protocol.gradient if self.downpour else local.workers.gradient
+        gradient = _masked(sent, mine)
+        model_state = lax.psum(_masked(local.workers.new_model_state, mine), kit.axis)
+        if self.downpour:  # each server shard receives its slice of the push
+            gradient = lax.psum_scatter(_blocks(gradient, kit.n), kit.axis, scatter_dimension=0)
+            local = local._replace(protocol=Accrued(_masked(local.protocol.gradient, ~mine)))
+        else:
+            gradient = lax.psum(gradient, kit.axis)
+        return self.receive(local, gradient, model_state, event)
+
+    def receive(self, local: _Local, gradient: Any, model_state: Any, event: ev.Event) -> _Local:
+        """The server takes a push into its group; applies the group's mean if it is full."""
+        if isinstance(local.protocol, Group):
+            size = self.rules.group_size
+            held = Group(
+                jax.tree.map(jnp.add, local.protocol.gradient, gradient),
+                _held_add(local.protocol.model_state, model_state),
+            )
+            gradient = jax.tree.map(lambda x: x / size, held.gradient)
+            model_state = _held_mean(held.model_state, size, model_state)
+            local = local._replace(protocol=held)
+        staleness = event.update_staleness
+        return lax.cond(event.apply, self.apply, _keep, local, gradient, model_state, staleness)
+
+    def apply(self, local: _Local, gradient: Any, model_state: Any, staleness: jax.Array) -> _Local:
+        """``theta <- theta + optimizer(g, staleness=tau)``; the model state is replaced."""
+        updates, opt_state = self.optimizer.update(
+            gradient, local.opt_state, local.params, staleness=staleness
+        )
+        protocol = local.protocol
+        if isinstance(protocol, Group):
+            protocol = Group(
+                jax.tree.map(jnp.zeros_like, protocol.gradient), _held_empty(protocol.model_state)
+            )
+        return local._replace(
+            params=optax.apply_updates(local.params, updates),
+            opt_state=opt_state,
+            model_state=model_state,
+            protocol=protocol,
+        )
+
+    def fetch(self, me: jax.Array, local: _Local, fetch: jax.Array) -> _Local:
+        """Workers in ``fetch`` take the server's parameters and model state."""
+        workers = local.workers
+        if self.downpour:  # an all-gather of the server's shards, when someone fetches
+            server = lax.cond(
+                fetch.any(),
+                lambda: FlatView.of(workers.params).from_blocks(
+                    lax.all_gather(local.params, self.kit.axis, tiled=True)
+                ),
+                lambda: workers.params,
+            )
+        else:
+            server = local.params
+        workers = workers._replace(
+            params=_select(fetch[me], server, workers.params),
+            model_state=_select(fetch[me], local.model_state, workers.model_state),
+        )
+        return local._replace(workers=workers)
+
+    def worker_step(
+        self, state: AsyncSGDState, batch: st.Batch
+    ) -> tuple[AsyncSGDState, st.Metrics]:
+        """One ``Strategy.step`` on one device (under ``shard_map``)."""
+        me = lax.axis_index(self.kit.axis)
+        clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
+        workers, protocol, metrics = self.compute(state, me, computes[me], batch)
+        local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
+        if self.downpour:
+            local = local._replace(
+                params=unstack(local.params),
+                opt_state=unstack(local.opt_state),
+                protocol=unstack(local.protocol),
+            )
+        local, _ = lax.scan(functools.partial(self.replay, me), local, events)
+        server, protocol = (local.params, local.opt_state), local.protocol
+        if self.downpour:
+            server, protocol = restack(server), restack(protocol)
+        model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
+        state = AsyncSGDState(*server, model, restack(local.workers), protocol, clock)
+        summary = ev.summarize(events)
+        metrics |= {
+            "staleness_mean": summary.staleness_mean,
+            "staleness_max": summary.staleness_max,
+            "pushes": summary.pushes,
+            "updates_applied": clock.version.astype(jnp.float32),
+            "wall_clock": clock.now,
+            "clock_gap_max": summary.clock_gap_max,
+            "replica_lag": ev.replica_lag(clock),
+        }
+        if self.rules.drop > 0:
+            metrics["pushes_lost"] = summary.pushes_lost
+        if self.rules.churn:
+            metrics["workers_away"] = clock.away.sum().astype(jnp.float32)
+        return state, metrics
+
+    def variables(self, state: AsyncSGDState) -> Any:
+        """``Strategy.params``: the server's parameters (and model state)."""
+        params = state.params
+        if self.downpour:
+            replicated = jax.sharding.reshard(params, NamedSharding(self.kit.mesh, P()))
+            params = FlatView.of(one_worker(state.workers.params)).from_blocks(replicated)
+        return self.kit.variables(params, state.model)
+
+
+def async_sgd(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    compute_time: float | Sequence[float] | sl.ComputeTime = 1.0,
+    protocol: str | sl.Protocol = "async",
+    drop: float = 0.0,
+    churn: sl.Churn | None = None,
+    inner_optimizer: optax.GradientTransformation | None = None,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    axis: str = "data",
+) -> st.Strategy:
+    """Asynchronous SGD against a parameter server, as an exact event-ordered simulation.
+
+    N workers (one per device on ``axis``) repeatedly fetch the server's parameters,
+    compute a gradient on them, and push it; the server applies what arrives, in simulated
+    arrival order: ``theta <- theta + optimizer(g, staleness=tau)``. Protocols:
+
+    * ``"async"`` (Hogwild!): each gradient is applied on arrival; its worker fetches.
+    * ``ddl.softsync(n)`` (Gupta et al.): the server applies the mean of every n arrivals
+      (with tau their mean staleness); a worker that pushed waits until its group is
+      applied, then fetches. n = N with equal compute times is synchronous SGD (Gupta et
+      al.'s n-softsync, which waits for floor(N / n), is ``softsync(N // n)`` here).
+    * ``ddl.ssp(s)`` (Ho et al.): as async, but a worker whose clock (gradients completed)
+      is more than s ahead of the slowest worker's waits until it is not.
+    * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
+      gradients and pushes the sum of its last n_push (Dean et al.'s Delta w) every
+      n_push, computing on what it has in between (their client-side local update is left
+      out). The server is sharded over ``axis`` as in DistBelief (device i holds shard i
+      of the flat parameters and its optimizer state; a push is a reduce-scatter, a fetch
+      an all-gather): elementwise optimizers act as on the whole model, clipping per shard.
+    * ``ddl.async_local(H)`` (Liu et al.): a task is H steps of ``inner_optimizer`` on the
+      worker's copy, on H consecutive slices of its ``B/N`` rows (H must divide them),
+      and the push is the pseudo-gradient ``theta_fetched - theta_local``; ``optimizer``
+      is the outer one (``ddl.delayed_nesterov``; ``optax.sgd(1.0)`` averages). Events are
+      plain async's; a task takes H times ``compute_time``. Each worker's inner state
+      (``P(axis)``) is kept across tasks, or reset at each fetch with ``reset=True``.
+
+    Model state and dropout (a ``ddl.ModelLoss``): the server holds the model state
+    (batch statistics) with its parameters; a worker fetches both, its k-th task computes
+    on what it last fetched (Downpour: also between fetches) with the key ``worker_key(
+    model, w, step=k)`` (async_local: inner step h its ``fold_in`` with h, for H > 1), and
+    the new model state travels with the push. An update sets the server's to the pushing
+    worker's (softsync(n): the mean of the group's, integer leaves their maximum).
+
+    Event model (``async_events.py``). Worker i's k-th gradient takes ``d(i, k)``
+    (``compute_time``), from its fetch (or release) at t to its arrival at ``t + d(i, k)``;
+    arrivals are processed in time order, ties to the lower worker. A push's staleness
+    tau counts the server updates since the worker's fetch. One ``Strategy.step``: (1)
+    every worker whose started task has no gradient yet computes it on its device, its
+    fetched parameters and its ``B/N`` shard of the global batch (a worker in flight or
+    waiting leaves its shard unused); (2) the server processes arrivals in time order up
+    to the first whose gradient is not computed: 1 to N arrivals, at most one per worker,
+    exactly N with equal times. Each push is a param-sized all-reduce masked to the
+    pusher (Downpour: a reduce-scatter, and an all-gather per fetching event): N pushes
+    move N data-parallel all-reduces' bytes, a cost of the simulation, not of the system.
+    ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
+    checkpoint resumes the same run.
+
+    Unreliable workers (``async_events.py``), drawn from (seed, i, k) like ``d(i, k)``:
+    ``drop=p`` loses the push of worker i's task k with probability p; the worker, unaware,
+    fetches at once, even under softsync (whose group waits for the next arrivals): with
+    equal times softsync(N) is then synchronous SGD in which a lost gradient is redone by
+    its worker on its next shard. ``churn``: after task k - 1 worker i leaves with
+    probability q, computes nothing for T, then fetches and starts task k.
+
+    References:
+      Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
+      Recht, Re, Wright, Niu, "Hogwild!", NeurIPS 2011, arXiv:1106.5730.
+      Ho et al., "More effective distributed ML via a stale synchronous parallel parameter
+      server", NeurIPS 2013.
+      Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
+      learning: a systematic study", ICDM 2016, arXiv:1509.04210.
+      Zhang, Gupta, Lian, Liu, "Staleness-aware async-SGD for distributed deep learning",
+      IJCAI 2016, arXiv:1511.05950.
+      Liu et al., "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135.
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), or a
+        ``ddl.ModelLoss``.
+      optimizer: the server's optax optimizer; it receives the extra argument
+        ``staleness`` (float32 scalar tau), so ``ddl.scale_by_staleness`` can sit in its
+        chain.
+      mesh: a mesh with axis ``axis``; its size is the number of workers N.
+      compute_time: simulated seconds per gradient: one number for all workers, one per
+        worker, or ``ddl.compute_times(base, spread=, seed=)`` for random times.
+      protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)``,
+        ``ddl.downpour(n_fetch, n_push)`` or ``ddl.async_local(steps)``.
+      drop: p in [0, 1), the probability that a push is lost; churn: ``None`` or
+        ``ddl.churn(leave=q, away=T)``, workers that leave and rejoin (see above).
+      inner_optimizer: the workers' optimizer, required by ``async_local`` and only there.
+      accumulate: micro-batches per worker gradient.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      axis: the mesh axis the workers live on.
+
+    Returns:
+      A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
+      (``{"params": ..., <model state>}`` for a ``ModelLoss``). Metrics: ``loss`` (and
+      aux), the mean over this step's tasks (0 if none); ``staleness_mean`` / ``_max``
+      over its pushes (0 if none); ``pushes`` (received); ``updates_applied`` (server
+      version); ``wall_clock`` (simulated time); ``clock_gap_max`` (the largest lead, in
+      clocks, of a worker starting a task over the slowest); ``replica_lag`` (the mean
+      over workers of the server updates since their fetch); ``pushes_lost`` (``drop``),
+      ``workers_away`` (``churn``).
+
+    Example (four equal workers averaging their four gradients: synchronous SGD):
+
+    >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
+    >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+    >>> strategy = ddl.async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=4),
+    ...                          protocol=ddl.softsync(4))
+    >>> state = strategy.init({"w": jnp.zeros(())})
+    >>> state, metrics = jax.jit(strategy.step)(state, {"x": jnp.ones(8), "y": jnp.ones(8)})
+    >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
+    (0.2, 4.0)
+    """
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    return _Program.build(kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer)

@@ -1,0 +1,400 @@
+"""Asynchronous-SGD building blocks: compute-time models, protocols, staleness scaling.
+
+Everything here is a small validated value or an optax transform; ``async_sgd`` reads
+them. A protocol decides what waits in the simulated parameter server: plain async
+(apply each gradient on arrival), n-softsync (apply the average of every n arrivals),
+stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits),
+Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``) and asynchronous local
+SGD (each task is ``steps`` inner optimizer steps; the push is their pseudo-gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ddl_jax._src.core.strategy import check_int, check_real
+
+
+class ComputeTime(NamedTuple):
+    """How long each simulated gradient computation takes (in simulated time units).
+
+    The k-th gradient of worker i takes ``base[i] * exp(spread * z)``, with ``z`` a
+    standard normal drawn from ``fold_in(fold_in(key(seed), i), k)``: a pure
+    function of (seed, i, k), so the same seed gives the same run whatever the event
+    order. ``spread = 0`` gives fixed times; unequal ``base`` gives heterogeneous speeds
+    (a straggler is one large entry).
+
+    Attributes:
+      base: per-worker median compute time, a tuple of N floats >= 0, or one float
+        shared by all workers.
+      spread: sigma of the log-normal noise, >= 0.
+      seed: seed of the noise.
+    """
+
+    base: float | tuple[float, ...]
+    spread: float
+    seed: int
+
+
+def compute_times(
+    base: float | Sequence[float] = 1.0, *, spread: float = 0.0, seed: int = 0
+) -> ComputeTime:
+    """Builds a validated :class:`ComputeTime` (equal, random, heterogeneous, stragglers).
+
+    Examples: ``compute_times(1.0)`` (equal workers), ``compute_times([1] * 7 + [4])``
+    (one 4x straggler among 8), ``compute_times(1.0, spread=0.5, seed=3)`` (random).
+
+    Args:
+      base: one median time for every worker, or one per worker; finite and >= 0.
+      spread: sigma of the log-normal noise around ``base``; finite and >= 0.
+      seed: integer seed of the noise.
+
+    Returns:
+      A ``ComputeTime``.
+    """
+    values = np.atleast_1d(np.asarray(base, dtype=np.float64))
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(
+            f"compute_time base must be a number or a non-empty sequence of numbers, got {base!r}."
+        )
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(
+            f"compute_time base must be finite and >= 0 (simulated time units), got {base!r}."
+        )
+    spread = check_real("compute_time spread", spread, minimum=0)
+    seed = check_int("compute_time seed", seed)
+    shared = np.ndim(base) == 0
+    return ComputeTime(
+        float(values[0]) if shared else tuple(float(v) for v in values), spread, seed
+    )
+
+
+def as_compute_time(value: float | Sequence[float] | ComputeTime, n: int) -> ComputeTime:
+    """Turns ``async_sgd``'s ``compute_time`` argument into a ``ComputeTime`` for N workers."""
+    if not isinstance(value, ComputeTime):
+        value = compute_times(value)
+    else:
+        value = compute_times(value.base, spread=value.spread, seed=value.seed)
+    if isinstance(value.base, tuple) and len(value.base) != n:
+        raise ValueError(
+            f"compute_time gives {len(value.base)} per-worker times but the mesh has {n} "
+            f"workers; give one number or exactly {n}."
+        )
+    return value
+
+
+def duration(
+    model: ComputeTime, n: int, key: jax.Array, worker: jax.Array, task: jax.Array
+) -> jax.Array:
+    """Simulated time of worker ``worker``'s ``task``-th gradient (traceable).
+
+    ``key`` is the threefry key data of ``model.seed``; the strategy keeps it in its state.
+    """
+    base = jnp.broadcast_to(jnp.asarray(model.base, jnp.float32), (n,))[worker]
+    if model.spread == 0:
+        return base
+    key = jax.random.fold_in(
+        jax.random.fold_in(jax.random.wrap_key_data(key, impl="threefry2x32"), worker), task
+    )
+    return base * jnp.exp(model.spread * jax.random.normal(key, (), jnp.float32))
+
+
+class Async(NamedTuple):
+    """Plain asynchronous SGD (Hogwild!-style): the server applies each gradient on arrival."""
+
+
+class SoftSync(NamedTuple):
+    """n-softsync (Gupta et al. 2016): the server applies the average of every n arrivals.
+
+    Here n counts gradients per update. Gupta et al. count the other way: their
+    n-softsync waits for floor(N / n) gradients (1-softsync is synchronous, N-softsync is
+    async), so their n-softsync is ``SoftSync(N // n)`` here.
+
+    Attributes:
+      n: gradients per server update, in [1, N]; n = N is synchronous SGD, n = 1 is async.
+    """
+
+    n: int
+
+
+class SSP(NamedTuple):
+    """Stale-synchronous parallel (Ho et al. 2013): bounded clock gap.
+
+    Attributes:
+      bound: s, a worker that has pushed more than ``s`` gradients beyond the slowest
+        worker waits before starting its next one; s = 0 keeps all workers on one clock.
+    """
+
+    bound: int
+
+
+class Downpour(NamedTuple):
+    """Downpour SGD (Dean et al. 2012): infrequent fetches and pushes.
+
+    Attributes:
+      n_fetch: a worker fetches the server's parameters every ``n_fetch`` gradients.
+      n_push: a worker sends the sum of its last ``n_push`` gradients every ``n_push``.
+    """
+
+    n_fetch: int
+    n_push: int
+
+
+class AsyncLocal(NamedTuple):
+    """Asynchronous local SGD (Liu et al. 2024): a task is H inner steps (see :func:`async_local`).
+
+    Attributes:
+      steps: H, inner optimizer steps per task, >= 1.
+      reset: whether a worker's inner optimizer state restarts from ``init`` at each task.
+    """
+
+    steps: int
+    reset: bool
+
+
+Protocol = Async | SoftSync | SSP | Downpour | AsyncLocal
+
+
+class Churn(NamedTuple):
+    """Workers that leave and rejoin (see :func:`churn`).
+
+    Attributes:
+      leave: q, the probability that a worker leaves after completing a task.
+      away: T, how long (simulated time) it stays away before rejoining.
+    """
+
+    leave: float
+    away: float
+
+
+def churn(leave: float, away: float) -> Churn:
+    """Churn for ``async_sgd``: after each completed task (and its push), a worker leaves
+    with probability ``leave`` and rejoins ``away`` simulated time later, fetching the
+    server's current parameters and starting its next task at once.
+
+    Args:
+      leave: q in [0, 1].
+      away: T, finite and >= 0.
+    """
+    return Churn(
+        check_real("churn leave", leave, minimum=0, maximum=1),
+        check_real("churn away", away, minimum=0),
+    )
+
+
+def as_churn(value: Churn | None) -> Churn:
+    """Validates ``async_sgd``'s ``churn`` argument (``None``: no churn)."""
+    if value is None:
+        return Churn(0.0, 0.0)
+    if not isinstance(value, Churn):
+        raise ValueError(f"churn must be None or ddl.churn(leave=, away=), got {value!r}.")
+    return churn(value.leave, value.away)
+
+
+def softsync(n: int) -> SoftSync:
+    """The n-softsync protocol: the server averages every ``n`` arrivals into one update.
+
+    ``n`` is gradients per update; Gupta et al.'s n-softsync (which waits for floor(N / n)
+    gradients) is ``softsync(N // n)`` here: their 1-softsync, synchronous SGD, is
+    ``softsync(N)``.
+
+    References:
+      Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
+      learning: a systematic study", ICDM 2016, arXiv:1509.04210.
+
+    Args:
+      n: gradients per server update, an int >= 1 (and <= N, checked by ``async_sgd``).
+    """
+    return SoftSync(check_int("softsync n", n, minimum=1))
+
+
+def ssp(bound: int) -> SSP:
+    """Stale-synchronous parallel: no worker runs more than ``bound`` clocks ahead.
+
+    References:
+      Ho et al., "More effective distributed ML via a stale synchronous parallel parameter
+      server", NeurIPS 2013.
+
+    Args:
+      bound: s >= 0, the largest allowed gap between a worker's clock (gradients pushed)
+        and the slowest worker's clock when it starts a gradient.
+    """
+    return SSP(check_int("ssp bound", bound, minimum=0))
+
+
+def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
+    """Downpour SGD's communication schedule.
+
+    References:
+      Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
+
+    Args:
+      n_fetch: gradients between parameter fetches, >= 1.
+      n_push: gradients accumulated (summed) per push, >= 1.
+    """
+    return Downpour(
+        check_int("downpour n_fetch", n_fetch, minimum=1),
+        check_int("downpour n_push", n_push, minimum=1),
+    )
+
+
+def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
+    """Asynchronous local SGD: a worker takes ``steps`` inner optimizer steps per task.
+
+    A worker that fetched the server's parameters theta takes H = ``steps`` steps of
+    ``async_sgd``'s ``inner_optimizer`` on its own copy, on H consecutive micro-batches of
+    its shard of the step's batch, and pushes the pseudo-gradient ``theta - theta_local``;
+    the server applies it on arrival with ``async_sgd``'s (outer) ``optimizer``, e.g.
+    ``ddl.delayed_nesterov(lr, momentum, delay=N)``; ``optax.sgd(1.0)`` is parameter
+    averaging. Events are plain async's; a task takes H times the per-gradient time.
+
+    References:
+      Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous
+      Local-SGD Training for Language Modeling", 2024, arXiv:2401.09135.
+
+    Args:
+      steps: H, inner steps per task, an int >= 1.
+      reset: ``False`` (default): each worker keeps its inner optimizer state (momenta,
+        step count) from task to task, as DiLoCo's workers do; ``True``: the state is
+        ``inner_optimizer.init`` of the fetched parameters at the start of every task
+        (every task starts with a fetch: a reset at each fetch).
+    """
+    if not isinstance(reset, bool):
+        raise ValueError(f"async_local reset must be a bool, got {reset!r}.")
+    return AsyncLocal(check_int("async_local steps", steps, minimum=1), reset)
+
+
+def task_time(times: ComputeTime, protocol: Protocol) -> ComputeTime:
+    """The compute-time model of one task: under ``async_local(H)`` H gradients, so H
+    times the per-gradient ``base`` (the noise, one draw per task, scales with it)."""
+    if not isinstance(protocol, AsyncLocal):
+        return times
+    base = times.base
+    scaled = tuple(b * protocol.steps for b in base) if isinstance(base, tuple) else None
+    return times._replace(base=base * protocol.steps if scaled is None else scaled)
+
+
+def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
+    """Validates ``async_sgd``'s ``protocol`` argument for N workers."""
+    if isinstance(protocol, str):
+        if protocol != "async":
+            raise ValueError(
+                f"protocol={protocol!r} is not known; valid: 'async', ddl.softsync(n), "
+                "ddl.ssp(bound), ddl.downpour(n_fetch, n_push), ddl.async_local(steps)."
+            )
+        return Async()
+    if not isinstance(protocol, Async | SoftSync | SSP | Downpour | AsyncLocal):
+        raise TypeError(
+            "protocol must be 'async', ddl.softsync(n), ddl.ssp(bound), "
+            f"ddl.downpour(n_fetch, n_push) or ddl.async_local(steps); got {protocol!r}."
+        )
+    # Built again by their checked constructors: a SoftSync(...) made by hand is checked too.
+    if isinstance(protocol, SoftSync):
+        protocol = softsync(protocol.n)
+        if protocol.n > n:
+            raise ValueError(
+                f"softsync n={protocol.n} is outside [1, N] for N={n} workers; n=N is "
+                "synchronous SGD, n=1 is plain async."
+            )
+    if isinstance(protocol, SSP):
+        protocol = ssp(protocol.bound)
+    if isinstance(protocol, Downpour):
+        protocol = downpour(protocol.n_fetch, protocol.n_push)
+    if isinstance(protocol, AsyncLocal):
+        protocol = async_local(protocol.steps, reset=protocol.reset)
+    return protocol
+
+
+RULES: dict[str, str] = {
+    "inverse": "1 / max(tau, 1) (Zhang et al. 2016)",
+    "exp": "exp(-decay * tau)",
+}
+
+# Staleness values a callable rule is checked on at construction: zero, fractions (a
+# softsync group's mean), and powers of two up to far beyond any realistic staleness.
+# Only these points are checked: a rule may still misbehave between them or beyond.
+SAMPLE_STALENESS = np.array([0.0, 0.5, 1.0, 1.5, *(2.0**k for k in range(1, 13))], np.float32)
+
+
+class ScaleByStalenessState(NamedTuple):
+    """``scale_by_staleness`` keeps no state."""
+
+
+def scale_by_staleness(
+    rule: str | Callable[[jax.Array], jax.Array] = "inverse", *, decay: float = 0.1
+) -> optax.GradientTransformationExtraArgs:
+    """Scales an update by a function of its staleness: ``u <- s(tau) * u``.
+
+    ``tau`` is the number of server updates applied between the fetch of the parameters a
+    gradient was computed on and the gradient's arrival; ``async_sgd`` passes it as the
+    optax extra argument ``staleness`` (a softsync group passes its mean). ``optax.chain``
+    forwards extra args to every link. Put it after the optimizer that computes the step,
+    e.g. ``optax.chain(optax.adam(1e-3), ddl.scale_by_staleness())``: it then scales the
+    learning rate, ``lr / tau`` in Zhang et al. Before an adaptive optimizer such as Adam,
+    which divides by a running gradient magnitude, the scale is normalised away (exactly,
+    for a constant tau). With plain SGD the order does not matter.
+
+    Rules: ``"inverse"``: ``s = 1 / max(tau, 1)``; ``"exp"``: ``s = exp(-decay * tau)``;
+    or a callable ``tau -> s`` (traceable jnp code on a float32 scalar). A callable rule
+    is checked eagerly, at construction, on tau in {0, 0.5, 1, 1.5, 2, 4, ..., 4096}: a
+    scale that is not a finite number >= 0 there raises ``ValueError`` then, rather than
+    silently turning parameters to NaN inside a jitted step. Only those points are
+    checked: a rule that misbehaves between them or beyond 4096 is not caught, and its
+    non-finite scale reaches the parameters (``async_sgd``'s ``staleness_max`` metric
+    shows the staleness a run actually meets).
+
+    References:
+      Zhang, Gupta, Lian, Liu, "Staleness-aware async-SGD for distributed deep learning",
+      IJCAI 2016, arXiv:1511.05950.
+
+    Args:
+      rule: ``"inverse"``, ``"exp"`` or a callable ``tau -> scale``.
+      decay: lambda of the ``"exp"`` rule, finite and >= 0.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update(updates, state, params,
+      *, staleness)`` requires the ``staleness`` keyword (a scalar).
+    """
+    if rule == "inverse":
+        scale_fn = lambda tau: 1.0 / jnp.maximum(tau, 1.0)  # noqa: E731
+    elif rule == "exp":
+        decay = check_real("scale_by_staleness decay", decay, minimum=0)
+        scale_fn = lambda tau: jnp.exp(-decay * tau)  # noqa: E731
+    elif callable(rule):
+        scale_fn = rule
+        scales = np.asarray([np.asarray(rule(jnp.float32(t))) for t in SAMPLE_STALENESS])
+        bad = ~(np.isfinite(scales) & (scales >= 0))
+        if scales.shape != SAMPLE_STALENESS.shape or bad.any():
+            where = SAMPLE_STALENESS[bad] if scales.shape == SAMPLE_STALENESS.shape else "?"
+            raise ValueError(
+                "scale_by_staleness rule must map a staleness tau to a finite scalar scale "
+                f">= 0; at tau={where} it returned {scales[bad] if bad.any() else scales} "
+                f"(checked at tau in {SAMPLE_STALENESS.tolist()})."
+            )
+    else:
+        raise ValueError(
+            f"scale_by_staleness rule={rule!r} is not known; valid: {list(RULES)} or a "
+            "callable tau -> scale."
+        )
+
+    def init(params):
+        del params
+        return ScaleByStalenessState()
+
+    def update(updates, state, params=None, *, staleness=None, **extra_args):
+        del params, extra_args
+        if staleness is None:
+            raise TypeError(
+                "scale_by_staleness needs the staleness of the update: call "
+                "update(updates, state, params, staleness=tau) (ddl.async_sgd does)."
+            )
+        scale = scale_fn(jnp.asarray(staleness, jnp.float32))
+        return jax.tree.map(lambda u: (scale * u).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)

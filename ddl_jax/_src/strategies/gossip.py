@@ -1,0 +1,376 @@
+"""Gossip (decentralised) SGD: neighbours average through ppermute, no global all-reduce."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.core.strategy import Strategy, check_int
+from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
+from ddl_jax._src.reduce.allreduce import in_buckets
+
+TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+
+
+def _torus_shape(n: int) -> tuple[int, int]:
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return rows, n // rows
+
+
+def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
+    """The sends of one gossip round: each entry maps device i to the device it sends to.
+
+    ``ring``: i -> i+1 and i -> i-1. ``torus``: the same along both axes of the most square
+    ``rows x cols`` grid of n devices. ``exponential``: i -> i + 2^k for 2^k < n (the
+    directed exponential graph of Assran et al. 2019). ``complete``: i -> i + s for every
+    s in 1..n-1. Duplicate and self-sends (small n) are dropped.
+    """
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
+    if topology == "torus":
+        rows, cols = _torus_shape(n)
+        perms = []
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            perms.append(
+                tuple(((i // cols + dr) % rows) * cols + (i % cols + dc) % cols for i in range(n))
+            )
+    else:
+        shifts = {
+            "ring": (1, -1),
+            "exponential": tuple(2**k for k in range(max(n - 1, 1).bit_length()) if 2**k < n),
+            "complete": tuple(range(1, n)),
+        }[topology]
+        perms = [tuple((i + s) % n for i in range(n)) for s in shifts]
+    unique = []
+    for perm in perms:
+        if perm != tuple(range(n)) and perm not in unique:
+            unique.append(perm)
+    return unique
+
+
+def mixing_matrix(topology: str, n: int) -> np.ndarray:
+    """The default gossip mixing matrix W: ``1/(d+1)`` on self and each of the d in-neighbours.
+
+    ``W[i, j]`` is the weight device i gives device j's model; W is doubly stochastic for
+    every topology here (each is regular and built from permutations).
+    """
+    perms = neighbour_permutations(topology, n)
+    w = np.eye(n) / (len(perms) + 1)
+    for perm in perms:
+        for src, dst in enumerate(perm):
+            w[dst, src] += 1 / (len(perms) + 1)
+    return w
+
+
+def _check_mixing(weights: Any, topology: str, n: int) -> np.ndarray:
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"mixing_weights must be a numeric {n} x {n} array: {e}") from e
+    if w.shape != (n, n):
+        raise ValueError(f"mixing_weights must have shape ({n}, {n}), got {w.shape}.")
+    if (w < 0).any() or not (
+        np.allclose(w.sum(0), 1, atol=1e-6) and np.allclose(w.sum(1), 1, atol=1e-6)
+    ):
+        raise ValueError(
+            "mixing_weights must be doubly stochastic (non-negative, rows and columns summing "
+            f"to 1); row sums {np.round(w.sum(1), 4)}, column sums {np.round(w.sum(0), 4)}."
+        )
+    allowed = np.eye(n, dtype=bool)
+    for perm in neighbour_permutations(topology, n):
+        for src, dst in enumerate(perm):
+            allowed[dst, src] = True
+    if (bad := np.argwhere((w != 0) & ~allowed)).size:
+        i, j = bad[0]
+        raise ValueError(
+            f"mixing_weights[{i}, {j}] = {w[i, j]:g}, but device {j} is not a neighbour of "
+            f"device {i} in the {topology!r} topology."
+        )
+    return w
+
+
+def link_masks(
+    key: Any, step: Any, n: int, *, drop: float = 0.0, churn: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+    """The unreliable network of one gossip step: which messages arrive, who is present.
+
+    Drawn from the run's shared key (``ModelVars.key``) and the step by
+    ``ddl.consistency.arrivals``, as ``local_sgd``'s are, the same on every worker and
+    restored with a checkpoint: messages ``(n, n)`` on the drop stream, presence ``(n,)``
+    on the churn stream.
+
+    Args:
+      key: the run's key data, ``uint32[2]``.
+      step: the step count.
+      n: the number of workers.
+      drop: the probability that one message (a (sender, receiver) pair, this step) is lost.
+      churn: the probability that a worker is absent this step.
+
+    Returns:
+      ``(arrives, present)``: ``arrives[i, j]`` whether worker j's model reaches worker i
+      (false if the message is lost or either is absent; the diagonal is not a message),
+      ``present[i]`` whether worker i takes part in the step.
+    """
+    arrives = arrivals(key, step, (n, n), drop)
+    present = arrivals(key, step, n, churn, CHURN_STREAM)
+    return arrives & present[:, None] & present[None, :], present
+
+
+class GossipState(NamedTuple):
+    """State of :func:`gossip`.
+
+    Attributes:
+      params: each worker's replica, ``[N, ...]`` sharded ``P(axis)``.
+      opt_state: each worker's optimizer state, ``[N, ...]`` sharded ``P(axis)``.
+      consensus_distance: mean distance of the replicas to their average at the last
+        measurement, ``P()``.
+      model: each worker's model state (batch statistics), ``P(axis)``, mixed with its
+        neighbours' as the parameters are; the run's key and the step count, ``P()``.
+    """
+
+    params: Any
+    opt_state: Any
+    consensus_distance: jax.Array
+    model: ModelVars
+
+
+def gossip(
+    loss_fn: AnyLoss,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    topology: str = "ring",
+    mixing_weights: Any = None,
+    drop: float = 0.0,
+    churn: float = 0.0,
+    consensus_every: int = 10,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    axis: str = "data",
+) -> Strategy:
+    """Decentralised gossip SGD (D-PSGD): a local step, then averaging with neighbours.
+
+    Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
+    ``theta_i <- sum_j W_ij (theta_j + u_j)`` where ``u_j`` is worker j's update (the
+    adapt-then-combine order, so that the complete graph is exactly synchronous SGD).
+    Model state (batch statistics) is each worker's own and mixed by the same ``W``;
+    dropout keys differ per worker and step.
+    Models travel by ``ppermute``, one round per neighbour: each device sends
+    ``degree x parameter bytes`` per step and there is no global all-reduce.
+
+    **Unreliable workers** ("dropped, not accumulated"). With ``drop`` = p each message
+    (worker j's model to worker i, this step) is lost with probability p; with ``churn`` = q
+    each worker is absent with probability q (no local step: its parameters, optimizer and
+    model state stay as they were; it sends and receives nothing), independently every step,
+    so it is back at the next step it is drawn present. A receiver keeps a lost message's
+    weight on its own model: ``W'_ij = W_ij [j's message arrives]``,
+    ``W'_ii = 1 - sum_{j != i} W'_ij``. ``W'`` is row-stochastic but no longer doubly
+    stochastic, so the replicas' average drifts from the average of ``theta_j + u_j``: a lost
+    update is dropped, not accumulated for a later round. The draws come from the run's key
+    and the step (:func:`link_masks`), the same on every worker and resumed with a
+    checkpoint. With ``drop = churn = 0`` the step is the reliable one, unchanged.
+
+    References:
+      Lian et al., "Can decentralized algorithms outperform centralized algorithms?",
+      NeurIPS 2017, arXiv:1705.09056. Assran et al., "Stochastic gradient push",
+      ICML 2019, arXiv:1811.10792 (exponential graph).
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      optimizer: optax optimizer, one state per worker.
+      mesh: a mesh with axis ``axis``.
+      topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
+      mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
+        default ``mixing_matrix(topology, N)``.
+      drop: probability in [0, 1) that a message is lost.
+      churn: probability in [0, 1) that a worker is absent for a step.
+      consensus_every: measure ``consensus_distance`` every this many steps (it costs an
+        all-reduce of the parameters, so not every step); 0 never.
+      accumulate: micro-batches per worker per step.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      axis: the mesh axis the workers live on.
+
+    Returns:
+      A ``Strategy`` with ``GossipState``; metrics ``loss`` and aux values (with ``churn``,
+      over the present workers), unless ``consensus_every=0`` ``consensus_distance`` as last
+      measured (after the mixing of a step t with ``t % consensus_every == 0``), with
+      ``drop`` ``messages_dropped`` (the fraction of this step's messages between present
+      workers that were lost), with ``churn`` ``workers_present`` (their number this step).
+      ``params(state)`` is the mean of the replicas.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), topology="ring")
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init({"w": jnp.zeros(())}), batch)
+      >>> w, distance = strategy.params(state)["w"], metrics["consensus_distance"]
+      >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
+      (0.2, 0.0)
+    """
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
+    drop, churn = check_probability("drop", drop), check_probability("churn", churn)
+    n = kit.n
+    perms = neighbour_permutations(topology, n)
+    w = (
+        mixing_matrix(topology, n)
+        if mixing_weights is None
+        else _check_mixing(mixing_weights, topology, n)
+    )
+    specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
+
+    def make_state(params: Any, model: ModelVars) -> GossipState:
+        return GossipState(
+            params=kit.stack(params),
+            opt_state=kit.stack(optimizer.init(params)),
+            consensus_distance=jnp.zeros((), jnp.float32),
+            model=model._replace(state=kit.stack(model.state)),
+        )
+
+    cfg = _Config(kit, optimizer, w, perms, drop, churn, consensus_every)
+    return Strategy(
+        kit.init(make_state, specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
+    )
+
+
+class _Config(NamedTuple):
+    kit: Kit
+    optimizer: optax.GradientTransformation
+    weights: np.ndarray
+    perms: list[tuple[int, ...]]
+    drop: float
+    churn: float
+    consensus_every: int
+
+
+def _worker_step(
+    cfg: _Config, state: GossipState, batch: Any
+) -> tuple[GossipState, dict[str, jax.Array]]:
+    axis, n = cfg.kit.axis, cfg.kit.n
+    params, opt_state = unstack(state.params), unstack(state.opt_state)
+    me = lax.axis_index(axis)
+    key = worker_key(state.model, me)
+    old_model_state = unstack(state.model.state)
+    (loss, aux), grads, model_state = cfg.kit.value_and_grad(params, old_model_state, batch, key)
+    updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
+    stepped = (optax.apply_updates(params, updates), model_state, new_opt_state)
+    if not (cfg.drop or cfg.churn):
+        (params, model_state), opt_state = (
+            _mix(stepped[:2], axis, cfg.weights, cfg.perms),
+            stepped[2],
+        )
+        metrics = lax.pmean({"loss": loss, **aux}, axis)
+    else:
+        arrives, present = link_masks(
+            state.model.key, state.model.step, n, drop=cfg.drop, churn=cfg.churn
+        )
+        here = present[me]
+        params, model_state, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(here, new, old),
+            stepped,
+            (params, old_model_state, opt_state),
+        )
+        params, model_state = _mix_unreliable(
+            (params, model_state), axis, cfg.weights, cfg.perms, arrives
+        )
+        metrics = _network_metrics(cfg, arrives, present, here, {"loss": loss, **aux})
+    distance = measured_consensus(params, state, cfg.consensus_every, axis)
+    if cfg.consensus_every:
+        metrics["consensus_distance"] = distance
+    model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
+    return GossipState(restack(params), restack(opt_state), distance, model), metrics
+
+
+def _network_metrics(
+    cfg: _Config, arrives: jax.Array, present: jax.Array, here: jax.Array, values: dict
+) -> dict[str, jax.Array]:
+    """The loss and aux values over the present workers, and the network's metrics."""
+    axis, n = cfg.kit.axis, cfg.kit.n
+    count = present.sum()
+    if cfg.churn:
+        totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
+        metrics = jax.tree.map(lambda v: v / jnp.maximum(count, 1).astype(v.dtype), totals)
+        metrics["workers_present"] = count.astype(jnp.float32)
+    else:
+        metrics = lax.pmean(values, axis)
+    if cfg.drop:
+        edges = np.zeros((n, n), bool)  # edges[i, j]: worker j sends to worker i
+        for perm in cfg.perms:
+            edges[list(perm), list(range(n))] = True
+        sent = jnp.asarray(edges) & present[:, None] & present[None, :]
+        lost = (sent & ~arrives).sum()
+        metrics["messages_dropped"] = (lost / jnp.maximum(sent.sum(), 1)).astype(jnp.float32)
+    return metrics
+
+
+def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -> Any:
+    """``sum_j W_ij y_j`` on device i: one ``ppermute`` round per neighbour permutation."""
+    me = lax.axis_index(axis)
+    w = jnp.asarray(weights, jnp.float32)
+    mixed = jax.tree.map(lambda a: w[me, me].astype(a.dtype) * a, y)
+    for perm in perms:
+        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
+        source = jnp.asarray(np.argsort(perm))[me]  # whom device i hears from in this round
+        mixed = jax.tree.map(
+            lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
+        )
+    return mixed
+
+
+def _mix_unreliable(
+    y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]], arrives: jax.Array
+) -> Any:
+    """``sum_j W'_ij y_j`` on device i, ``W'`` being ``W`` with the weight of each message
+    that did not arrive moved to the diagonal. With every message arriving the arithmetic is
+    :func:`_mix`'s, operation for operation."""
+    me = lax.axis_index(axis)
+    w = jnp.asarray(weights, jnp.float32)
+    own, rounds = w[me, me], []
+    for perm in perms:
+        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
+        source = jnp.asarray(np.argsort(perm))[me]
+        kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
+        own = own + (w[me, source] - kept)
+        rounds.append((kept, arrived))
+    mixed = jax.tree.map(lambda a: own.astype(a.dtype) * a, y)
+    for kept, arrived in rounds:
+        mixed = jax.tree.map(lambda m, r, wk=kept: m + wk.astype(r.dtype) * r, mixed, arrived)
+    return mixed
+
+
+def measured_consensus(params: Any, state: Any, every: int, axis: str) -> jax.Array:
+    """The replicas' consensus distance at steps divisible by ``every`` (it costs a
+    parameter all-reduce), else ``state.consensus_distance`` as last measured."""
+    if not every:
+        return state.consensus_distance
+    return lax.cond(
+        state.model.step % every == 0,
+        functools.partial(_consensus_distance, axis=axis),
+        lambda _: state.consensus_distance,
+        params,
+    )
+
+
+def _consensus_distance(params: Any, axis: str) -> jax.Array:
+    """The workers' mean distance to their average model."""
+    mean = lax.pmean(params, axis)
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
+    sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
+    return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)

@@ -1,0 +1,259 @@
+"""NoLoCo: local steps, then an outer step shared with one random peer; no all-reduce."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
+from ddl_jax._src.reduce.allreduce import in_buckets
+from ddl_jax._src.strategies.gossip import measured_consensus
+
+# The stream of the shared pairing draw: fold_in(fold_in(key, step), _PAIR_STREAM); worker
+# keys fold in w < N, gossip's link draws 2**32 - 1.
+_PAIR_STREAM = 0xFFFFFFFE
+
+
+def pairing_rounds(n: int) -> list[tuple[int, ...]]:
+    """The matchings a NoLoCo outer step draws from: ``rounds[r][i]`` is worker i's peer.
+
+    The circle method's rounds of a round-robin tournament on n workers (one phantom worker
+    added when n is odd): n - 1 perfect matchings for even n, n matchings each leaving one
+    worker alone (its own peer) for odd n. Together they hold every pair exactly once, so
+    under a uniformly drawn round each pair meets with probability 1/(n - 1) (n even), as
+    under a uniformly random perfect matching.
+    """
+    n = check_int("n", n, minimum=1)
+    m = n + n % 2
+    rounds = []
+    for r in range(m - 1):
+        peer = list(range(m))
+        pairs = [(r, m - 1)] + [((r + k) % (m - 1), (r - k) % (m - 1)) for k in range(1, m // 2)]
+        for a, b in pairs:
+            peer[a], peer[b] = b, a
+        rounds.append(tuple(p if p < n else i for i, p in enumerate(peer[:n])))
+    return rounds
+
+
+def draw_pairing(key: Any, step: Any, n: int) -> jax.Array:
+    """The index into ``pairing_rounds(n)`` of the outer step after step ``step``: uniform,
+    from the run's key data (``ModelVars.key``) and the step, the same on every worker."""
+    base = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl="threefry2x32")
+    k = jax.random.fold_in(jax.random.fold_in(base, step), _PAIR_STREAM)
+    return jax.random.randint(k, (), 0, len(pairing_rounds(n)))
+
+
+class NoLoCoState(NamedTuple):
+    """State of :func:`noloco`.
+
+    Attributes:
+      params: each worker's replica, ``[N, ...]`` sharded ``P(axis)``.
+      opt_state: each worker's inner optimizer state, ``P(axis)``.
+      anchor: each worker's outer (slow) weights phi_i, ``P(axis)``: they differ between
+        workers, each mixing with its peers of past outer steps.
+      outer_opt_state: each worker's outer optimizer state (its momentum), ``P(axis)``.
+      consensus_distance: the replicas' mean distance to their average at the last
+        measurement, ``P()``.
+      model: each worker's model state, ``P(axis)``, averaged with the peer's at each outer
+        step; the run's key and the step count, ``P()``.
+    """
+
+    params: Any
+    opt_state: Any
+    anchor: Any
+    outer_opt_state: Any
+    consensus_distance: jax.Array
+    model: ModelVars
+
+
+def noloco(
+    loss_fn: AnyLoss,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    period: int,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    anchor_pull: float = 1.0,
+    consensus_every: int = 10,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    axis: str = "data",
+) -> Strategy:
+    """NoLoCo: DiLoCo whose outer step is shared with one random peer instead of all workers.
+
+    Each worker i takes ``period`` (H) steps of ``optimizer`` from its outer weights phi_i,
+    reaching theta_i. Then the workers pair up (a random matching, the same on every worker,
+    drawn from the run's key and the step: :func:`pairing_rounds`, :func:`draw_pairing`) and
+    worker i, paired with p, takes an outer step on the pair's averaged pseudo-gradient plus a
+    pull towards the pair's mean outer weights::
+
+        Delta_j = phi_j - theta_j
+        G_i = (Delta_i + Delta_p) / 2 + anchor_pull * (phi_i - (phi_i + phi_p) / 2)
+        phi_i <- phi_i + outer_optimizer(G_i);   theta_i <- phi_i
+
+    With ``outer_optimizer=optax.sgd(beta, momentum=alpha)`` the outer update ``delta_i``
+    follows NoLoCo's modified Nesterov rule ``delta_i <- alpha delta_i - beta mean_pair(Delta)
+    - gamma (phi_i - mean_pair(phi))`` with ``gamma = beta * anchor_pull`` (the authors'
+    public code takes gamma = beta, ``anchor_pull=1``). Inner and outer optimizer states stay
+    each worker's own; model state is averaged within the pair. The default outer step,
+    SGD at lr 1 with ``anchor_pull=1``, sets both workers to the mean of their two replicas.
+    With N = 2 there is one pairing and the anchors stay equal: NoLoCo is DiLoCo
+    (``local_sgd(period=H, outer_optimizer=...)``), and at H = 1 with the default outer step
+    synchronous SGD. An odd N leaves one worker alone per outer step (it steps on its own
+    pseudo-gradient). Each worker sends its pseudo-gradient and its outer weights to its
+    peer by one ``ppermute`` (2 x parameter bytes, one with ``anchor_pull=0``, plus model
+    state) every H steps, inside a ``lax.switch`` over the N - 1 matchings; nothing is
+    all-reduced but the loss (and ``consensus_distance`` when measured).
+
+    References:
+      Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
+      Models", 2025, arXiv:2506.10911. Douillard et al., "DiLoCo", 2023, arXiv:2311.08105.
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      optimizer: the inner optax optimizer, one state per worker.
+      mesh: a mesh with axis ``axis``.
+      period: H, inner steps between outer steps, >= 1.
+      outer_optimizer: applied to G_i; default ``optax.sgd(1.0)``.
+      anchor_pull: the weight of the pull towards the pair's mean outer weights, >= 0.
+      consensus_every: measure ``consensus_distance`` every this many steps; 0 never.
+      accumulate: micro-batches per worker per step.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      axis: the mesh axis the workers live on.
+
+    Returns:
+      A ``Strategy`` with ``NoLoCoState``; metrics ``loss``, aux values, ``synchronised``
+      (1.0 after an outer step) and (unless ``consensus_every=0``) ``consensus_distance`` as
+      last measured. ``params(state)`` is the mean of the replicas.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> strategy = ddl.noloco(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), period=2)
+      >>> state = strategy.init({"w": jnp.zeros(())})
+      >>> step = jax.jit(strategy.step)
+      >>> for _ in range(2):
+      ...     state, metrics = step(state, batch)
+      >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
+      (1.0, 0.36)
+    """
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    period = check_int("period", period, minimum=1)
+    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
+    anchor_pull = check_real("anchor_pull", anchor_pull, minimum=0.0)
+    if outer_optimizer is None:
+        outer_optimizer = optax.sgd(1.0)
+    check_transform("outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9)")
+    specs = NoLoCoState(P(axis), P(axis), P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
+
+    def make_state(params: Any, model: ModelVars) -> NoLoCoState:
+        return NoLoCoState(
+            params=kit.stack(params),
+            opt_state=kit.stack(optimizer.init(params)),
+            anchor=kit.stack(jax.tree.map(jnp.copy, params)),
+            outer_opt_state=kit.stack(outer_optimizer.init(params)),
+            consensus_distance=jnp.zeros((), jnp.float32),
+            model=model._replace(state=kit.stack(model.state)),
+        )
+
+    cfg = _Config(kit, optimizer, outer_optimizer, period, anchor_pull, consensus_every)
+    return Strategy(
+        kit.init(make_state, specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
+    )
+
+
+class _Config(NamedTuple):
+    kit: Kit
+    optimizer: optax.GradientTransformation
+    outer_optimizer: optax.GradientTransformation
+    period: int
+    anchor_pull: float
+    consensus_every: int
+
+
+def _worker_step(
+    cfg: _Config, state: NoLoCoState, batch: Any
+) -> tuple[NoLoCoState, dict[str, jax.Array]]:
+    axis = cfg.kit.axis
+    params, opt_state = unstack(state.params), unstack(state.opt_state)
+    key = worker_key(state.model, lax.axis_index(axis))
+    (loss, aux), grads, model_state = cfg.kit.value_and_grad(
+        params, unstack(state.model.state), batch, key
+    )
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
+    carry = (
+        optax.apply_updates(params, updates),
+        model_state,
+        unstack(state.anchor),
+        unstack(state.outer_opt_state),
+    )
+    outer = functools.partial(_outer_step, cfg, state.model.key, state.model.step)
+    synchronised = (state.model.step + 1) % cfg.period == 0
+    carry = outer(carry) if cfg.period == 1 else lax.cond(synchronised, outer, _keep, carry)
+    params, model_state, anchor, outer_opt_state = carry
+    metrics = lax.pmean({"loss": loss, **aux}, axis)
+    metrics["synchronised"] = synchronised.astype(jnp.float32)
+    distance = measured_consensus(params, state, cfg.consensus_every, axis)
+    if cfg.consensus_every:
+        metrics["consensus_distance"] = distance
+    model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
+    new = (params, opt_state, anchor, outer_opt_state)
+    return NoLoCoState(*map(restack, new), distance, model), metrics
+
+
+def _keep(carry: Any) -> Any:
+    return carry
+
+
+def _outer_step(cfg: _Config, key: jax.Array, step: jax.Array, carry: Any) -> Any:
+    """The outer step with this step's peer: the pair's mean pseudo-gradient, the pull
+    towards the pair's mean outer weights, and the pair's mean model state."""
+    params, model_state, anchor, outer_opt_state = carry
+    delta = jax.tree.map(jnp.subtract, anchor, params)
+    mine = (delta, model_state, anchor if cfg.anchor_pull else None)
+    theirs = _from_peer(mine, cfg.kit.axis, cfg.kit.n, draw_pairing(key, step, cfg.kit.n))
+    grad = jax.tree.map(lambda a, b: (a + b) / 2, delta, theirs[0])
+    if cfg.anchor_pull:
+        pull = cfg.anchor_pull
+        grad = jax.tree.map(lambda g, a, b: g + pull * (a - b) / 2, grad, anchor, theirs[2])
+    updates, outer_opt_state = cfg.outer_optimizer.update(grad, outer_opt_state, anchor)
+    anchor = optax.apply_updates(anchor, updates)
+    model_state = jax.tree.map(_pair_mean, model_state, theirs[1])
+    return jax.tree.map(jnp.copy, anchor), model_state, anchor, outer_opt_state
+
+
+def _pair_mean(mine: jax.Array, theirs: jax.Array) -> jax.Array:
+    if jnp.issubdtype(mine.dtype, jnp.inexact):
+        wide = jnp.promote_types(mine.dtype, jnp.float32)
+        return ((mine.astype(wide) + theirs.astype(wide)) / 2).astype(mine.dtype)
+    return jnp.maximum(mine, theirs)
+
+
+def _from_peer(tree: Any, axis: str, n: int, pairing: jax.Array) -> Any:
+    """``tree`` of this worker's peer in round ``pairing`` of ``pairing_rounds(n)`` (its
+    own for a worker left alone): one ``ppermute`` in the branch ``lax.switch`` takes."""
+    me = lax.axis_index(axis)
+
+    def exchange(peer: tuple[int, ...], y: Any) -> Any:
+        sends = [(i, p) for i, p in enumerate(peer) if p != i]
+        arrived = in_buckets(lambda f: lax.ppermute(f, axis, sends), y) if sends else y
+        alone = jnp.asarray([p == i for i, p in enumerate(peer)])[me]
+        return jax.tree.map(lambda a, b: jnp.where(alone, a, b), y, arrived)
+
+    branches = [functools.partial(exchange, peer) for peer in pairing_rounds(n)]
+    return branches[0](tree) if len(branches) == 1 else lax.switch(pairing, branches, tree)

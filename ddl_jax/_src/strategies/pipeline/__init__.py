@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules, stages, and the programs that run them."""

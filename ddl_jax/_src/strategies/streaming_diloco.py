@@ -1,0 +1,368 @@
+"""Streaming DiLoCo: DiLoCo synchronising one fragment of the parameters at a time,
+with the outer gradient's exchange overlapped with inner steps."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
+from ddl_jax._src.reduce.wire import reducer_metrics
+from ddl_jax._src.strategies.local_sgd import _average, _keep
+
+
+class StreamingDiLoCoState(NamedTuple):
+    """State of :func:`streaming_diloco`.
+
+    Attributes:
+      params: each worker's replica, ``[N, ...]`` sharded ``P(axis)``.
+      opt_state: each worker's inner optimizer state, ``[N, ...]`` sharded ``P(axis)``.
+      anchor: the global model (every fragment as its last outer step left it), ``P()``.
+      outer_opt_state: one outer optimizer state per fragment, of the list of its leaves
+        (``optax.EmptyState()`` each without an outer optimizer), ``P()``.
+      reducer_state: one reducer state per fragment, of the list of its leaves, per worker
+        ``P(axis)``.
+      pending: with ``overlap`` > 0, per fragment the list of its last reduced outer
+        gradients (the one in flight until it lands), ``P()``; ``()`` with ``overlap=0``.
+      model: each worker's model state (batch statistics), ``P(axis)``, averaged at every
+        fragment's send; the run's key and the step count, ``P()``.
+    """
+
+    params: Any
+    opt_state: Any
+    anchor: Any
+    outer_opt_state: tuple[Any, ...]
+    reducer_state: tuple[Any, ...]
+    pending: tuple[Any, ...]
+    model: ModelVars
+
+
+def streaming_diloco(
+    loss_fn: AnyLoss,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    period: int,
+    fragments: int,
+    overlap: int = 0,
+    mix: float = 0.0,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    reducer: optax.GradientTransformation | None = None,
+    accumulate: int = 1,
+    has_aux: bool = False,
+    axis: str = "data",
+) -> Strategy:
+    """Streaming DiLoCo: DiLoCo whose fragments synchronise in turn, overlapped with training.
+
+    The parameters' leaves (in tree-leaf order) are cut into ``fragments`` (P) contiguous
+    groups of roughly equal bytes: boundary k goes after the leaf where the running byte
+    count comes closest to k/P of the total, every fragment keeping at least one leaf.
+    Every worker i trains its replica theta_i with ``optimizer`` on its shard of the
+    batches. Counting the local steps s = 1, 2, ... (s = t + 1 after step t), fragment p
+    is *sent* after the steps with s = p H/P (mod H), s >= 1 (H = ``period``): p > 0 first
+    after p H/P steps, fragment 0 after H, and each every H steps from then on, so one
+    fragment is sent every H/P steps. A send reduces the fragment's outer gradient
+    ``Delta_p = (1/N) sum_i (anchor_p - theta_i,p)`` through ``reducer``, and averages the
+    model state (batch statistics) over the workers. The reduced ``Delta_p`` *lands*
+    ``overlap`` (tau) steps later, after step s + tau, while the workers keep training:
+
+    * the global fragment moves, ``anchor_p <- anchor_p + outer_optimizer(Delta_p)`` (or
+      ``anchor_p - Delta_p``, parameter averaging, without an outer optimizer), each
+      fragment with its own outer optimizer state;
+    * every replica's fragment is mixed with it,
+      ``theta_i,p <- mix theta_i,p + (1 - mix) anchor_p`` (the paper's alpha).
+
+    With ``fragments=1, overlap=0, mix=0`` this is DiLoCo, ``ddl.local_sgd(...,
+    period=H, outer_optimizer=...)``, step for step. The inner optimizer state stays each
+    worker's own. A send runs one ``lax.switch`` branch per fragment, so
+    ``ddl.comm_stats(...).branches`` shows each fragment's bytes: the peak bytes a step
+    sends are about 1/P of DiLoCo's. Outer gradients are quantized by giving a
+    compressing ``reducer`` (``ddl.compression.cast(jnp.bfloat16)``, ``qsgd``, ...).
+
+    ``mix`` defaults to 0: replicas take the global fragment, as DiLoCo does, and the
+    trivial case above holds with the defaults. With ``overlap`` >= 1 the paper mixes
+    (alpha between 0 and 1, e.g. 0.5) to keep part of the tau steps' local progress.
+    ``Strategy.params`` is the replicas' mean.
+
+    References:
+      Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+      Distributed Free Lunch", 2025, arXiv:2501.18512.
+      Douillard et al., "DiLoCo", 2023, arXiv:2311.08105 (inner AdamW; outer
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), or a
+        ``ddl.ModelLoss``.
+      optimizer: the inner optax optimizer, one state per worker.
+      mesh: a mesh with axis ``axis``.
+      period: H, the local steps between two sends of a fragment, >= 1, a multiple of
+        ``fragments``.
+      fragments: P, how many fragments, >= 1 and at most the parameters' leaf count
+        (checked by ``init``).
+      overlap: tau, the steps an outer gradient is in flight, 0 <= tau < H/P (a fragment
+        lands before the next one is sent).
+      mix: alpha in [0, 1], the share of a replica's own fragment kept when it lands.
+      outer_optimizer: applied to each fragment's reduced outer gradient (any
+        per-parameter optax optimizer); ``None`` is parameter averaging.
+      reducer: how a fragment's outer gradient is averaged (default
+        ``ddl.allreduce_mean(axis)``); any reducer, compressing ones included.
+      accumulate: micro-batches per worker per step.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      axis: the mesh axis the workers live on.
+
+    Returns:
+      A ``Strategy`` with ``StreamingDiLoCoState``; metrics ``loss``, aux values,
+      ``synchronised`` (1.0 when a fragment was sent this step), ``fragment`` (the one
+      sent, -1.0 if none) and the reducer's metrics (of the last fragment sent).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax
+      >>> import ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     pred = batch["x"] * (params["a"] + params["b"])
+      ...     return jnp.mean((pred - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.ones(16), "y": jnp.ones(16)}
+      >>> mesh = ddl.make_mesh(data=8)
+      >>> strategy = ddl.streaming_diloco(
+      ...     loss_fn, optax.sgd(0.1), mesh, period=4, fragments=2, overlap=1, mix=0.5
+      ... )
+      >>> state = strategy.init({"a": jnp.zeros(()), "b": jnp.zeros(())})
+      >>> sent, step = [], jax.jit(strategy.step)
+      >>> for _ in range(4):
+      ...     state, metrics = step(state, batch)
+      ...     sent.append(int(metrics["fragment"]))
+      >>> sent  # fragment 1 after 2 local steps, fragment 0 after 4
+      [-1, 1, -1, 0]
+      >>> round(float(state.anchor["a"]), 6), round(float(state.anchor["b"]), 6)  # "a" in flight
+      (0.0, 0.32)
+    """
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
+    cfg = _configure(kit, optimizer, outer_optimizer, period, fragments, overlap, mix)
+    model = ModelVars(P(axis), P(), P())
+    specs = StreamingDiLoCoState(P(axis), P(axis), P(), P(), P(axis), P(), model)
+    return Strategy(
+        kit.init(functools.partial(_make_state, cfg), specs),
+        kit.step(functools.partial(_worker_step, cfg), specs),
+        kit.replica_variables(),
+    )
+
+
+class _Config(NamedTuple):
+    kit: Kit
+    optimizer: optax.GradientTransformation
+    outer: optax.GradientTransformation | None
+    period: int  # H
+    fragments: int  # P
+    overlap: int  # tau
+    mix: float  # alpha
+
+
+def _configure(
+    kit: Kit,
+    optimizer: optax.GradientTransformation,
+    outer_optimizer: Any,
+    period: Any,
+    fragments: Any,
+    overlap: Any,
+    mix: Any,
+) -> _Config:
+    """``streaming_diloco``'s own arguments checked."""
+    period = check_int("period", period, minimum=1)
+    fragments = check_int("fragments", fragments, minimum=1)
+    if period % fragments:
+        raise ValueError(
+            f"period must be a multiple of fragments (one fragment is sent every "
+            f"period/fragments steps), got period={period}, fragments={fragments}."
+        )
+    spacing = period // fragments
+    overlap = check_int("overlap", overlap, minimum=0)
+    if overlap >= spacing:
+        raise ValueError(
+            f"overlap must be < period/fragments = {spacing} (a fragment's outer gradient "
+            f"lands before the next fragment is sent), got overlap={overlap}."
+        )
+    mix = check_real("mix", mix, minimum=0.0, maximum=1.0)
+    if outer_optimizer is not None:
+        check_transform(
+            "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
+        )
+    return _Config(kit, optimizer, outer_optimizer, period, fragments, overlap, mix)
+
+
+def fragment_bounds(params: Any, fragments: int) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` leaf indices of each fragment of ``params`` (tree-leaf order).
+
+    Contiguous groups of roughly equal bytes: boundary k goes after the leaf where the
+    running byte count comes closest to k/fragments of the total (the earliest on a tie),
+    every group keeping at least one leaf.
+    """
+    leaves = jax.tree.leaves(params)
+    if fragments > len(leaves):
+        raise ValueError(
+            f"fragments must be at most the parameters' number of leaves, {len(leaves)}, "
+            f"got fragments={fragments}: a fragment is a group of whole leaves."
+        )
+    sizes = [int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves]
+    running = np.cumsum(sizes)  # running[i]: bytes of leaves 0..i
+    cuts = [0]
+    for k in range(1, fragments):
+        target = k * running[-1] / fragments
+        # A cut at c ends the group before leaf c; leave a leaf for each later group.
+        options = range(cuts[-1] + 1, len(leaves) - (fragments - k) + 1)
+        cuts.append(min(options, key=lambda c: abs(running[c - 1] - target)))
+    cuts.append(len(leaves))
+    return tuple(itertools.pairwise(cuts))
+
+
+def _groups(tree: Any, bounds: tuple[tuple[int, int], ...]) -> list[list[Any]]:
+    leaves = jax.tree.leaves(tree)
+    return [leaves[lo:hi] for lo, hi in bounds]
+
+
+def _with_group(tree: Any, bounds: tuple[tuple[int, int], ...], p: int, group: list) -> Any:
+    """``tree`` with fragment ``p``'s leaves replaced by ``group``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    lo, hi = bounds[p]
+    return jax.tree.unflatten(treedef, [*leaves[:lo], *group, *leaves[hi:]])
+
+
+def _replace(items: tuple[Any, ...], p: int, item: Any) -> tuple[Any, ...]:
+    return (*items[:p], item, *items[p + 1 :])
+
+
+def _make_state(cfg: _Config, params: Any, model: ModelVars) -> StreamingDiLoCoState:
+    kit, outer = cfg.kit, cfg.outer
+    groups = _groups(params, fragment_bounds(params, cfg.fragments))
+    outer_state = tuple(optax.EmptyState() if outer is None else outer.init(g) for g in groups)
+    pending = () if cfg.overlap == 0 else tuple(jax.tree.map(jnp.zeros_like, groups))
+    return StreamingDiLoCoState(
+        params=kit.stack(params),
+        opt_state=kit.stack(cfg.optimizer.init(params)),
+        anchor=params,
+        outer_opt_state=outer_state,
+        reducer_state=kit.stack(tuple(kit.reducer.init(g) for g in groups)),
+        pending=pending,
+        model=model._replace(state=kit.stack(model.state)),
+    )
+
+
+# What the switch's branches carry: params, anchor, outer states, reducer states, pending,
+# model state (one worker's).
+Carry = tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], Any]
+
+
+def _worker_step(
+    cfg: _Config, state: StreamingDiLoCoState, batch: Any
+) -> tuple[StreamingDiLoCoState, dict[str, jax.Array]]:
+    """One worker's step: a local step, then (on schedule) one fragment's send or landing."""
+    kit, axis = cfg.kit, cfg.kit.axis
+    params, opt_state = unstack(state.params), unstack(state.opt_state)
+    step = state.model.step
+    key = worker_key(state.model, lax.axis_index(axis))
+    (loss, aux), grads, model_state = kit.value_and_grad(
+        params, unstack(state.model.state), batch, key
+    )
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # Branch 0: nothing; 1 + p: fragment p is sent (and lands, without overlap);
+    # 1 + P + p (with overlap): fragment p's outer gradient lands. overlap < H/P keeps a
+    # landing off the steps that send.
+    bounds = fragment_bounds(state.anchor, cfg.fragments)
+    spacing, count = cfg.period // cfg.fragments, cfg.fragments
+    local_steps = step + 1
+    sends = local_steps % spacing == 0
+    fragment = (local_steps // spacing) % count
+    landed = local_steps - cfg.overlap
+    lands = (landed >= 1) & (landed % spacing == 0) & (cfg.overlap > 0)
+    branch = jnp.where(sends, 1 + fragment, 0)
+    branch = jnp.where(lands, 1 + count + (landed // spacing) % count, branch)
+    branches = [_keep]
+    branches += [functools.partial(_send, cfg=cfg, bounds=bounds, p=p) for p in range(count)]
+    if cfg.overlap:
+        branches += [
+            functools.partial(_land_pending, cfg=cfg, bounds=bounds, p=p) for p in range(count)
+        ]
+    carry = (params, state.anchor, state.outer_opt_state, unstack(state.reducer_state))
+    carry = lax.switch(branch, branches, (*carry, state.pending, model_state))
+    params, anchor, outer_state, reducer_state, pending, model_state = carry
+    metrics = lax.pmean(
+        {"loss": loss, **aux, **_last_reducer_metrics(reducer_state, fragment)}, axis
+    )
+    metrics["synchronised"] = sends.astype(jnp.float32)
+    metrics["fragment"] = jnp.where(sends, fragment, -1).astype(jnp.float32)
+    model = ModelVars(restack(model_state), state.model.key, step + 1)
+    new = StreamingDiLoCoState(
+        restack(params),
+        restack(opt_state),
+        anchor,
+        outer_state,
+        restack(reducer_state),
+        pending,
+        model,
+    )
+    return new, metrics
+
+
+def _last_reducer_metrics(reducer_state: tuple[Any, ...], last: jax.Array) -> dict[str, Any]:
+    """The reducer's metrics for fragment ``last`` (the last sent, after this step)."""
+    per_fragment = [reducer_metrics(s) for s in reducer_state]
+    return {name: jnp.stack([m[name] for m in per_fragment])[last] for name in per_fragment[0]}
+
+
+def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: int) -> Carry:
+    """Fragment ``p``'s outer gradient reduced over the workers; the model state averaged."""
+    params, anchor, outer_state, reducer_state, pending, model_state = carry
+    local, glob = _groups(params, bounds)[p], _groups(anchor, bounds)[p]
+    delta = jax.tree.map(jnp.subtract, glob, local)
+    delta, fragment_reducer = cfg.kit.reducer.update(delta, reducer_state[p], glob)
+    reducer_state = _replace(reducer_state, p, fragment_reducer)
+    model_state = _average(model_state, cfg.kit.axis)
+    if cfg.overlap:
+        pending = _replace(pending, p, delta)
+    else:
+        params, anchor, outer_state = _land(params, anchor, outer_state, delta, cfg, bounds, p)
+    return params, anchor, outer_state, reducer_state, pending, model_state
+
+
+def _land_pending(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: int) -> Carry:
+    """Fragment ``p``'s reduced outer gradient, in flight since its send, lands."""
+    params, anchor, outer_state, reducer_state, pending, model_state = carry
+    params, anchor, outer_state = _land(params, anchor, outer_state, pending[p], cfg, bounds, p)
+    return params, anchor, outer_state, reducer_state, pending, model_state
+
+
+def _land(
+    params: Any,
+    anchor: Any,
+    outer_state: tuple[Any, ...],
+    delta: list[Any],
+    cfg: _Config,
+    bounds: tuple[tuple[int, int], ...],
+    p: int,
+) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The outer step of fragment ``p``, then each replica's fragment mixed with it."""
+    glob = _groups(anchor, bounds)[p]
+    if cfg.outer is None:
+        glob = jax.tree.map(jnp.subtract, glob, delta)
+    else:
+        updates, fragment_outer = cfg.outer.update(delta, outer_state[p], glob)
+        glob = optax.apply_updates(glob, updates)
+        outer_state = _replace(outer_state, p, fragment_outer)
+    arrived = lax.pcast(glob, cfg.kit.axis, to="varying")
+    if cfg.mix:
+        local, alpha = _groups(params, bounds)[p], cfg.mix
+        arrived = jax.tree.map(lambda x, g: alpha * x + (1 - alpha) * g, local, arrived)
+    params = _with_group(params, bounds, p, arrived)
+    return params, _with_group(anchor, bounds, p, glob), outer_state

@@ -1,0 +1,1 @@
+"""Training around a strategy: fit, its logs, checkpoints, multi-process launch, mixed precision."""

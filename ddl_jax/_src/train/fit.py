@@ -1,0 +1,331 @@
+"""The training loop: jit once, step, log, evaluate, checkpoint."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddl_jax._src.core.model_loss import Variables
+from ddl_jax._src.core.strategy import Batch, Metrics, State, Strategy, check_int
+from ddl_jax._src.train import checkpoint
+from ddl_jax._src.train.log import TrainingLog, summary_writer_class
+
+
+def guard_nonfinite(
+    step: Callable[[State, Batch], tuple[State, Metrics]],
+) -> Callable[[State, Batch], tuple[State, Metrics]]:
+    """Wraps a ``Strategy.step`` so that a step producing NaN/inf is not applied.
+
+    The update is kept only if the loss and every floating leaf of the new state (on
+    every worker: the check reduces over the whole global state) are finite; otherwise
+    the old state is kept, whole, on all workers, so they stay consistent and counters
+    (optimizer count, synchronisation clocks) do not advance. Metric ``skipped`` is 1.0
+    on a skipped step, else 0.0.
+    """
+
+    def guarded(state: State, batch: Batch) -> tuple[State, Metrics]:
+        new, metrics = step(state, batch)
+        finite = jnp.isfinite(metrics["loss"])
+        for leaf in jax.tree.leaves(new):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                finite &= jnp.isfinite(leaf).all()
+        kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
+        return kept, {**metrics, "skipped": jnp.where(finite, 0.0, 1.0)}
+
+    return guarded
+
+
+#: Steps dispatched ahead of their results: beyond this the host waits for the oldest.
+#: Unbounded asynchronous dispatch (``log_every`` larger than the run) of multi-device
+#: programs deadlocks XLA:CPU's in-process collectives on a few cores (8 simulated
+#: devices on 2 cores: "Expected 8 threads to join the rendezvous"); a few steps ahead
+#: keep the host and the devices overlapped.
+MAX_IN_FLIGHT = 4
+
+
+def fit(
+    strategy: Strategy,
+    params: Variables,
+    batches: Iterable[Any] | Callable[[int], Iterable[Any]],
+    *,
+    steps: int,
+    eval_fn: Callable[[Variables], Any] | None = None,
+    eval_every: int | None = None,
+    log_every: int = 10,
+    progress: bool = True,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    keep: int | None = None,
+    skip_nonfinite: bool = False,
+    log_file: str | os.PathLike | None = None,
+    tensorboard_dir: str | os.PathLike | None = None,
+    callbacks: Sequence[Callable[[dict[str, float]], Any]] = (),
+) -> tuple[State, list[dict[str, float]]]:
+    """Trains variables with ``strategy`` for ``steps`` steps, resuming from a checkpoint.
+
+    The step is jitted once with ``donate_argnums=0`` (the state's buffers are reused in
+    place). Metrics stay on the device between log points, so logging does not stall the
+    pipeline; every ``log_every`` steps they are fetched and checked for NaN/inf. Process 0
+    shows them with examples per second: on a progress bar when stdout is a terminal (or
+    in a notebook), else (under a launcher, or redirected to a file) as one plain line
+    ``step i/steps: loss=..., ex_per_s=...`` per ``log_every`` steps. A loss that grows over
+    ``LOSS_GROWTH`` (100) times the first recorded one gives one ``UserWarning`` (a
+    learning rate too high, or negative).
+
+    With ``checkpoint_dir``, every ``checkpoint_every`` steps and after the last step a
+    checkpoint is saved there asynchronously (orbax), keeping the last ``keep``: the whole
+    strategy state (item ``state``) and ``strategy.params(state)`` (item ``variables``),
+    which ``ddl.checkpoint.load_variables(checkpoint_dir)`` reads back without the
+    strategy or a mesh. If the directory already holds a readable step ``s``, training
+    resumes from its state and runs steps ``s + 1 .. steps`` on batches ``s, s + 1, ...``
+    of the stream, so a restarted command ends where an uninterrupted one would (bitwise
+    on the same mesh, dropout masks included). A step that fails to restore is reported
+    and the previous one used (see ``ddl.checkpoint.restore_latest``).
+
+    Records (the history's dicts) are passed on to ``log_file`` and ``tensorboard_dir``,
+    then to each callback, on process 0, once final: those fetched at a log point (every
+    ``log_every`` steps, each evaluation, the end) before the next step runs, their eval
+    results merged. A callback returning ``True`` stops training there: ``fit`` saves a
+    checkpoint of the last step trained (with ``checkpoint_dir``) and returns the history
+    so far, with no final evaluation. The records fetched with the stopping one are still
+    passed on: to stop at an exact step, use ``log_every=1`` or decide on eval results.
+    Early stopping when ``eval_loss`` has not improved for 5 evaluations, for example::
+
+        evals = []
+        def early_stop(record):
+            if "eval_loss" in record:
+                evals.append(record["eval_loss"])
+                return len(evals) > 5 and min(evals[-5:]) > min(evals[:-5])
+        fit(strategy, params, batches, steps=10**4, eval_fn=evaluate, eval_every=100,
+            callbacks=[early_stop])
+
+    Args:
+      strategy: what ``ddl.data_parallel`` and the other builders return.
+      params: the initial variables: the params of a plain ``loss_fn(params, batch)``, or
+        ``{"params": ..., "batch_stats": ...}`` for a ``ddl.ModelLoss`` (as
+        ``ddl.flax.loss_from_module`` returns them; ``strategy.params(state)`` gives the
+        same layout). Not modified; the strategy places a copy.
+      batches: iterable of global batches (e.g. ``ddl.data.batches(train, 256)``), or
+        ``start -> iterable`` from batch ``start`` on (a resumed run skips to its data).
+      steps: total number of training steps (including resumed ones), >= 1.
+      eval_fn: ``variables -> scalar | dict of scalars``, run on
+        ``strategy.params(state)`` every ``eval_every`` steps and after the last step;
+        recorded as ``eval`` / ``eval_<name>``.
+      eval_every: steps between evaluations; ``None`` evaluates after the last step only.
+      log_every: steps between metric fetches and progress updates.
+      progress: show progress and one line per evaluation; ``False`` prints nothing but
+        the one-line notice of a resume (warnings are given either way).
+      checkpoint_dir: the checkpoints' directory, the same on every process (``None``: none).
+      checkpoint_every: steps between saves; ``None`` saves after the last step only.
+      keep: number of most recent checkpoints kept (default 3).
+      skip_nonfinite: do not apply a step whose loss or new state holds NaN/inf, on any
+        worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
+        instead of stopping training.
+      log_file: a JSON-lines file (parents created) to which process 0 appends the records
+        as they are passed on, flushed; on start, lines after the start step are dropped.
+      tensorboard_dir: a TensorBoard log directory (created) to which process 0 writes
+        every scalar of each record but ``step`` at its step (tensorboardX, the extra
+        ``pip install 'ddl-jax[tensorboard]'``), each step once across resumes. An
+        argument, not a callback: ``fit`` knows where the run starts and when it ends.
+      callbacks: ``record -> Any``, called on process 0 with a copy of each record as it is
+        passed on; ``True`` (a bool or NumPy bool) stops training on every process.
+
+    Returns:
+      ``(state, history)``: the final state (``strategy.params(state)`` are the trained
+      variables), and one record per step trained in this call (``{"step": i, "loss":
+      ..., ...}``, 1-based, counting resumed steps) with eval results merged into the
+      steps where they ran.
+
+    Raises:
+      ImportError: ``tensorboard_dir`` is given and tensorboardX is not installed.
+      FloatingPointError: the loss became NaN or infinite (naming the step), unless
+        ``skip_nonfinite``.
+      TypeError, ValueError: bad arguments (e.g. ``checkpoint_every`` without
+        ``checkpoint_dir``, a ``log_file`` that is a directory), or a checkpoint of a
+        differently shaped state (``ValueError``).
+    """
+    settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
+    log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
+    state = strategy.init(params)
+    manager = None
+    try:
+        if settings.checkpoint_dir is not None:
+            manager = checkpoint.checkpoint_manager(
+                settings.checkpoint_dir, keep=settings.keep or 3
+            )
+            # Not restore_latest: its warning about a corrupt step must name the user's line.
+            if (restored := checkpoint._restore_latest(manager, state)) is not None:
+                state, log.start = restored
+                log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
+        log.open()
+        return _train(strategy, state, batches, log, manager, settings)
+    finally:
+        log.close()
+        if manager is not None:
+            manager.close()  # waits for the last asynchronous save
+
+
+class _Settings(NamedTuple):
+    """``fit``'s arguments past the strategy, the variables and the batches."""
+
+    steps: int
+    eval_fn: Callable[[Variables], Any] | None
+    eval_every: int | None
+    log_every: int
+    progress: bool
+    checkpoint_dir: str | os.PathLike | None
+    checkpoint_every: int | None
+    keep: int | None
+    skip_nonfinite: bool
+    log_file: str | None
+    tensorboard_dir: str | None
+    callbacks: tuple[Callable[[dict[str, float]], Any], ...]
+
+
+def _train(
+    strategy: Strategy,
+    state: State,
+    batches: Iterable[Any] | Callable[[int], Iterable[Any]],
+    log: TrainingLog,
+    manager: Any,
+    settings: _Settings,
+) -> tuple[State, list[dict[str, float]]]:
+    """``fit``'s loop from its start step on, and what follows the last step (warnings
+    here name ``fit``'s caller: stacklevel 3)."""
+    step_fn = jax.jit(
+        guard_nonfinite(strategy.step) if settings.skip_nonfinite else strategy.step,
+        donate_argnums=0,
+    )
+    steps, eval_fn, eval_every = settings.steps, settings.eval_fn, settings.eval_every
+    start = log.start
+    stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
+
+    def save(step: int) -> None:
+        checkpoint.save(manager, step, state, strategy.params(state))
+
+    def evaluate() -> None:
+        log.evaluate(eval_fn, lambda: strategy.params(state))
+
+    stopped = False
+    in_flight: collections.deque[Any] = collections.deque()
+    for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
+        # Step i - 1's records are final (evaluated) now: pass them on before step i.
+        if stopped := log.pass_on():
+            break
+        state, metrics = step_fn(state, batch)
+        log.add(metrics, batch)
+        in_flight.append(metrics)
+        if len(in_flight) > MAX_IN_FLIGHT:
+            jax.block_until_ready(in_flight.popleft())
+        if i % settings.log_every == 0:
+            log.flush()
+        if eval_fn is not None and eval_every is not None and i % eval_every == 0:
+            evaluate()
+        if (message := log.growth()) is not None:
+            warnings.warn(message, stacklevel=3)
+        if manager is not None and (
+            settings.checkpoint_every is not None and i % settings.checkpoint_every == 0
+        ):
+            save(i)
+    log.flush()
+    if (message := log.growth()) is not None:
+        warnings.warn(message, stacklevel=3)
+    history = log.history
+    if start >= steps:
+        log.say(f"fit: resumed at step {start} of {steps}; nothing left to train.", notice=True)
+        return state, history
+    if not history:
+        raise ValueError("fit: batches yielded no batch.")
+    last = start + len(history)
+    if not stopped:
+        if last < steps:
+            warnings.warn(f"fit: batches ran out after {last} of {steps} steps.", stacklevel=3)
+        if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
+            evaluate()
+        log.pass_on()
+    if manager is not None and manager.latest_step() != last:
+        save(last)
+    return state, history
+
+
+def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> _Settings:
+    """``fit``'s argument checks, of its ``arguments`` by name; returns the checked ones."""
+    args = _Settings(**{name: arguments[name] for name in _Settings._fields})
+    steps = check_int("steps", args.steps, minimum=1)
+    log_every = check_int("log_every", args.log_every, minimum=1)
+    eval_every, checkpoint_every, keep = (
+        None if value is None else check_int(name, value, minimum=1)
+        for name, value in (
+            ("eval_every", args.eval_every),
+            ("checkpoint_every", args.checkpoint_every),
+            ("keep", args.keep),
+        )
+    )
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"fit: strategy must be a ddl.Strategy, got {type(strategy).__name__}.")
+    for name, value in (("progress", args.progress), ("skip_nonfinite", args.skip_nonfinite)):
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"fit: {name} must be a bool, got {value!r}.")
+    if eval_every is not None and args.eval_fn is None:
+        raise ValueError(f"fit: eval_every={eval_every!r} needs eval_fn, got eval_fn=None.")
+    for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
+        # Without a directory nothing is saved: a silently ignored setting would hide that.
+        if value is not None and args.checkpoint_dir is None:
+            raise ValueError(
+                f"fit: {name}={value!r} needs checkpoint_dir, got checkpoint_dir=None; pass "
+                "the directory to save checkpoints to."
+            )
+    tensorboard_dir = _check_path("tensorboard_dir", args.tensorboard_dir, directory=True)
+    if tensorboard_dir is not None:
+        summary_writer_class()  # tensorboardX is there, on every process, before training
+    return args._replace(
+        steps=steps,
+        log_every=log_every,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        keep=keep,
+        progress=bool(args.progress),
+        skip_nonfinite=bool(args.skip_nonfinite),
+        log_file=_check_path("log_file", args.log_file, directory=False),
+        tensorboard_dir=tensorboard_dir,
+        callbacks=_check_callbacks(args.callbacks),
+    )
+
+
+def _check_path(name: str, value: Any, *, directory: bool) -> str | None:
+    """``value`` as a str path naming a file (or a directory), or ``None``."""
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike) or isinstance(os.fspath(value), bytes):
+        raise TypeError(
+            f"fit: {name} must be a str or os.PathLike path, or None, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    path = os.fspath(value)
+    isdir = os.path.isdir(path)
+    wrong = (os.path.exists(path) and not isdir) if directory else isdir
+    if not path or wrong:
+        what = f" ({'a file' if directory else 'a directory'})" if path else ""
+        kind = "a directory" if directory else "a file"
+        raise ValueError(f"fit: {name} must name {kind}, got {path!r}{what}.")
+    return path
+
+
+def _check_callbacks(callbacks: Any) -> tuple[Callable[[dict[str, float]], Any], ...]:
+    if callable(callbacks) or not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        raise TypeError(
+            f"fit: callbacks must be a sequence of callables (callbacks=[fn] for one), got "
+            f"{type(callbacks).__name__} {callbacks!r}."
+        )
+    for n, callback in enumerate(callbacks):
+        if not callable(callback):
+            raise TypeError(f"fit: callbacks[{n}] must be callable, got {callback!r}.")
+    return tuple(callbacks)

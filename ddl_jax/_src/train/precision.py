@@ -1,0 +1,170 @@
+"""Mixed precision: float32 master parameters, a low-precision forward and backward pass.
+
+:func:`mixed_precision` wraps any loss a strategy trains (a plain ``loss_fn(params,
+batch)`` or a ``ddl.ModelLoss``) so that it computes in ``compute_dtype`` while everything
+the strategy keeps (parameters, gradients, optimizer state, model state) stays in its own
+dtype. It is a change to the loss only, so it composes with every strategy; the precision
+of the gradient reduction is the reducer's business (``ddl.compression.cast``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddl_jax._src.core.model_loss import AnyLoss, ModelLoss, call_loss
+
+
+def _is_floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    """``tree`` with its floating-point array leaves cast to ``dtype``; others untouched."""
+
+    def one(x):
+        if not _is_floating(x) or x.dtype == dtype:
+            return x
+        return jnp.asarray(x).astype(dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def _widen(tree: Any) -> Any:
+    """Floating leaves narrower than float32 (the loss, aux metrics) back to float32."""
+
+    def one(x):
+        if not _is_floating(x):
+            return x
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return x if x.dtype == wide else jnp.asarray(x).astype(wide)
+
+    return jax.tree.map(one, tree)
+
+
+def _like(new: Any, old: Any) -> Any:
+    """The returned model state in the dtypes of the state the loss received."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        return new  # the strategy names the mismatch
+
+    def one(n, o):
+        if _is_floating(n) and hasattr(o, "dtype") and n.dtype != o.dtype:
+            return jnp.asarray(n).astype(o.dtype)
+        return n
+
+    return jax.tree.map(one, new, old)
+
+
+def _check_dtype(compute_dtype: Any) -> jnp.dtype:
+    valid = "a floating dtype such as jnp.bfloat16, jnp.float16 or jnp.float32"
+    dtype = None
+    if compute_dtype is not None:  # numpy would read None as float64
+        with contextlib.suppress(TypeError):
+            dtype = jnp.dtype(compute_dtype)
+    if dtype is None:
+        raise TypeError(f"mixed_precision: compute_dtype must be {valid}, got {compute_dtype!r}.")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"mixed_precision: compute_dtype must be {valid}, got {dtype}.")
+    return dtype
+
+
+def mixed_precision(
+    loss_fn: AnyLoss, compute_dtype: Any = jnp.bfloat16, *, cast_batch: bool = True
+) -> AnyLoss:
+    """Runs a loss in ``compute_dtype`` (bfloat16) over float32 master parameters.
+
+    Rule: ``loss(theta, x) = float32(f(c(theta), c(x)))`` with ``c`` the cast of
+    floating-point leaves to ``compute_dtype``. The forward pass, and so the backward pass
+    through it, runs in ``compute_dtype``; the cast's transpose returns the gradient in the
+    master parameters' dtype, ``g = float32(dL/dc(theta))``, so the parameters, their
+    gradients and the optimizer state a strategy keeps stay float32. Integer leaves (labels,
+    token ids, step counters) are not touched. For a ``ddl.ModelLoss`` the model state
+    (batch statistics) goes in as it is and comes back in its own dtype, and the seed is
+    kept; only what is computed is cast. The loss and floating aux values come back as
+    float32 (at least). There is no loss scaling: bfloat16 has float32's range; with
+    ``float16``, small gradients may flush to zero.
+
+    A Flax layer computes in the dtype of what it is given unless its ``dtype`` says
+    otherwise, with one exception: a normalisation layer (``LayerNorm``, ``BatchNorm``)
+    left at ``dtype=None`` takes its statistics in float32 and returns float32, so
+    everything after it computes in float32 again. For such a model set the layers'
+    ``dtype`` (``ddl.models.GPT(dtype=jnp.bfloat16)`` does) instead of wrapping its loss.
+
+    Reduction precision is the strategy's choice, independent of this one: with
+    ``ddl.data_parallel`` or ``ddl.local_sgd`` pass ``reducer=ddl.compression.cast(dtype)``
+    to send gradients as ``dtype`` (summed in float32); ``ddl.fsdp`` takes
+    ``reducer=ddl.compression.scatter_cast(dtype)``. Without either, gradients are reduced
+    in float32.
+
+    References:
+      Micikevicius et al., "Mixed precision training", ICLR 2018, arXiv:1710.03740.
+
+    Args:
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)``), or a ``ddl.ModelLoss``.
+      compute_dtype: the floating dtype the loss computes in (``jnp.bfloat16``,
+        ``jnp.float16``; ``jnp.float32`` gives back the loss unchanged in value).
+      cast_batch: also cast the batch's floating leaves (inputs) to ``compute_dtype``;
+        ``False`` passes the batch as it comes, for a model that casts its own inputs.
+
+    Returns:
+      A loss of the same kind as ``loss_fn`` (a function, or a ``ddl.ModelLoss`` with the
+      same seed), to give to any strategy in place of ``loss_fn``.
+
+    Example:
+      The forward pass multiplies in bfloat16; the loss and the gradient of the float32
+      parameters are float32:
+
+      >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> loss = ddl.mixed_precision(loss_fn, jnp.bfloat16)
+      >>> params = {"w": jnp.zeros((3, 1))}
+      >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 1))}
+      >>> "bf16[8,3]" in str(jax.make_jaxpr(loss)(params, batch))
+      True
+      >>> value, grads = jax.value_and_grad(loss)(params, batch)
+      >>> print(value, value.dtype, grads["w"].dtype)
+      1.0 float32 float32
+
+      With any strategy, here reducing the gradients as bfloat16 too:
+
+      >>> strategy = ddl.data_parallel(
+      ...     loss, optax.sgd(0.1), ddl.make_mesh(data=4),
+      ...     reducer=ddl.compression.cast(jnp.bfloat16))
+      >>> state, metrics = jax.jit(strategy.step)(strategy.init(params), batch)
+      >>> print(strategy.params(state)["w"].dtype, metrics["loss"])
+      float32 1.0
+    """
+    dtype = _check_dtype(compute_dtype)
+    if not isinstance(cast_batch, bool | np.bool_):
+        raise TypeError(f"mixed_precision: cast_batch must be a bool, got {cast_batch!r}.")
+    cast_batch = bool(cast_batch)
+    if isinstance(loss_fn, ModelLoss):
+        if not callable(loss_fn.fn):
+            raise TypeError(
+                "mixed_precision: loss_fn.fn must be callable (params, model_state, batch, "
+                f"key) -> (loss, model_state), got {loss_fn.fn!r}."
+            )
+        fn = loss_fn.fn
+
+        def model_loss(params, model_state, batch, key):
+            batch = _cast_floating(batch, dtype) if cast_batch else batch
+            out, new_state = fn(_cast_floating(params, dtype), model_state, batch, key)
+            return _widen(out), _like(new_state, model_state)
+
+        return ModelLoss(model_loss, loss_fn.seed)
+    if not callable(loss_fn):
+        raise TypeError(
+            "mixed_precision: loss_fn must be a callable (params, batch) -> loss or a "
+            f"ddl.ModelLoss, got {type(loss_fn).__name__}."
+        )
+
+    def loss(params, batch):
+        batch = _cast_floating(batch, dtype) if cast_batch else batch
+        return _widen(call_loss(loss_fn, _cast_floating(params, dtype), batch))
+
+    return loss

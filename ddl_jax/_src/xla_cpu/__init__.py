@@ -1,0 +1,2 @@
+"""Tunings for XLA:CPU and gloo. They track XLA:CPU's current behaviour and may go when
+it changes."""

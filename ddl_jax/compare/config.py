@@ -1,0 +1,179 @@
+"""``ddl-jax compare``'s settings: one checked ``Config`` from flags or a TOML file."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddl_jax.compare.specs import (
+    DEFAULT_STRATEGIES,
+    FAMILIES,
+    NETWORKS,
+    PRESETS,
+    WORKLOADS,
+    CompareError,
+    Spec,
+    parse_spec,
+    parse_specs,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A checked comparison config (``make_config`` builds it).
+
+    Attributes:
+      workload: one of ``WORKLOADS``.
+      strategies: the parsed specs, in order.
+      preset: the ``PRESETS`` list ``strategies`` came from (``None``: given, or default).
+      devices: workers (devices on the mesh's ``data`` axis).
+      steps: training steps per strategy (``None``: the workload's default).
+      network: a key of ``NETWORKS``.
+      straggler: one worker's compute time relative to the others (>= 1; 1 is none).
+      drop: the probability that a message is lost, in [0, 1): only for the families with
+        a model of it (``Family.unreliable``; ``--preset unreliable``).
+      non_iid: Dirichlet alpha of label-skewed worker shares (``ddl.data.non_iid_batches``;
+        digits workloads); ``None`` is i.i.d. shuffling.
+      seed: seed of the model's initialisation, the data order and compute-time noise.
+      target: the test accuracy (validation bits per byte for text-gpt) to reach
+        (``None``: the workload's default).
+      eval_every: steps between evaluations (``None``: about 20 per run).
+      out: directory of ``results.json``, ``results.md`` and the figures.
+    """
+
+    workload: str = "digits-mlp"
+    strategies: tuple[Spec, ...] = tuple(parse_spec(s) for s in DEFAULT_STRATEGIES)
+    preset: str | None = None
+    devices: int = 8
+    steps: int | None = None
+    network: str = "1gbps"
+    straggler: float = 1.0
+    drop: float = 0.0
+    non_iid: float | None = None
+    seed: int = 0
+    target: float | None = None
+    eval_every: int | None = None
+    out: str = "compare-results"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as plain JSON values (strategies as their spec strings)."""
+        values = dataclasses.asdict(self)
+        values["strategies"] = [s.text for s in self.strategies]
+        return values
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _integer(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CompareError(f"{key} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def _number(key: str, value: Any, minimum: float) -> float:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
+        raise CompareError(f"{key} must be a number >= {minimum:g}, got {value!r}.")
+    if value == float("inf"):
+        raise CompareError(f"{key} must be finite, got {value!r}.")
+    return float(value)
+
+
+def _choice(key: str, value: Any, valid: Sequence[str]) -> str:
+    if value not in valid:
+        raise CompareError(f"unknown {key} {value!r}; valid: {', '.join(valid)}.")
+    return value
+
+
+def make_config(values: Mapping[str, Any]) -> Config:
+    """Checks comparison settings and returns the ``Config``.
+
+    Args:
+      values: any of ``Config``'s fields (``strategies`` as a comma-separated string or a
+        list of specs; numbers as numbers or strings); a value of ``None`` keeps the
+        default.
+
+    Raises:
+      CompareError: an unknown key, or a value out of range (one line each).
+    """
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise CompareError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(_FIELDS)}.")
+    v = {k: x for k, x in values.items() if x is not None}
+    checked: dict[str, Any] = {}
+    if "workload" in v:
+        checked["workload"] = _choice("workload", v["workload"], WORKLOADS)
+    if "strategies" in v and "preset" in v:
+        raise CompareError("give strategies or a preset, not both.")
+    if "strategies" in v:
+        checked["strategies"] = parse_specs(v["strategies"])
+    if "preset" in v:
+        checked["preset"] = _choice("preset", v["preset"], tuple(PRESETS))
+        checked["strategies"] = parse_specs(PRESETS[checked["preset"]])
+    if "network" in v:
+        checked["network"] = _choice("network", v["network"], tuple(NETWORKS))
+    for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
+        if key in v:
+            checked[key] = _integer(key, v[key], minimum)
+    if "seed" in v:
+        checked["seed"] = _integer("seed", v["seed"], 0)
+    if "straggler" in v:
+        checked["straggler"] = _number("straggler", v["straggler"], 1.0)
+    if "target" in v:
+        checked["target"] = _number("target", v["target"], 0.0)
+    _unreliable(v, checked)
+    if "out" in v:
+        if not isinstance(v["out"], str | Path) or not str(v["out"]):
+            raise CompareError(f"out must be a directory path, got {v['out']!r}.")
+        checked["out"] = str(v["out"])
+    return Config(**checked)
+
+
+def _unreliable(v: dict[str, Any], checked: dict[str, Any]) -> None:
+    """``drop`` and ``non_iid`` checked against the strategies and the workload."""
+    if "drop" in v:
+        checked["drop"] = drop = _number("drop", v["drop"], 0.0)
+        if drop >= 1:
+            raise CompareError(f"drop must be a probability in [0, 1), got {drop:g}.")
+        strategies = checked.get("strategies", Config.strategies)
+        refused = [s.text for s in strategies if not FAMILIES[s.family].unreliable]
+        if drop and refused:
+            able = ", ".join(name for name, f in FAMILIES.items() if f.unreliable)
+            raise CompareError(
+                f"drop: {', '.join(refused)} have no model of lost messages; the families "
+                f"that do: {able} (e.g. --preset unreliable)."
+            )
+    if "non_iid" in v:
+        checked["non_iid"] = _number("non_iid", v["non_iid"], 0.0)
+        if not checked["non_iid"]:
+            raise CompareError("non_iid (a Dirichlet alpha) must be > 0, got 0.")
+        if checked.get("workload", Config.workload) == "text-gpt":
+            raise CompareError("non_iid splits labels: a digits workload, not text-gpt.")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML config file (its top-level table, or its ``[compare]`` one).
+
+    Raises:
+      CompareError: the file cannot be read or is not valid TOML.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise CompareError(f"cannot read config {str(path)!r}: {e.strerror}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CompareError(f"config {str(path)!r} is not valid TOML: {e}.") from None
+    if isinstance(data.get("compare"), dict):
+        data = data["compare"]
+    return {k.replace("-", "_"): x for k, x in data.items()}

@@ -1,0 +1,513 @@
+"""``ddl-jax compare``'s strategy specs, networks and workloads' names.
+
+Every strategy a comparison can run is one row of ``FAMILIES``: its name, how the text
+after ``name:`` is parsed (with the one-line message a bad value gets), and how the
+strategy is built. ``parse_spec`` (here) and ``make_config`` (``compare_config``) are the
+only places a command line or a TOML file is checked, so both say the same thing about the
+same mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optax
+from jax.sharding import Mesh
+
+from ddl_jax import compression
+from ddl_jax._src.core.strategy import Strategy
+from ddl_jax._src.measure import sim
+from ddl_jax._src.reduce.adasum import adasum
+from ddl_jax._src.reduce.allreduce import allreduce_mean
+from ddl_jax._src.strategies.asynchronous.delayed_nesterov import delayed_nesterov
+from ddl_jax._src.strategies.asynchronous.sgd import async_sgd
+from ddl_jax._src.strategies.asynchronous.staleness import (
+    AsyncLocal,
+    async_local,
+    compute_times,
+    softsync,
+    ssp,
+)
+from ddl_jax._src.strategies.data_parallel import data_parallel
+from ddl_jax._src.strategies.fsdp import STAGES, fsdp
+from ddl_jax._src.strategies.gossip import TOPOLOGIES, gossip
+from ddl_jax._src.strategies.local_sgd import local_sgd
+from ddl_jax._src.strategies.noloco import noloco
+from ddl_jax._src.strategies.streaming_diloco import streaming_diloco
+
+#: Learning rate of the Adam (AdamW for DiLoCo's inner steps) every strategy uses.
+LEARNING_RATE = 3e-3
+
+#: Networks a comparison can price communication on (alpha-beta model, ``ddl.sim``).
+NETWORKS: dict[str, sim.Network] = {
+    "1gbps": sim.ETHERNET_1G,
+    "10gbps": sim.Network(bandwidth=10e9 / 8, latency=20e-6),
+    "100gbps": sim.INFINIBAND_100G,
+    "ici": sim.TPU_V4_ICI,
+}
+
+#: Workloads by name (built in ``compare_workloads``).
+WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
+
+#: The strategies ``ddl-jax compare`` runs by default: one of every family.
+DEFAULT_STRATEGIES = (
+    "sync",
+    "ring",
+    "fsdp:3",
+    "local:16",
+    "diloco:16",
+    "streaming:4",
+    "desloc:16",
+    "sparseloco:0.01",
+    "noloco:16",
+    "topk:0.01",
+    "demo:0.0625",
+    "sign",
+    "powersgd:4",
+    "adasum",
+    "async",
+    "asynclocal:4",
+    "softsync:2",
+    "ssp:2",
+    "gossip:ring",
+)
+
+
+#: Named strategy lists for ``--preset`` (``default`` is ``DEFAULT_STRATEGIES``).
+PRESETS: dict[str, tuple[str, ...]] = {
+    "default": DEFAULT_STRATEGIES,
+    # The communication-efficient methods against synchronous training and DiLoCo.
+    "low-bandwidth": (
+        "sync",
+        "diloco:16",
+        "streaming:4",
+        "desloc:16",
+        "sparseloco:0.01",
+        "noloco:16",
+        "demo:0.0625",
+        "topk:0.01",
+        "powersgd:4",
+        "asynclocal:4",
+    ),
+    # The families with a model of lost messages, for --drop.
+    "unreliable": (
+        "local:16",
+        "diloco:16",
+        "desloc:16",
+        "gossip:ring",
+        "async",
+        "asynclocal:4",
+        "softsync:8",
+    ),
+}
+
+
+class CompareError(ValueError):
+    """A bad comparison input; its message is one line, printed as is by the CLI."""
+
+
+class BuildContext(NamedTuple):
+    """What a family's builder needs besides its parameter.
+
+    Attributes:
+      loss_fn: ``(params, batch) -> loss`` or a ``ddl.ModelLoss``.
+      mesh: the mesh (axis ``data``).
+      straggler: compute time of the slowest worker relative to the others (>= 1).
+      seed: the comparison's seed.
+      consensus_every: steps between gossip's consensus-distance measurements.
+      drop: the probability that a message is lost (families with ``unreliable``).
+    """
+
+    loss_fn: Any
+    mesh: Mesh
+    straggler: float
+    seed: int
+    consensus_every: int
+    drop: float = 0.0
+
+
+class Family(NamedTuple):
+    """One strategy family: ``name[:param]``.
+
+    Attributes:
+      build: ``(param, context) -> Strategy``.
+      parse: text after ``:`` to the parameter; raises ``ValueError`` when invalid.
+      default: the text used when no ``:param`` is given (``None``: takes no parameter).
+      expects: what the parameter is, for error messages (``""`` without one).
+      describe: one line saying what the strategy does.
+      asynchronous: simulated by ``ddl.async_sgd`` (gets the straggler's compute time).
+      unreliable: has a model of lost messages (takes ``--drop``).
+    """
+
+    build: Callable[[Any, BuildContext], Strategy]
+    parse: Callable[[str], Any]
+    default: str | None
+    expects: str
+    describe: str
+    asynchronous: bool = False
+    unreliable: bool = False
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError
+    return value
+
+
+def _topology(text: str) -> str:
+    if text not in TOPOLOGIES:
+        raise ValueError
+    return text
+
+
+def _stage(text: str) -> int:
+    value = int(text)
+    if value not in STAGES:
+        raise ValueError
+    return value
+
+
+def _none(text: str) -> None:
+    raise ValueError
+
+
+def _adam() -> optax.GradientTransformation:
+    return optax.adam(LEARNING_RATE)
+
+
+def _async(protocol: Any) -> Callable[[Any, BuildContext], Strategy]:
+    def build(param: Any, ctx: BuildContext) -> Strategy:
+        n = ctx.mesh.shape["data"]
+        times: Any = 1.0
+        if ctx.straggler != 1.0:  # the last worker is the straggler
+            times = compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
+        chosen = protocol(param) if callable(protocol) else protocol
+        options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop}
+        if not isinstance(chosen, AsyncLocal):
+            return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
+        # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
+        # momentum 0.5, as DiLoCo's 0.9 overshoots at H = 4 here (0.906 against 0.967 test
+        # accuracy on digits; the GPT diverges)
+        outer = delayed_nesterov(0.7, 0.5, delay=n)
+        inner = optax.adamw(LEARNING_RATE)
+        return async_sgd(ctx.loss_fn, outer, ctx.mesh, inner_optimizer=inner, **options)
+
+    return build
+
+
+def _nesterov() -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer."""
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def _diloco(period: int, ctx: BuildContext) -> Strategy:
+    inner = optax.adamw(LEARNING_RATE)
+    return local_sgd(
+        ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=_nesterov(), drop=ctx.drop
+    )
+
+
+#: Streaming DiLoCo's period, DiLoCo's default here; its fragments divide it.
+STREAMING_PERIOD = 16
+
+
+def _streaming(fragments: int, ctx: BuildContext) -> Strategy:
+    return streaming_diloco(
+        ctx.loss_fn,
+        optax.adamw(LEARNING_RATE),
+        ctx.mesh,
+        period=STREAMING_PERIOD,
+        fragments=fragments,
+        overlap=1,
+        mix=0.5,
+        outer_optimizer=_nesterov(),
+    )
+
+
+def _fragments(text: str) -> int:
+    fragments = _int(1)(text)
+    if STREAMING_PERIOD % fragments:
+        raise ValueError(text)
+    return fragments
+
+
+def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
+    # SparseLoCo's error feedback stands in for the outer momentum: outer SGD at lr 1.
+    return local_sgd(
+        ctx.loss_fn,
+        optax.adamw(LEARNING_RATE),
+        ctx.mesh,
+        period=16,
+        outer_optimizer=optax.sgd(1.0),
+        reducer=compression.sparse_loco(ratio),
+    )
+
+
+#: DeMo's sign-descent step size (its updates are +-lr per entry).
+DEMO_LEARNING_RATE = 1e-3
+
+
+def _reduced(make: Callable[[Any], Any]) -> Callable[[Any, BuildContext], Strategy]:
+    def build(param: Any, ctx: BuildContext) -> Strategy:
+        return data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=make(param))
+
+    return build
+
+
+FAMILIES: dict[str, Family] = {
+    "sync": Family(
+        _reduced(lambda _: None),
+        _none,
+        None,
+        "",
+        "synchronous data parallelism, XLA all-reduce",
+    ),
+    "ring": Family(
+        _reduced(lambda _: allreduce_mean(algorithm="ring")),
+        _none,
+        None,
+        "",
+        "synchronous data parallelism, explicit ring all-reduce",
+    ),
+    "fsdp": Family(
+        lambda stage, ctx: fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
+        _stage,
+        "3",
+        "the ZeRO stage, 1, 2 or 3 (e.g. fsdp:3)",
+        "sharded data parallelism (ZeRO / FSDP): state split over the workers",
+    ),
+    "local": Family(
+        lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop),
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. local:16)",
+        "local SGD: parameters averaged every H steps",
+        unreliable=True,
+    ),
+    "diloco": Family(
+        _diloco,
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. diloco:16)",
+        "DiLoCo: inner AdamW, outer Nesterov SGD every H steps",
+        unreliable=True,
+    ),
+    "streaming": Family(
+        _streaming,
+        _fragments,
+        "4",
+        f"the fragments P, an integer dividing {STREAMING_PERIOD} (e.g. streaming:4)",
+        f"Streaming DiLoCo: P fragments in turn (H = {STREAMING_PERIOD}), overlap 1, mix 0.5",
+    ),
+    "desloc": Family(
+        lambda h, ctx: local_sgd(
+            ctx.loss_fn,
+            _adam(),
+            ctx.mesh,
+            period=h,
+            state_periods={"mu": 3 * h, "nu": 6 * h},
+            drop=ctx.drop,
+        ),
+        _int(1),
+        "16",
+        "the parameters' period H, an integer >= 1 (e.g. desloc:16)",
+        "DES-LOC: parameters averaged every H steps, Adam's moments every 3H and 6H",
+        unreliable=True,
+    ),
+    "sparseloco": Family(
+        _sparse_loco,
+        _ratio,
+        "0.01",
+        "the ratio of entries sent, a number in (0, 1] (e.g. sparseloco:0.01)",
+        "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
+    ),
+    "noloco": Family(
+        lambda h, ctx: noloco(
+            ctx.loss_fn,
+            optax.adamw(LEARNING_RATE),
+            ctx.mesh,
+            period=h,
+            outer_optimizer=_nesterov(),
+            consensus_every=0,
+        ),
+        _int(1),
+        "16",
+        "the period H, an integer >= 1 (e.g. noloco:16)",
+        "NoLoCo: every H steps an outer step with one random peer, no all-reduce",
+    ),
+    "demo": Family(
+        lambda ratio, ctx: data_parallel(
+            ctx.loss_fn,
+            optax.chain(optax.scale_by_sign(), optax.scale(-DEMO_LEARNING_RATE)),
+            ctx.mesh,
+            reducer=compression.demo(ratio),
+        ),
+        _ratio,
+        "0.0625",
+        "the ratio of DCT coefficients sent per chunk of 64, in (0, 1] (e.g. demo:0.0625)",
+        "DeMo: top DCT coefficients of each worker's momentum, sign descent",
+    ),
+    "topk": Family(
+        _reduced(compression.top_k),
+        _ratio,
+        "0.01",
+        "the ratio of entries sent, a number in (0, 1] (e.g. topk:0.01)",
+        "top-k sparsified gradients with error feedback",
+    ),
+    "sign": Family(
+        _reduced(lambda _: compression.sign()),
+        _none,
+        None,
+        "",
+        "1-bit sign compression with error feedback",
+    ),
+    "powersgd": Family(
+        _reduced(compression.power_sgd),
+        _int(1),
+        "4",
+        "the rank, an integer >= 1 (e.g. powersgd:4)",
+        "PowerSGD low-rank gradients with error feedback",
+    ),
+    "adasum": Family(
+        _reduced(lambda _: adasum()),
+        _none,
+        None,
+        "",
+        "Adasum: gradients combined by adaptive summation (Horovod)",
+    ),
+    "async": Family(
+        _async("async"),
+        _none,
+        None,
+        "",
+        "asynchronous SGD against a parameter server",
+        asynchronous=True,
+        unreliable=True,
+    ),
+    "asynclocal": Family(
+        _async(async_local),
+        _int(1),
+        "4",
+        "inner steps H per push, an integer dividing the 16 rows a worker gets (e.g. asynclocal:4)",
+        "asynchronous local SGD: H inner AdamW steps per push, delayed Nesterov (0.7, 0.5) server",
+        asynchronous=True,
+        unreliable=True,
+    ),
+    "softsync": Family(
+        _async(softsync),
+        _int(1),
+        "2",
+        "gradients per server update, an integer >= 1 (e.g. softsync:2)",
+        "n-softsync: the server averages every n arrivals",
+        asynchronous=True,
+        unreliable=True,
+    ),
+    "ssp": Family(
+        _async(ssp),
+        _int(0),
+        "2",
+        "the staleness bound, an integer >= 0 (e.g. ssp:2)",
+        "stale-synchronous parallel: at most s clocks ahead",
+        asynchronous=True,
+        unreliable=True,
+    ),
+    "gossip": Family(
+        lambda topology, ctx: gossip(
+            ctx.loss_fn,
+            _adam(),
+            ctx.mesh,
+            topology=topology,
+            consensus_every=ctx.consensus_every,
+            drop=ctx.drop,
+        ),
+        _topology,
+        "ring",
+        f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",
+        "D-PSGD gossip averaging with neighbours",
+        unreliable=True,
+    ),
+}
+
+
+class Spec(NamedTuple):
+    """A parsed strategy spec.
+
+    Attributes:
+      text: the spec as given (``"local:16"``), the strategy's label everywhere.
+      family: the key of ``FAMILIES``.
+      param: the parsed parameter (``None`` for a family without one).
+    """
+
+    text: str
+    family: str
+    param: Any
+
+    def build(self, ctx: BuildContext) -> Strategy:
+        """The strategy this spec names, on ``ctx.mesh``."""
+        return FAMILIES[self.family].build(self.param, ctx)
+
+
+def parse_spec(text: str) -> Spec:
+    """Parses one ``name[:param]`` strategy spec.
+
+    Args:
+      text: e.g. ``"sync"``, ``"local:16"``, ``"topk:0.01"``, ``"gossip:ring"``.
+
+    Returns:
+      The ``Spec``; a family's default parameter fills in a missing one.
+
+    Raises:
+      CompareError: an unknown name (the message lists the valid ones), or a parameter
+        that is missing, not wanted, or not what the family expects.
+    """
+    if not isinstance(text, str):
+        raise CompareError(f"a strategy spec must be a string like 'local:16', got {text!r}.")
+    name, colon, raw = text.strip().partition(":")
+    family = FAMILIES.get(name)
+    if family is None:
+        raise CompareError(
+            f"unknown strategy {name!r} in {text!r}; valid names: {', '.join(FAMILIES)}."
+        )
+    if not colon:
+        raw = family.default
+        if raw is None:
+            return Spec(name, name, None)
+    elif family.default is None:
+        raise CompareError(f"strategy {name!r} takes no parameter, got {text!r}.")
+    try:
+        param = family.parse(raw)
+    except ValueError:
+        raise CompareError(
+            f"bad parameter in strategy {text!r}: expected {family.expects}."
+        ) from None
+    return Spec(f"{name}:{raw}", name, param)
+
+
+def parse_specs(value: str | Sequence[str]) -> tuple[Spec, ...]:
+    """Parses a comma-separated string (or a list) of specs; refuses duplicates."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [i.strip() if isinstance(i, str) else i for i in items]
+    if not items or any(i == "" for i in items):
+        raise CompareError(
+            f"strategies must be a comma-separated list of specs like 'sync,local:16', "
+            f"got {value!r}."
+        )
+    specs = tuple(parse_spec(i) for i in items)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.text in seen:
+            raise CompareError(f"strategy {spec.text!r} is listed twice.")
+        seen.add(spec.text)
+    return specs

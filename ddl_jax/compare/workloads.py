@@ -1,0 +1,178 @@
+"""``ddl-jax compare``'s workloads: a model, its data stream and its evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from ddl_jax._src.core import flax_bridge
+from ddl_jax._src.data import datasets as data
+from ddl_jax._src.data.non_iid import non_iid_batches
+from ddl_jax._src.models import zoo as models
+
+
+class Workload(NamedTuple):
+    """One model and data set, the same for every strategy of a comparison.
+
+    Attributes:
+      name: the workload's name (``"digits-mlp"``, ...).
+      title: a few words for tables and figure titles.
+      loss_fn: ``(params, batch) -> loss``, or a ``ddl.ModelLoss``.
+      params: the initial variables (seeded).
+      batches: ``start -> iterator`` of global batches in the seeded order.
+      evaluate: jitted ``variables -> scalar``: the metric on held-out data.
+      metric: the metric's name with its unit, for axes and tables.
+      higher_is_better: whether the target is reached from below (accuracy) or above.
+      target: the default target of the metric.
+      steps: the default number of training steps.
+      batch_size: examples per global batch.
+    """
+
+    name: str
+    title: str
+    loss_fn: Any
+    params: Any
+    batches: Callable[[int], Iterator[Any]]
+    evaluate: Callable[[Any], Any]
+    metric: str
+    higher_is_better: bool
+    target: float
+    steps: int
+    batch_size: int
+
+
+def _classification(
+    model: nnx.Module, flatten: bool, seed: int, devices: int, non_iid: float | None, **meta: Any
+):
+    train, test = data.digits(flatten=flatten)
+
+    def loss(model, batch):
+        logits = model(batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss_fn, params = flax_bridge.loss_from_module(model, loss, seed=seed)
+    model.eval()  # evaluation with running batch statistics (ResNet)
+    apply, _ = flax_bridge.split(model)
+
+    @jax.jit
+    def accuracy(variables):
+        return jnp.mean(jnp.argmax(apply(variables, test["image"]), -1) == test["label"])
+
+    batch_size = 16 * devices
+
+    def batches(start: int) -> Any:
+        if non_iid is None:
+            return data.batches(train, batch_size, seed=seed, start=start)
+        options = {"workers": devices, "alpha": non_iid, "seed": seed, "start": start}
+        return non_iid_batches(train, batch_size, **options)
+
+    return Workload(
+        loss_fn=loss_fn,
+        params=params,
+        batches=batches,
+        evaluate=accuracy,
+        metric="test accuracy",
+        higher_is_better=True,
+        batch_size=batch_size,
+        **meta,
+    )
+
+
+def _text_gpt(seed: int, devices: int, compute_dtype: Any = None) -> Workload:
+    context = 64
+    train, validation = data.text()
+    model = models.GPT(
+        context=context,
+        features=64,
+        heads=4,
+        layers=2,
+        dropout=0.1,
+        dtype=compute_dtype,
+        rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+    )
+
+    def loss(model, batch):
+        tokens = batch["tokens"]
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss_fn, params = flax_bridge.loss_from_module(model, loss, seed=seed)
+    model.eval()
+    apply, _ = flax_bridge.split(model)
+    held_out = next(data.lm_batches(validation, 256, context, seed=0))["tokens"]
+
+    @jax.jit
+    def bits_per_byte(variables):
+        logits = apply(variables, held_out[:, :-1])
+        nats = optax.softmax_cross_entropy_with_integer_labels(logits, held_out[:, 1:]).mean()
+        return models.bits_per_byte(nats)
+
+    batch_size = 8 * devices
+    return Workload(
+        name="text-gpt",
+        title="byte-level GPT (2 layers, 64 wide) on Python's sources",
+        loss_fn=loss_fn,
+        params=params,
+        batches=lambda start: data.lm_batches(train, batch_size, context, seed=seed, start=start),
+        evaluate=bits_per_byte,
+        metric="validation bits per byte",
+        higher_is_better=False,
+        target=3.0,
+        steps=300,
+        batch_size=batch_size,
+    )
+
+
+#: The digits workloads: name -> (model from rngs, flat images, title, target, default steps).
+_DIGITS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], bool, str, float, int]] = {
+    "digits-mlp": (
+        lambda rngs: models.MLP(64, [128, 128], 10, rngs=rngs),
+        True,
+        "digits MLP 64-128-128-10",
+        0.95,
+        300,
+    ),
+    "digits-cnn": (lambda rngs: models.CNN(rngs=rngs), False, "digits CNN", 0.9, 200),
+    "digits-resnet": (
+        lambda rngs: models.ResNet(rngs=rngs),
+        False,
+        "digits ResNet (batch norm)",
+        0.9,
+        200,
+    ),
+}
+
+
+def make_workload(
+    name: str,
+    *,
+    seed: int,
+    devices: int,
+    compute_dtype: Any = None,
+    non_iid: float | None = None,
+) -> Workload:
+    """Builds the workload ``name`` (one of ``compare_specs.WORKLOADS``).
+
+    Args:
+      name: ``"digits-mlp"``, ``"digits-cnn"``, ``"digits-resnet"`` or ``"text-gpt"``.
+      seed: seed of the initialisation, the data order and dropout.
+      devices: workers; each sees 16 examples (8 windows for text-gpt) per step.
+      compute_dtype: text-gpt only: the dtype its layers compute in (see ``ddl.models.GPT``).
+      non_iid: digits only: the Dirichlet alpha of label-skewed worker shares (``None``:
+        i.i.d. batches).
+    """
+    rngs = nnx.Rngs(seed)
+    if name in _DIGITS:
+        make, flatten, title, target, steps = _DIGITS[name]
+        meta = {"name": name, "title": title, "target": target, "steps": steps}
+        return _classification(make(rngs), flatten, seed, devices, non_iid, **meta)
+    if name == "text-gpt":
+        if non_iid is not None:
+            raise ValueError("non_iid splits labels: a digits workload, not text-gpt.")
+        return _text_gpt(seed, devices, compute_dtype)
+    raise ValueError(f"unknown workload {name!r}.")
