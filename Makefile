@@ -19,6 +19,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest
 
 bench: install

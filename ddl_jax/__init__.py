@@ -37,8 +37,8 @@ from ddl_jax._src.strategies.gossip import GossipState, gossip, mixing_matrix
 from ddl_jax._src.strategies.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.strategies.noloco import NoLoCoState, noloco
 from ddl_jax._src.strategies.pipeline.builder import pipeline
-from ddl_jax._src.strategies.pipeline.programs import DDGState, PipelineState
 from ddl_jax._src.strategies.pipeline.stages import pipeline_stages
+from ddl_jax._src.strategies.pipeline.types import DDGState, PipelineState
 from ddl_jax._src.strategies.streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from ddl_jax._src.strategies.tensor_parallel import TensorParallelState, tensor_parallel
 from ddl_jax._src.train.fit import fit, guard_nonfinite

@@ -1,6 +1,7 @@
 """Gradient compression as reducers: pass one as ``reducer=`` to a strategy (the
 ``scatter_*`` ones to ``ddl.fsdp``, which reduce-scatters)."""
 
+from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.reduce.lowrank import PowerSGDState, power_sgd
 from ddl_jax._src.reduce.outer import DeMoState, SparseLoCoState, demo, sparse_loco
 from ddl_jax._src.reduce.quantise import CastState, QSGDState, SignState, cast, qsgd, sign
@@ -13,7 +14,6 @@ from ddl_jax._src.reduce.scatter import (
     scatter_top_k,
 )
 from ddl_jax._src.reduce.sparse import ThresholdState, TopKState, threshold, top_k
-from ddl_jax._src.reduce.wire import reducer_metrics
 
 __all__ = [
     "CastState",

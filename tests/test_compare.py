@@ -7,12 +7,20 @@ import jax
 import pytest
 
 from ddl_jax import cli
+from ddl_jax._src.strategies import fsdp, gossip
+from ddl_jax.compare import specs
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
 
 # JAX's backend starts here, with conftest's 8 CPU devices, so that `compare` cannot
 # change the device count of this test process.
 DEVICES = len(jax.devices())
+
+
+def test_the_choices_compare_offers_are_the_librarys():
+    # compare uses only the public API, so it spells these out: they must not drift.
+    assert specs.TOPOLOGIES == gossip.TOPOLOGIES
+    assert specs.STAGES == fsdp.STAGES
 
 
 @pytest.mark.parametrize(

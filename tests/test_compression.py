@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax._src.core import kit
+from ddl_jax._src.core.reducer import PermuteReducer, checks_vma, reducer_metrics
 from ddl_jax._src.measure.comm import collectives
 from ddl_jax._src.reduce import wire
-from ddl_jax._src.reduce.allreduce import PermuteReducer, checks_vma
 from ddl_jax._src.reduce.lowrank import _power_sgd, power_sgd
-from ddl_jax._src.reduce.quantise import _dequantise, _quantise, cast, qsgd, sign
+from ddl_jax._src.reduce.quantise import cast, dequantise, qsgd, quantise, sign
 from ddl_jax._src.reduce.sparse import threshold, top_k
 
 SHAPES = {"w": (6, 20), "b": (13,)}  # a matrix and a vector; neither divides by 8 x workers
@@ -213,7 +213,7 @@ def test_qsgd_quantiser_is_unbiased_within_its_variance_bound(d, s):
     samples = 20_000
     v = jnp.asarray(np.random.default_rng(5).normal(size=(3, d)), jnp.float32)  # 3 buckets
     keys = jax.random.split(jax.random.key(0), samples)
-    draws = np.asarray(jax.vmap(lambda key: _dequantise(*_quantise(v, s, key), s))(keys))
+    draws = np.asarray(jax.vmap(lambda key: dequantise(*quantise(v, s, key), s))(keys))
     bound = qsgd_variance_factor(d, s) * np.sum(np.asarray(v) ** 2, axis=-1)  # per bucket
     variance = np.mean(np.sum((draws - v) ** 2, axis=-1), axis=0)
     assert np.all(variance <= bound), (variance, bound)
@@ -530,13 +530,13 @@ def test_axis_must_be_a_name():
 def test_reducer_metrics_finds_the_compressor_in_a_chain():
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
     chained = optax.chain(optax.clip_by_global_norm(1.0), top_k(0.1))
-    assert set(wire.reducer_metrics(chained.init(params))) == {"compression_ratio"}
-    assert wire.reducer_metrics(ddl.allreduce_mean().init(params)) == {}
-    assert wire.reducer_metrics(optax.chain(optax.clip(1.0), sign()).init(params)) == {
+    assert set(reducer_metrics(chained.init(params))) == {"compression_ratio"}
+    assert reducer_metrics(ddl.allreduce_mean().init(params)) == {}
+    assert reducer_metrics(optax.chain(optax.clip(1.0), sign()).init(params)) == {
         "compression_ratio": 1.0
     }
     with pytest.raises(ValueError, match="several compression_ratio fields"):
-        wire.reducer_metrics(optax.chain(cast(), top_k(0.1)).init(params))
+        reducer_metrics(optax.chain(cast(), top_k(0.1)).init(params))
 
 
 # -- power_sgd's options (PyTorch's powerSGD_hook) --------------------------------------------

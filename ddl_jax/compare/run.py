@@ -39,13 +39,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ddl_jax._src.core.mesh import make_mesh, simulate_cpu_devices
-from ddl_jax._src.measure import consistency, sim
-from ddl_jax._src.measure.comm import comm_stats
-from ddl_jax._src.strategies.local_sgd import LocalSGDState
-from ddl_jax._src.strategies.noloco import NoLoCoState
-from ddl_jax._src.strategies.streaming_diloco import StreamingDiLoCoState
-from ddl_jax._src.train.fit import fit
+import ddl_jax as ddl
+from ddl_jax import consistency, sim
 from ddl_jax.compare import report as compare_report
 from ddl_jax.compare.config import Config
 from ddl_jax.compare.specs import (
@@ -58,7 +53,7 @@ from ddl_jax.compare.specs import (
 from ddl_jax.compare.workloads import Workload, make_workload
 
 #: States whose ``params`` hold one replica per worker (gossip measures its own).
-REPLICA_STATES = (LocalSGDState, NoLoCoState, StreamingDiLoCoState)
+REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState)
 
 #: Timed calls of the compiled step (after one untimed call).
 TIMED_STEPS = 5
@@ -75,7 +70,7 @@ def start_devices(n: int) -> list[jax.Device]:
     """
     # JAX may already have started (a test, a notebook): then take what it has.
     with contextlib.suppress(RuntimeError):
-        simulate_cpu_devices(n)
+        ddl.simulate_cpu_devices(n)
     devices = jax.devices()
     if n > len(devices):
         raise CompareError(
@@ -187,7 +182,7 @@ def run_one(
     except ValueError as e:
         raise CompareError(f"strategy {spec.text!r}: {e}") from None
     print(f"{label} {spec.text}: {family.describe}", flush=True)
-    state, history = fit(
+    state, history = ddl.fit(
         strategy,
         workload.params,
         workload.batches,
@@ -199,7 +194,7 @@ def run_one(
     )
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
-    stats = comm_stats(jitted, state, batch)
+    stats = ddl.comm_stats(jitted, state, batch)
     compute_s = _time_step(jitted, state, batch)
     events = _event_metrics(history[0])
     event = "+".join(events) or None
@@ -261,7 +256,7 @@ def run_compare(config: Config) -> dict[str, Any]:
       CompareError: too few devices, or a strategy that refuses this mesh.
     """
     devices = start_devices(config.devices)
-    mesh = make_mesh(data=config.devices, devices=devices)
+    mesh = ddl.make_mesh(data=config.devices, devices=devices)
     workload = make_workload(
         config.workload, seed=config.seed, devices=config.devices, non_iid=config.non_iid
     )

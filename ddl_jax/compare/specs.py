@@ -15,26 +15,12 @@ from typing import Any, NamedTuple
 import optax
 from jax.sharding import Mesh
 
-from ddl_jax import compression
-from ddl_jax._src.core.strategy import Strategy
-from ddl_jax._src.measure import sim
-from ddl_jax._src.reduce.adasum import adasum
-from ddl_jax._src.reduce.allreduce import allreduce_mean
-from ddl_jax._src.strategies.asynchronous.delayed_nesterov import delayed_nesterov
-from ddl_jax._src.strategies.asynchronous.sgd import async_sgd
-from ddl_jax._src.strategies.asynchronous.staleness import (
-    AsyncLocal,
-    async_local,
-    compute_times,
-    softsync,
-    ssp,
-)
-from ddl_jax._src.strategies.data_parallel import data_parallel
-from ddl_jax._src.strategies.fsdp import STAGES, fsdp
-from ddl_jax._src.strategies.gossip import TOPOLOGIES, gossip
-from ddl_jax._src.strategies.local_sgd import local_sgd
-from ddl_jax._src.strategies.noloco import noloco
-from ddl_jax._src.strategies.streaming_diloco import streaming_diloco
+import ddl_jax as ddl
+from ddl_jax import Strategy, async_local, compression, sim, softsync, ssp
+
+#: The gossip topologies and ZeRO stages a spec may name (``ddl.gossip``, ``ddl.fsdp``).
+TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+STAGES = (1, 2, 3)
 
 #: Learning rate of the Adam (AdamW for DiLoCo's inner steps) every strategy uses.
 LEARNING_RATE = 3e-3
@@ -187,22 +173,22 @@ def _adam() -> optax.GradientTransformation:
     return optax.adam(LEARNING_RATE)
 
 
-def _async(protocol: Any) -> Callable[[Any, BuildContext], Strategy]:
+def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext], Strategy]:
     def build(param: Any, ctx: BuildContext) -> Strategy:
         n = ctx.mesh.shape["data"]
         times: Any = 1.0
         if ctx.straggler != 1.0:  # the last worker is the straggler
-            times = compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
+            times = ddl.compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
         chosen = protocol(param) if callable(protocol) else protocol
         options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop}
-        if not isinstance(chosen, AsyncLocal):
-            return async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
+        if not local:
+            return ddl.async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
         # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
         # momentum 0.5, as DiLoCo's 0.9 overshoots at H = 4 here (0.906 against 0.967 test
         # accuracy on digits; the GPT diverges)
-        outer = delayed_nesterov(0.7, 0.5, delay=n)
+        outer = ddl.delayed_nesterov(0.7, 0.5, delay=n)
         inner = optax.adamw(LEARNING_RATE)
-        return async_sgd(ctx.loss_fn, outer, ctx.mesh, inner_optimizer=inner, **options)
+        return ddl.async_sgd(ctx.loss_fn, outer, ctx.mesh, inner_optimizer=inner, **options)
 
     return build
 
@@ -214,7 +200,7 @@ def _nesterov() -> optax.GradientTransformation:
 
 def _diloco(period: int, ctx: BuildContext) -> Strategy:
     inner = optax.adamw(LEARNING_RATE)
-    return local_sgd(
+    return ddl.local_sgd(
         ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=_nesterov(), drop=ctx.drop
     )
 
@@ -224,7 +210,7 @@ STREAMING_PERIOD = 16
 
 
 def _streaming(fragments: int, ctx: BuildContext) -> Strategy:
-    return streaming_diloco(
+    return ddl.streaming_diloco(
         ctx.loss_fn,
         optax.adamw(LEARNING_RATE),
         ctx.mesh,
@@ -245,7 +231,7 @@ def _fragments(text: str) -> int:
 
 def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
     # SparseLoCo's error feedback stands in for the outer momentum: outer SGD at lr 1.
-    return local_sgd(
+    return ddl.local_sgd(
         ctx.loss_fn,
         optax.adamw(LEARNING_RATE),
         ctx.mesh,
@@ -261,7 +247,7 @@ DEMO_LEARNING_RATE = 1e-3
 
 def _reduced(make: Callable[[Any], Any]) -> Callable[[Any, BuildContext], Strategy]:
     def build(param: Any, ctx: BuildContext) -> Strategy:
-        return data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=make(param))
+        return ddl.data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=make(param))
 
     return build
 
@@ -275,21 +261,21 @@ FAMILIES: dict[str, Family] = {
         "synchronous data parallelism, XLA all-reduce",
     ),
     "ring": Family(
-        _reduced(lambda _: allreduce_mean(algorithm="ring")),
+        _reduced(lambda _: ddl.allreduce_mean(algorithm="ring")),
         _none,
         None,
         "",
         "synchronous data parallelism, explicit ring all-reduce",
     ),
     "fsdp": Family(
-        lambda stage, ctx: fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
+        lambda stage, ctx: ddl.fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
         _stage,
         "3",
         "the ZeRO stage, 1, 2 or 3 (e.g. fsdp:3)",
         "sharded data parallelism (ZeRO / FSDP): state split over the workers",
     ),
     "local": Family(
-        lambda h, ctx: local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop),
+        lambda h, ctx: ddl.local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop),
         _int(1),
         "16",
         "the period H, an integer >= 1 (e.g. local:16)",
@@ -312,7 +298,7 @@ FAMILIES: dict[str, Family] = {
         f"Streaming DiLoCo: P fragments in turn (H = {STREAMING_PERIOD}), overlap 1, mix 0.5",
     ),
     "desloc": Family(
-        lambda h, ctx: local_sgd(
+        lambda h, ctx: ddl.local_sgd(
             ctx.loss_fn,
             _adam(),
             ctx.mesh,
@@ -334,7 +320,7 @@ FAMILIES: dict[str, Family] = {
         "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
     ),
     "noloco": Family(
-        lambda h, ctx: noloco(
+        lambda h, ctx: ddl.noloco(
             ctx.loss_fn,
             optax.adamw(LEARNING_RATE),
             ctx.mesh,
@@ -348,7 +334,7 @@ FAMILIES: dict[str, Family] = {
         "NoLoCo: every H steps an outer step with one random peer, no all-reduce",
     ),
     "demo": Family(
-        lambda ratio, ctx: data_parallel(
+        lambda ratio, ctx: ddl.data_parallel(
             ctx.loss_fn,
             optax.chain(optax.scale_by_sign(), optax.scale(-DEMO_LEARNING_RATE)),
             ctx.mesh,
@@ -381,7 +367,7 @@ FAMILIES: dict[str, Family] = {
         "PowerSGD low-rank gradients with error feedback",
     ),
     "adasum": Family(
-        _reduced(lambda _: adasum()),
+        _reduced(lambda _: ddl.adasum()),
         _none,
         None,
         "",
@@ -397,7 +383,7 @@ FAMILIES: dict[str, Family] = {
         unreliable=True,
     ),
     "asynclocal": Family(
-        _async(async_local),
+        _async(async_local, local=True),
         _int(1),
         "4",
         "inner steps H per push, an integer dividing the 16 rows a worker gets (e.g. asynclocal:4)",
@@ -424,7 +410,7 @@ FAMILIES: dict[str, Family] = {
         unreliable=True,
     ),
     "gossip": Family(
-        lambda topology, ctx: gossip(
+        lambda topology, ctx: ddl.gossip(
             ctx.loss_fn,
             _adam(),
             ctx.mesh,

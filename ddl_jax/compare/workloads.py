@@ -10,10 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ddl_jax._src.core import flax_bridge
-from ddl_jax._src.data import datasets as data
-from ddl_jax._src.data.non_iid import non_iid_batches
-from ddl_jax._src.models import zoo as models
+from ddl_jax import data, models
+from ddl_jax import flax as flax_bridge
 
 
 class Workload(NamedTuple):
@@ -69,7 +67,7 @@ def _classification(
         if non_iid is None:
             return data.batches(train, batch_size, seed=seed, start=start)
         options = {"workers": devices, "alpha": non_iid, "seed": seed, "start": start}
-        return non_iid_batches(train, batch_size, **options)
+        return data.non_iid_batches(train, batch_size, **options)
 
     return Workload(
         loss_fn=loss_fn,

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import model_loss as ml
 from ddl_jax._src.core import strategy as st
-from ddl_jax._src.reduce.allreduce import allreduce_mean, checks_vma
+from ddl_jax._src.core.reducer import checks_vma
 from ddl_jax._src.xla_cpu import products as cpu_products
 
 Specs = Any  # a PartitionSpec prefix of a state, or ``abstract state -> that prefix``
@@ -327,7 +327,7 @@ def prepare(
     *,
     add_axes: tuple[str, ...] = (),
     reducer: optax.GradientTransformation | None = None,
-    takes_reducer: bool = True,
+    default_reducer: Callable[[str], optax.GradientTransformation] | None = None,
 ) -> Kit:
     """The builder preamble: checks the shared arguments and prepares the mesh.
 
@@ -337,8 +337,9 @@ def prepare(
       mesh: a ``jax.sharding.Mesh`` holding ``axis`` (unless ``axis`` is in ``add_axes``).
       axis: the worker axis.
       add_axes: axes the builder works on that the mesh may lack (they count as size 1).
-      reducer: the user's reducer; ``takes_reducer``: whether the builder has one (then
-        ``None`` means ``ddl.allreduce_mean(axis)``).
+      reducer: the user's reducer, or ``None`` for ``default_reducer(axis)``.
+      default_reducer: the builder's default reducer (``ddl.allreduce_mean``), a function
+        of the axis; ``None`` for a builder that takes no reducer.
       accumulate: micro-batches per worker per gradient, >= 1.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
     """
@@ -360,6 +361,6 @@ def prepare(
         st.check_mesh_axis(mesh, axis)
     _check_no_unused_axis(mesh, (axis, *add_axes))
     mesh = explicit_mesh(mesh, add_axes)
-    if takes_reducer and reducer is None:
-        reducer = allreduce_mean(axis)
+    if reducer is None and default_reducer is not None:
+        reducer = default_reducer(axis)
     return Kit(mesh, axis, mesh.shape[axis], reducer, loss_fn, has_aux, accumulate)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ddl_jax._src.core.strategy import check_real
 
@@ -88,3 +90,24 @@ def _workers(leaves: list[np.ndarray]) -> int:
             f"params), got shapes {[x.shape for x in leaves]}."
         )
     return len(leaves[0])
+
+
+def measured_consensus(params: Any, state: Any, every: int, axis: str) -> jax.Array:
+    """The replicas' consensus distance at steps divisible by ``every`` (it costs a
+    parameter all-reduce), else ``state.consensus_distance`` as last measured."""
+    if not every:
+        return state.consensus_distance
+    return lax.cond(
+        state.model.step % every == 0,
+        functools.partial(_consensus_distance, axis=axis),
+        lambda _: state.consensus_distance,
+        params,
+    )
+
+
+def _consensus_distance(params: Any, axis: str) -> jax.Array:
+    """The workers' mean distance to their average model."""
+    mean = lax.pmean(params, axis)
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
+    sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
+    return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)

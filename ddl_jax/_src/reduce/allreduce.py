@@ -19,10 +19,12 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
+from ddl_jax._src.core.reducer import PermuteReducer, checks_vma
 from ddl_jax._src.core.strategy import check_real
 from ddl_jax._src.reduce.collectives import (
     check_axis_in_scope,
@@ -59,23 +61,48 @@ def in_buckets(collective: Any, tree: Any, bucket_bytes: int | str | None = "aut
     return map_fused(collective, tree, bucket_bytes)
 
 
+def worker_mean(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
+    """Every worker's floating leaves replaced by the workers' mean over ``axis``.
+
+    Called inside ``shard_map`` on one worker's pytree; the result still varies over
+    ``axis``, and non-floating leaves (counters, keys) are kept as they are. The leaves
+    travel in buckets, as ``allreduce_mean``'s.
+
+    Args:
+      tree: this worker's pytree (a replica, an optimizer or model state).
+      axis: the mesh axis the workers live on.
+      arrived: ``bool[N]``, the workers whose message arrives (``None``: all). Only they
+        enter the mean and only they take it; the others (dropped workers) keep their
+        leaves. If none arrived, every worker keeps its own.
+
+    Returns:
+      ``tree`` with every floating leaf averaged, its structure and dtypes unchanged.
+    """
+    if lax.axis_size(axis) == 1:  # one worker: its own mean, whether it arrived or not
+        return tree
+    mine = None if arrived is None else arrived[lax.axis_index(axis)]
+    count = None if arrived is None else jnp.maximum(jnp.sum(arrived), 1)
+
+    def mean(flat: jax.Array) -> jax.Array:
+        if arrived is None:
+            return lax.pcast(lax.pmean(flat, axis), axis, to="varying")
+        average = (lax.psum(jnp.where(mine, flat, 0), axis) / count).astype(flat.dtype)
+        return jnp.where(mine, average, flat)
+
+    leaves, treedef = jax.tree.flatten(tree)
+    floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    averaged = in_buckets(mean, [leaves[i] for i in floating])
+    for i, x in zip(floating, averaged, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
 ALGORITHMS = {
     "psum": lax.psum,
     "ring": ring_allreduce,
     "tree": tree_allreduce,
     "ps": ps_allreduce,
 }
-
-
-class PermuteReducer(optax.GradientTransformation):
-    """A reducer whose output JAX types as varying over the axis: the explicit ring, tree
-    and parameter-server all-reduces, built from ``ppermute``.
-
-    Its output agrees across workers, but there is no cast from varying to invariant, so a
-    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
-    such a reducer to a strategy as it is, or chained with ``ddl.chain``: ``optax.chain``
-    would hide the mark.
-    """
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -98,11 +125,6 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     if all(checks_vma(t) for t in transforms):
         return chained
     return PermuteReducer(chained.init, chained.update)
-
-
-def checks_vma(reducer: optax.GradientTransformation) -> bool:
-    """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
-    return not isinstance(reducer, PermuteReducer)
 
 
 def _bucketed_psum(tree: Any, axis: str, bucket_bytes: int | str | None) -> Any:

@@ -27,7 +27,7 @@ from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
-from ddl_jax._src.reduce.sparse import _capacity, _check_fraction, _check_size
+from ddl_jax._src.reduce.sparse import check_fraction, check_size, entries_kept
 
 
 def _layout(size: int, chunk: int) -> tuple[int, int]:
@@ -154,7 +154,7 @@ def sparse_loco(
       A reducer whose per-worker state is a ``SparseLoCoState``.
     """
     check_axis_name("sparse_loco", axis)
-    ratio = _check_fraction("sparse_loco: ratio", ratio)
+    ratio = check_fraction("sparse_loco: ratio", ratio)
     chunk = check_int("sparse_loco: chunk", chunk, minimum=1)
     if bits is not None:
         bits = check_int("sparse_loco: bits (or None)", bits, minimum=1, maximum=8)
@@ -168,9 +168,9 @@ def sparse_loco(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
-        _check_size("sparse_loco", view, state.error)
+        check_size("sparse_loco", view, state.error)
         count, width = _layout(view.size, chunk)
-        k = _capacity(ratio, width)
+        k = entries_kept(ratio, width)
         e = decay * state.error + view.ravel(updates, dtype=jnp.float32)
         chunks = pad_to(e, width).reshape(count, width)
         valid = (jnp.arange(count * width) < view.size).reshape(count, width)
@@ -271,7 +271,7 @@ def demo(
       3.2
     """
     check_axis_name("demo", axis)
-    ratio = _check_fraction("demo: ratio", ratio)
+    ratio = check_fraction("demo: ratio", ratio)
     chunk = check_int("demo: chunk", chunk, minimum=1)
     beta = check_real("demo: beta", beta, minimum=0)
     beta = check_real("demo: beta", beta, maximum=1, exclusive=True)
@@ -284,9 +284,9 @@ def demo(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
-        _check_size("demo", view, state.momentum)
+        check_size("demo", view, state.momentum)
         count, width = _layout(view.size, chunk)
-        k = _capacity(ratio, width)
+        k = entries_kept(ratio, width)
         m = beta * state.momentum + view.ravel(updates, dtype=jnp.float32)
         coeffs = dct(pad_to(m, width).reshape(count, width), type=2, norm="ortho", axis=1)
         _, index = lax.top_k(jnp.abs(coeffs), k)

@@ -230,7 +230,7 @@ class QSGDState(NamedTuple):
     compression_ratio: jax.Array
 
 
-def _quantise(x: jax.Array, levels: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantise(x: jax.Array, levels: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
     norms = jnp.sqrt(jnp.sum(x * x, axis=-1))
     safe = jnp.where(norms > 0, norms, 1.0)[..., None]
     noise = jax.random.uniform(key, x.shape)
@@ -238,7 +238,7 @@ def _quantise(x: jax.Array, levels: int, key: jax.Array) -> tuple[jax.Array, jax
     return (jnp.sign(x) * q).astype(jnp.int8), norms
 
 
-def _dequantise(q: jax.Array, norms: jax.Array, levels: int) -> jax.Array:
+def dequantise(q: jax.Array, norms: jax.Array, levels: int) -> jax.Array:
     return norms[..., None] * q.astype(jnp.float32) / levels
 
 
@@ -289,12 +289,12 @@ def qsgd(
         key_send, key_owner = jax.random.split(jax.random.fold_in(key, lax.axis_index(axis)))
         length = padded_size(view.size, n * bucket_size)
         chunks = view.ravel(updates, length, jnp.float32).reshape(n, -1, bucket_size)
-        q, norms = _quantise(chunks, levels, key_send)
-        mine = _dequantise(
+        q, norms = quantise(chunks, levels, key_send)
+        mine = dequantise(
             wire.scatter_to_owners(q, axis), wire.scatter_to_owners(norms, axis), levels
         ).mean(axis=0)
-        q, norms = _quantise(mine, levels, key_owner)
-        out = _dequantise(
+        q, norms = quantise(mine, levels, key_owner)
+        out = dequantise(
             wire.gather_from_owners(q, axis), wire.gather_from_owners(norms, axis), levels
         )
         wire_bytes = 2 * (n - 1) / n * (chunks.size + 4 * chunks.size // bucket_size)

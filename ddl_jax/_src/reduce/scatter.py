@@ -24,7 +24,7 @@ from jax import lax
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import _dequantise, _quantise, check_axis_name
+from ddl_jax._src.reduce.quantise import check_axis_name, dequantise, quantise
 
 
 class ScatterReducer(optax.GradientTransformation):
@@ -135,8 +135,8 @@ def scatter_qsgd(
             bucket = min(bucket_size, size)  # a small chunk is one bucket, not padded
             padded = math.ceil(size / bucket) * bucket
             buckets = jnp.pad(flat, ((0, 0), (0, padded - size))).reshape(n, -1, bucket)
-            q, norms = _quantise(buckets, levels, jax.random.fold_in(key, i))
-            mine = _dequantise(
+            q, norms = quantise(buckets, levels, jax.random.fold_in(key, i))
+            mine = dequantise(
                 wire.scatter_to_owners(q, axis), wire.scatter_to_owners(norms, axis), levels
             )
             mean = mine.mean(axis=0).reshape(-1)[:size]

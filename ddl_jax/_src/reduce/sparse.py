@@ -28,12 +28,12 @@ from ddl_jax._src.reduce.quantise import check_axis_name
 WARMUP_DENSITIES = (0.25, 0.25**2, 0.25**3, 0.25**4)
 
 
-def _check_fraction(name: str, value: Any) -> float:
+def check_fraction(name: str, value: Any) -> float:
     """``value`` in (0, 1]: ``check_real`` bounds are all open or all closed, so two calls."""
     return check_real(name, check_real(name, value, minimum=0, exclusive=True), maximum=1)
 
 
-def _check_size(fn: str, view: FlatView, residual: jax.Array) -> None:
+def check_size(fn: str, view: FlatView, residual: jax.Array) -> None:
     if view.size != residual.size:
         raise ValueError(
             f"{fn}: the updates have {view.size} entries but reducer.init built the state for "
@@ -43,7 +43,7 @@ def _check_size(fn: str, view: FlatView, residual: jax.Array) -> None:
         )
 
 
-def _capacity(fraction: float, size: int) -> int:
+def entries_kept(fraction: float, size: int) -> int:
     return min(size, max(1, math.ceil(fraction * size)))
 
 
@@ -88,7 +88,7 @@ def threshold(
     """
     check_axis_name("threshold", axis)
     tau = check_real("threshold: tau", tau, minimum=0, exclusive=True)
-    capacity = _check_fraction("threshold: capacity", capacity)
+    capacity = check_fraction("threshold: capacity", capacity)
 
     def init(params) -> ThresholdState:
         zeros = jnp.zeros(FlatView.of(params).size, jnp.float32)
@@ -98,10 +98,10 @@ def threshold(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
-        _check_size("threshold", view, state.residual)
+        check_size("threshold", view, state.residual)
         if 2 * view.size >= 2**31:
             raise ValueError(f"threshold: {view.size} entries do not fit 31-bit codes.")
-        k = _capacity(capacity, view.size)
+        k = entries_kept(capacity, view.size)
         r = state.residual + view.ravel(updates, dtype=jnp.float32)
         _, index = lax.top_k(jnp.abs(r), k)
         picked = r[index]
@@ -194,7 +194,7 @@ def top_k(
       2.0
     """
     check_axis_name("top_k", axis)
-    ratio = _check_fraction("top_k: ratio", ratio)
+    ratio = check_fraction("top_k: ratio", ratio)
     # [0, 1): momentum 1 would never forget a gradient.
     momentum = check_real("top_k: momentum", momentum, minimum=0)
     momentum = check_real("top_k: momentum", momentum, maximum=1, exclusive=True)
@@ -217,7 +217,7 @@ def top_k(
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
-        _check_size("top_k", view, state.residual)
+        check_size("top_k", view, state.residual)
         g = view.ravel(updates, dtype=jnp.float32)
         if clip_norm is not None:
             g = g * jnp.minimum(1.0, clip_norm / jnp.maximum(jnp.linalg.norm(g), 1e-30))
@@ -236,7 +236,7 @@ def top_k(
 
             return run
 
-        branches = [exchange(_capacity(d, view.size)) for d in densities]
+        branches = [exchange(entries_kept(d, view.size)) for d in densities]
         if warmup_steps:
             # The step counts the same exchanges on every worker, so all take one branch;
             # JAX types a switch's outputs by its branches' (invariant) outputs.

@@ -19,39 +19,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView, varying_axes
 
 # numpy, not jnp: a jnp array made at import time would start JAX's backend.
 _BIT = np.arange(8, dtype=np.uint8)
-
-
-def reducer_metrics(reducer_state: Any) -> dict[str, jax.Array]:
-    """The metrics a reducer reports: ``{"compression_ratio": r}`` for a compressor, else ``{}``.
-
-    ``r`` is the bytes a dense float32 ring all-reduce of the same gradient sends per device
-    divided by the bytes the compressor sends per device (both as ``ddl.comm_stats`` charges
-    them), for the last exchange; 1 before the first exchange and on a single worker.
-
-    Args:
-      reducer_state: one worker's reducer state (any pytree, ``optax.chain`` states
-        included); a NamedTuple field ``compression_ratio`` holds the metric.
-
-    Raises:
-      ValueError: the state holds several ``compression_ratio`` fields (a chain of several
-        compressors), so which one the metric is would be a guess.
-    """
-    try:
-        found = optax.tree.get(reducer_state, "compression_ratio")
-    except KeyError:
-        raise ValueError(
-            "reducer_metrics: the reducer state holds several compression_ratio fields (a "
-            "chain of several ddl.compression reducers?); chain at most one compressor, "
-            "which averages over the workers, per reducer."
-        ) from None
-    return {} if found is None else {"compression_ratio": found}
 
 
 def typed_like(new_state: Any, state: Any) -> Any:

@@ -11,8 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
+from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import Strategy
-from ddl_jax._src.reduce.wire import reducer_metrics
+from ddl_jax._src.reduce.allreduce import allreduce_mean
 
 
 class DataParallelState(NamedTuple):
@@ -86,7 +87,16 @@ def data_parallel(
       >>> round(float(strategy.params(state)["w"]), 6), float(metrics["loss"])
       (0.2, 1.0)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis,
+        accumulate,
+        has_aux,
+        reducer=reducer,
+        default_reducer=allreduce_mean,
+    )
     reducer = kit.reducer
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 

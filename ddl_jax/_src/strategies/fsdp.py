@@ -23,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core import strategy as st
 from ddl_jax._src.core.kit import abstract, is_spec, prepare, restack, unstack, vary
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
+from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
 from ddl_jax._src.core.strategy import DATA, MODEL
+from ddl_jax._src.reduce.allreduce import allreduce_mean
 from ddl_jax._src.reduce.scatter import ScatterReducer
-from ddl_jax._src.reduce.wire import reducer_metrics
-from ddl_jax._src.strategies.tensor_parallel import check_same_over_model, check_specs, full_specs
 
 STAGES = (1, 2, 3)
 #: Every parameter whole over ``model`` (no tensor parallelism).
@@ -167,7 +168,16 @@ def fsdp(
       >>> float(metrics["loss"]), round(float(strategy.params(state)["w"][0, 0]), 6)
       (1.0, 0.2)
     """
-    kit = prepare(loss_fn, optimizer, mesh, DATA, accumulate, has_aux, add_axes=(DATA, MODEL))
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        DATA,
+        accumulate,
+        has_aux,
+        add_axes=(DATA, MODEL),
+        default_reducer=allreduce_mean,
+    )
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}.")
     _check_reducer(reducer, stage, kit.mesh)

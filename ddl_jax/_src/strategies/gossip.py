@@ -17,7 +17,12 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.strategy import Strategy, check_int
-from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
+from ddl_jax._src.measure.consistency import (
+    CHURN_STREAM,
+    arrivals,
+    check_probability,
+    measured_consensus,
+)
 from ddl_jax._src.reduce.allreduce import in_buckets
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -222,7 +227,7 @@ def gossip(
       >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
       (0.2, 0.0)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
     n = kit.n
@@ -353,24 +358,3 @@ def _mix_unreliable(
     for kept, arrived in rounds:
         mixed = jax.tree.map(lambda m, r, wk=kept: m + wk.astype(r.dtype) * r, mixed, arrived)
     return mixed
-
-
-def measured_consensus(params: Any, state: Any, every: int, axis: str) -> jax.Array:
-    """The replicas' consensus distance at steps divisible by ``every`` (it costs a
-    parameter all-reduce), else ``state.consensus_distance`` as last measured."""
-    if not every:
-        return state.consensus_distance
-    return lax.cond(
-        state.model.step % every == 0,
-        functools.partial(_consensus_distance, axis=axis),
-        lambda _: state.consensus_distance,
-        params,
-    )
-
-
-def _consensus_distance(params: Any, axis: str) -> jax.Array:
-    """The workers' mean distance to their average model."""
-    mean = lax.pmean(params, axis)
-    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(mean), strict=True)
-    sq = sum(jnp.sum((p - m) ** 2) for p, m in pairs)
-    return lax.pmean(jnp.sqrt(sq), axis).astype(jnp.float32)

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import Strategy, check_int, check_transform
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
-from ddl_jax._src.reduce.allreduce import in_buckets
-from ddl_jax._src.reduce.wire import reducer_metrics
+from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
 
 
 class LocalSGDState(NamedTuple):
@@ -144,7 +144,16 @@ def local_sgd(
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis,
+        accumulate,
+        has_aux,
+        reducer=reducer,
+        default_reducer=allreduce_mean,
+    )
     cfg = _configure(
         kit,
         optimizer,
@@ -295,6 +304,26 @@ class _Config(NamedTuple):
     churn: float  # the probability that a worker is absent from a step
 
 
+class Carry(NamedTuple):
+    """One worker's view of the state, as the synchronisation branches take and return it.
+
+    Attributes:
+      params: this worker's replica.
+      opt_state: this worker's inner optimizer state.
+      anchor: the global model at the last synchronisation (equal on every worker).
+      outer_opt_state: the outer optimizer's state (DiLoCo; equal on every worker).
+      reducer_state: this worker's state of the outer exchange's reducer.
+      model_state: this worker's model state (batch statistics).
+    """
+
+    params: Any
+    opt_state: Any
+    anchor: Any
+    outer_opt_state: Any
+    reducer_state: Any
+    model_state: Any
+
+
 def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
     kit, outer = cfg.kit, cfg.outer
     opt_state = cfg.optimizer.init(params)
@@ -328,7 +357,7 @@ def _worker_step(
     )
     warm = step < warmup
     if warmup:
-        average = functools.partial(_average, axis=axis)
+        average = functools.partial(worker_mean, axis=axis)
         grads, model_state = lax.cond(warm, average, _keep, (grads, model_state))
     updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
     before = (params, opt_state, unstack(state.model.state))
@@ -353,11 +382,17 @@ def _worker_step(
         if size != cfg.kit.n:
             branches.append(functools.partial(_group_average, cfg=cfg, size=size))
             sizes.append(size)
-    carry = (params, opt_state, state.anchor, state.outer_opt_state)
-    carry = (*carry, unstack(state.reducer_state), model_state)
+    carry = Carry(
+        params=params,
+        opt_state=opt_state,
+        anchor=state.anchor,
+        outer_opt_state=state.outer_opt_state,
+        reducer_state=unstack(state.reducer_state),
+        model_state=model_state,
+    )
     carry = lax.switch(branch, branches, carry)
-    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
-    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
+    opt_state = carry.opt_state
+    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(carry.reducer_state)}, axis)
     metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
     if arrived is not None:
         share = jnp.mean(arrived.astype(jnp.float32))
@@ -369,14 +404,16 @@ def _worker_step(
         metrics[f"synchronised_{name}"] = fires.astype(jnp.float32)
     if cfg.hierarchical:
         metrics["sync_group_size"] = jnp.asarray(sizes, jnp.float32)[branch]
-    model = ModelVars(restack(model_state), state.model.key, step + 1)
+    model = ModelVars(restack(carry.model_state), state.model.key, step + 1)
     new = LocalSGDState(
-        restack(params), restack(opt_state), anchor, outer_state, restack(reducer_state), model
+        params=restack(carry.params),
+        opt_state=restack(opt_state),
+        anchor=carry.anchor,
+        outer_opt_state=carry.outer_opt_state,
+        reducer_state=restack(carry.reducer_state),
+        model=model,
     )
     return new, metrics
-
-
-Carry = tuple[Any, Any, Any, Any, Any, Any]  # params, opt, anchor, outer, reducer, model state
 
 
 def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, Any]:
@@ -393,31 +430,6 @@ def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, A
     return present, arrived
 
 
-def _average(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
-    """Every worker's floating leaves replaced by their mean over ``axis`` (still varying).
-
-    With ``arrived`` (``bool[N]``): the mean of the arrived workers' leaves, which only they
-    take; the others keep theirs. The leaves travel in buckets, as ``allreduce_mean``'s.
-    """
-    if lax.axis_size(axis) == 1:  # one worker: its own mean, whether it arrived or not
-        return tree
-    mine = None if arrived is None else arrived[lax.axis_index(axis)]
-    count = None if arrived is None else jnp.maximum(jnp.sum(arrived), 1)
-
-    def mean(flat: jax.Array) -> jax.Array:
-        if arrived is None:
-            return lax.pcast(lax.pmean(flat, axis), axis, to="varying")
-        average = (lax.psum(jnp.where(mine, flat, 0), axis) / count).astype(flat.dtype)
-        return jnp.where(mine, average, flat)
-
-    leaves, treedef = jax.tree.flatten(tree)
-    floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    averaged = in_buckets(mean, [leaves[i] for i in floating])
-    for i, x in zip(floating, averaged, strict=True):
-        leaves[i] = x
-    return treedef.unflatten(leaves)
-
-
 def _has_field(node: Any, name: str) -> bool:
     return isinstance(node, tuple) and name in getattr(node, "_fields", ())
 
@@ -429,7 +441,7 @@ def _average_field(tree: Any, name: str, axis: str, arrived: jax.Array | None) -
     def one(node: Any) -> Any:
         if not _has_field(node, name):
             return node
-        return node._replace(**{name: _average(getattr(node, name), axis, arrived)})
+        return node._replace(**{name: worker_mean(getattr(node, name), axis, arrived)})
 
     return jax.tree.map(one, tree, is_leaf=functools.partial(_has_field, name=name))
 
@@ -441,9 +453,7 @@ def _keep(carry: Any) -> Any:
 def _catch_up(carry: Carry, axis: str) -> Carry:
     # The warm-up kept the replicas equal through exact averages: the anchor takes them as
     # they are, not through the reducer (which may be lossy).
-    params, opt_state, _, outer_state, reducer_state, model_state = carry
-    anchor = in_buckets(lambda flat: lax.pmean(flat, axis), params)
-    return params, opt_state, anchor, outer_state, reducer_state, model_state
+    return carry._replace(anchor=in_buckets(lambda flat: lax.pmean(flat, axis), carry.params))
 
 
 def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry:
@@ -452,13 +462,14 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     With ``arrived`` (``bool[N]``, unreliable workers) the mean is over the workers whose
     message arrived, and the others keep their replica and states.
     """
-    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
+    params, opt_state, anchor = carry.params, carry.opt_state, carry.anchor
+    outer_state = carry.outer_opt_state
     delta = jax.tree.map(jnp.subtract, anchor, params)
     axis, outer, n = cfg.kit.axis, cfg.outer, cfg.kit.n
     mine = None if arrived is None else arrived[lax.axis_index(axis)]
     if arrived is not None:
         delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
-    delta, reducer_state = cfg.kit.reducer.update(delta, reducer_state, anchor)
+    delta, reducer_state = cfg.kit.reducer.update(delta, carry.reducer_state, anchor)
     if arrived is not None:  # the mean over those that arrived; none: no outer step
         scale = n / jnp.maximum(jnp.sum(arrived), 1)
         delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
@@ -471,11 +482,18 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     if arrived is not None:
         anchor, outer_state = _select(jnp.any(arrived), (anchor, outer_state), before)
     if cfg.average_optimizer_state:
-        opt_state = _average(opt_state, axis, arrived)
+        opt_state = worker_mean(opt_state, axis, arrived)
     new = lax.pcast(anchor, axis, to="varying")
     if arrived is not None:
         new = _select(mine, new, params)
-    return new, opt_state, anchor, outer_state, reducer_state, _average(model_state, axis, arrived)
+    return carry._replace(
+        params=new,
+        opt_state=opt_state,
+        anchor=anchor,
+        outer_opt_state=outer_state,
+        reducer_state=reducer_state,
+        model_state=worker_mean(carry.model_state, axis, arrived),
+    )
 
 
 def _select(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -484,11 +502,13 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
 
 def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
     """Replicas (and model, optimizer states) averaged within blocks of ``size`` workers."""
-    params, opt_state, anchor, outer_state, reducer_state, model_state = carry
     mean = functools.partial(_block_mean, axis=cfg.kit.axis, n=cfg.kit.n, size=size)
+    opt_state = carry.opt_state
     if cfg.average_optimizer_state:
         opt_state = mean(opt_state)
-    return mean(params), opt_state, anchor, outer_state, reducer_state, mean(model_state)
+    return carry._replace(
+        params=mean(carry.params), opt_state=opt_state, model_state=mean(carry.model_state)
+    )
 
 
 def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:

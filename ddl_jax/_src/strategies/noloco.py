@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
+from ddl_jax._src.measure.consistency import measured_consensus
 from ddl_jax._src.reduce.allreduce import in_buckets
-from ddl_jax._src.strategies.gossip import measured_consensus
 
 # The stream of the shared pairing draw: fold_in(fold_in(key, step), _PAIR_STREAM); worker
 # keys fold in w < N, gossip's link draws 2**32 - 1.
@@ -150,7 +150,7 @@ def noloco(
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
     period = check_int("period", period, minimum=1)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     anchor_pull = check_real("anchor_pull", anchor_pull, minimum=0.0)

@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
+from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
-from ddl_jax._src.reduce.wire import reducer_metrics
-from ddl_jax._src.strategies.local_sgd import _average, _keep
+from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -148,7 +148,16 @@ def streaming_diloco(
       >>> round(float(state.anchor["a"]), 6), round(float(state.anchor["b"]), 6)  # "a" in flight
       (0.0, 0.32)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, reducer=reducer)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis,
+        accumulate,
+        has_aux,
+        reducer=reducer,
+        default_reducer=allreduce_mean,
+    )
     cfg = _configure(kit, optimizer, outer_optimizer, period, fragments, overlap, mix)
     model = ModelVars(P(axis), P(), P())
     specs = StreamingDiLoCoState(P(axis), P(axis), P(), P(), P(axis), P(), model)
@@ -321,6 +330,11 @@ def _last_reducer_metrics(reducer_state: tuple[Any, ...], last: jax.Array) -> di
     return {name: jnp.stack([m[name] for m in per_fragment])[last] for name in per_fragment[0]}
 
 
+def _keep(carry: Carry) -> Carry:
+    """The branch of a step that neither sends nor lands: the carry unchanged."""
+    return carry
+
+
 def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: int) -> Carry:
     """Fragment ``p``'s outer gradient reduced over the workers; the model state averaged."""
     params, anchor, outer_state, reducer_state, pending, model_state = carry
@@ -328,7 +342,7 @@ def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: in
     delta = jax.tree.map(jnp.subtract, glob, local)
     delta, fragment_reducer = cfg.kit.reducer.update(delta, reducer_state[p], glob)
     reducer_state = _replace(reducer_state, p, fragment_reducer)
-    model_state = _average(model_state, cfg.kit.axis)
+    model_state = worker_mean(model_state, cfg.kit.axis)
     if cfg.overlap:
         pending = _replace(pending, p, delta)
     else:

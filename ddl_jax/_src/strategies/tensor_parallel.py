@@ -9,7 +9,6 @@ parameter by its spec over ``model`` and running data parallelism over ``data``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -21,9 +20,10 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core import strategy as st
 from ddl_jax._src.core.kit import is_spec, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
+from ddl_jax._src.core.reducer import checks_vma, reducer_metrics
+from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
 from ddl_jax._src.core.strategy import DATA, MODEL
-from ddl_jax._src.reduce.allreduce import checks_vma
-from ddl_jax._src.reduce.wire import reducer_metrics
+from ddl_jax._src.reduce.allreduce import allreduce_mean
 
 
 class TensorParallelState(NamedTuple):
@@ -43,39 +43,6 @@ class TensorParallelState(NamedTuple):
     opt_state: Any
     reducer_state: Any
     model: ModelVars
-
-
-def full_specs(params: Any, specs: Any) -> Any:
-    """One spec per parameter: ``specs`` broadcast from a prefix of params' structure."""
-    try:
-        return jax.tree.broadcast(specs, params, is_leaf=is_spec)
-    except ValueError:
-        raise ValueError(
-            "specs must have the structure of params, or a prefix of it (see "
-            f"param_specs(module)); got {jax.tree.structure(specs, is_leaf=is_spec)} for "
-            f"params {jax.tree.structure(params)}."
-        ) from None
-
-
-def check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
-    specs = full_specs(params, specs)
-    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
-    for (path, x), spec in zip(
-        jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
-    ):
-        for dim, names in zip(x.shape, spec, strict=False):
-            names = (names,) if isinstance(names, str) else names or ()
-            if DATA in names:
-                raise ValueError(
-                    f"specs{jax.tree_util.keystr(path)}={spec} shards over 'data'; params are "
-                    "replicated over the data axis."
-                )
-            size = math.prod(mesh.shape[a] for a in names)
-            if dim % size:
-                raise ValueError(
-                    f"params{jax.tree_util.keystr(path)} has shape {x.shape}; spec {spec} "
-                    f"splits a dimension of {dim} into {size} parts, which does not divide."
-                )
 
 
 def tensor_parallel(
@@ -135,7 +102,15 @@ def tensor_parallel(
     """
     axes = (DATA, MODEL)
     kit = prepare(
-        loss_fn, optimizer, mesh, DATA, accumulate, has_aux, add_axes=axes, reducer=reducer
+        loss_fn,
+        optimizer,
+        mesh,
+        DATA,
+        accumulate,
+        has_aux,
+        add_axes=axes,
+        reducer=reducer,
+        default_reducer=allreduce_mean,
     )
     reducer = kit.reducer
     probe = jax.eval_shape(reducer.init, {"w": jax.ShapeDtypeStruct((8, 8), "float32")})
@@ -176,19 +151,6 @@ def tensor_parallel(
         kit.step(worker_step, state_specs),
         kit.replicated(lambda state: kit.variables(state.params, state.model)),
     )
-
-
-def check_same_over_model(metrics: dict[str, jax.Array]) -> None:
-    """The loss must be one number per data worker, the same on its ``model`` devices."""
-    for name, value in metrics.items():
-        if MODEL in jax.typeof(value).manual_axis_type.varying:
-            raise ValueError(
-                f"the {name} differs across the 'model' axis: the model's output is still "
-                "split over 'model' (e.g. it ends in a ColumnParallelLinear, whose output "
-                "features are sharded). End the model with a RowParallelLinear (or a "
-                "ParallelMLP / ParallelTransformerBlock, which end in one) or a replicated "
-                "layer, so that every model device sees the whole output."
-            )
 
 
 def _state_specs(

@@ -352,10 +352,11 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
         ``check_compatible``), or no state (a step of ``export``); this is not treated as
         corruption.
     """
-    return _restore_latest(manager, like)
+    return newest_readable(manager, like)
 
 
-def _restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, int] | None:
+def newest_readable(manager: ocp.CheckpointManager, like: State) -> tuple[State, int] | None:
+    """:func:`restore_latest`'s work, for the functions users call (stacklevel below)."""
     # Called only directly by the functions users call (restore_latest, fit), so the
     # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)

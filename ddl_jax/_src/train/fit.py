@@ -7,7 +7,7 @@ import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Batch, Metrics, State, Strategy, check_int
 from ddl_jax._src.train import checkpoint
 from ddl_jax._src.train.log import TrainingLog, summary_writer_class
+from ddl_jax._src.train.settings import FitSettings
 
 
 def guard_nonfinite(
@@ -162,7 +163,7 @@ def fit(
                 settings.checkpoint_dir, keep=settings.keep or 3
             )
             # Not restore_latest: its warning about a corrupt step must name the user's line.
-            if (restored := checkpoint._restore_latest(manager, state)) is not None:
+            if (restored := checkpoint.newest_readable(manager, state)) is not None:
                 state, log.start = restored
                 log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
         log.open()
@@ -173,30 +174,13 @@ def fit(
             manager.close()  # waits for the last asynchronous save
 
 
-class _Settings(NamedTuple):
-    """``fit``'s arguments past the strategy, the variables and the batches."""
-
-    steps: int
-    eval_fn: Callable[[Variables], Any] | None
-    eval_every: int | None
-    log_every: int
-    progress: bool
-    checkpoint_dir: str | os.PathLike | None
-    checkpoint_every: int | None
-    keep: int | None
-    skip_nonfinite: bool
-    log_file: str | None
-    tensorboard_dir: str | None
-    callbacks: tuple[Callable[[dict[str, float]], Any], ...]
-
-
 def _train(
     strategy: Strategy,
     state: State,
     batches: Iterable[Any] | Callable[[int], Iterable[Any]],
     log: TrainingLog,
     manager: Any,
-    settings: _Settings,
+    settings: FitSettings,
 ) -> tuple[State, list[dict[str, float]]]:
     """``fit``'s loop from its start step on, and what follows the last step (warnings
     here name ``fit``'s caller: stacklevel 3)."""
@@ -256,9 +240,9 @@ def _train(
     return state, history
 
 
-def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> _Settings:
+def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSettings:
     """``fit``'s argument checks, of its ``arguments`` by name; returns the checked ones."""
-    args = _Settings(**{name: arguments[name] for name in _Settings._fields})
+    args = FitSettings(**{name: arguments[name] for name in FitSettings._fields})
     steps = check_int("steps", args.steps, minimum=1)
     log_every = check_int("log_every", args.log_every, minimum=1)
     eval_every, checkpoint_every, keep = (

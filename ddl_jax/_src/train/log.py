@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import jax
 import numpy as np
@@ -19,9 +19,7 @@ from tqdm.auto import tqdm
 
 from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Metrics
-
-if TYPE_CHECKING:
-    from ddl_jax._src.train.fit import _Settings
+from ddl_jax._src.train.settings import FitSettings
 
 #: ``fit`` warns once when the loss exceeds this multiple of the first recorded loss.
 LOSS_GROWTH = 100.0
@@ -120,7 +118,7 @@ class TrainingLog:
     """``fit``'s records: metrics fetched from the device in batches, the progress shown
     (a bar that redraws on a terminal, plain lines elsewhere), the loss-growth check."""
 
-    def __init__(self, settings: _Settings, *, show: bool) -> None:
+    def __init__(self, settings: FitSettings, *, show: bool) -> None:
         self.steps, self.show, self.skipping = settings.steps, show, settings.skip_nonfinite
         self.path, self.callbacks = settings.log_file, settings.callbacks
         self.tensorboard_dir = settings.tensorboard_dir

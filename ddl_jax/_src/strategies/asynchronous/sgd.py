@@ -583,5 +583,5 @@ def async_sgd(
     >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
     (0.2, 4.0)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, takes_reducer=False)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
     return _Program.build(kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer)

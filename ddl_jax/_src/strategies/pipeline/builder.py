@@ -32,19 +32,9 @@ from ddl_jax._src.core import model_loss as ml
 from ddl_jax._src.core import strategy as st
 from ddl_jax._src.core.kit import Kit, abstract, prepare
 from ddl_jax._src.core.model_loss import ModelLoss, ModelVars
-from ddl_jax._src.strategies.pipeline.programs import (
-    DATA,
-    STAGE,
-    DDGState,
-    Metrics,
-    PipelineConfig,
-    PipelineState,
-    StageFn,
-    Stages,
-    ddg_step,
-    stage_step,
-    synchronous_step,
-)
+from ddl_jax._src.core.strategy import DATA, STAGE
+from ddl_jax._src.reduce.allreduce import allreduce_mean
+from ddl_jax._src.strategies.pipeline.programs import ddg_step, stage_step, synchronous_step
 from ddl_jax._src.strategies.pipeline.schedules import (
     SCHEDULES,
     Costs,
@@ -57,6 +47,14 @@ from ddl_jax._src.strategies.pipeline.stages import (
     check_like,
     check_stages,
     flop_costs,
+)
+from ddl_jax._src.strategies.pipeline.types import (
+    DDGState,
+    Metrics,
+    PipelineConfig,
+    PipelineState,
+    StageFn,
+    Stages,
 )
 
 
@@ -88,7 +86,15 @@ def _setup(
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, batch) -> loss, got {loss_fn!r}.")
-    kit = prepare(loss_fn, optimizer, mesh, axis=DATA, add_axes=(DATA, STAGE), reducer=reducer)
+    kit = prepare(
+        loss_fn,
+        optimizer,
+        mesh,
+        axis=DATA,
+        add_axes=(DATA, STAGE),
+        reducer=reducer,
+        default_reducer=allreduce_mean,
+    )
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; valid: {list(SCHEDULES)}.")
     m_ = st.check_int("microbatches", microbatches, minimum=1)

@@ -23,12 +23,8 @@ from ddl_jax._src.core import strategy as st
 from ddl_jax._src.core.flat import FlatView
 from ddl_jax._src.core.flax_bridge import loss_from_module
 from ddl_jax._src.core.model_loss import ModelLoss
-from ddl_jax._src.strategies.pipeline.programs import (
-    STAGE,
-    PipelineConfig,
-    StageFn,
-    Stages,
-)
+from ddl_jax._src.core.strategy import STAGE
+from ddl_jax._src.strategies.pipeline.types import PipelineConfig, StageFn, Stages
 from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 
 

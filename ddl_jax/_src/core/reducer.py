@@ -1,0 +1,58 @@
+"""The reducer contract: what a strategy needs to know of the optax transform that
+reduces its gradients (``ddl_jax._src.reduce`` holds the reducers themselves).
+
+A reducer is an ``optax.GradientTransformation`` run inside the strategy's ``shard_map``
+on each worker's gradient. Its output must be the same on every worker; its state is the
+worker's own. A compressor's state has a ``compression_ratio`` field, reported by
+:func:`reducer_metrics`; a reducer built from ``ppermute`` rounds carries the
+:class:`PermuteReducer` mark (:func:`checks_vma`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+
+class PermuteReducer(optax.GradientTransformation):
+    """A reducer whose output JAX types as varying over the axis: the explicit ring, tree
+    and parameter-server all-reduces, built from ``ppermute``.
+
+    Its output agrees across workers, but there is no cast from varying to invariant, so a
+    strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass
+    such a reducer to a strategy as it is, or chained with ``ddl.chain``: ``optax.chain``
+    would hide the mark.
+    """
+
+
+def checks_vma(reducer: optax.GradientTransformation) -> bool:
+    """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
+    return not isinstance(reducer, PermuteReducer)
+
+
+def reducer_metrics(reducer_state: Any) -> dict[str, jax.Array]:
+    """The metrics a reducer reports: ``{"compression_ratio": r}`` for a compressor, else ``{}``.
+
+    ``r`` is the bytes a dense float32 ring all-reduce of the same gradient sends per device
+    divided by the bytes the compressor sends per device (both as ``ddl.comm_stats`` charges
+    them), for the last exchange; 1 before the first exchange and on a single worker.
+
+    Args:
+      reducer_state: one worker's reducer state (any pytree, ``optax.chain`` states
+        included); a NamedTuple field ``compression_ratio`` holds the metric.
+
+    Raises:
+      ValueError: the state holds several ``compression_ratio`` fields (a chain of several
+        compressors), so which one the metric is would be a guess.
+    """
+    try:
+        found = optax.tree.get(reducer_state, "compression_ratio")
+    except KeyError:
+        raise ValueError(
+            "reducer_metrics: the reducer state holds several compression_ratio fields (a "
+            "chain of several ddl.compression reducers?); chain at most one compressor, "
+            "which averages over the workers, per reducer."
+        ) from None
+    return {} if found is None else {"compression_ratio": found}
