@@ -33,7 +33,7 @@ programs = {
     f"data_parallel, {packing}": ddl.data_parallel(
         workload.loss_fn, adam, mesh, reducer=ddl.allreduce_mean(bucket_mb=bucket_mb)
     )
-    for packing, bucket_mb in (("per leaf", None), ("buckets", "auto"))
+    for packing, bucket_mb in (("per leaf", None), ("buckets", 25.0))
 }
 # Each process holds its half of every global batch.
 batches = [

@@ -24,7 +24,9 @@ sys.path.append(str(Path(__file__).parent))
 from _rounds import interleaved
 
 process_id, port, config = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-ddl.launch.initialize(f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_seconds=60)
+ddl.launch.initialize(
+    f"127.0.0.1:{port}", 2, process_id, heartbeat_timeout_seconds=60, xla_cpu_tunings=True
+)
 
 import contextlib  # noqa: E402
 import itertools  # noqa: E402

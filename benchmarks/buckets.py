@@ -1,14 +1,15 @@
 """Gradient buckets on a CPU cluster: 2 processes, one core each, gloo.
 
-XLA:CPU's gloo collectives make one call per buffer, however XLA combines them. On more
-than one process ``ddl.allreduce_mean`` therefore packs a step's gradient leaves in flat
-25 MiB buckets (``bucket_mb="auto"``); this measures what that buys on a model of many
-small leaves, the byte-level GPT of ``ddl-jax compare`` (2 layers, 64 wide, 36 parameter
-leaves; Adam 3e-3): ``ddl.data_parallel`` leaf by leaf (``bucket_mb=None``) and in
-buckets, interleaved round by round in the same two processes. (``benchmarks/peers.py``
-measures it on an MLP of 6 leaves against PyTorch DDP.) Prints milliseconds per step
-(median and spread), the ratio, and the buffers the collectives of one step carry (from
-the compiled HLO); writes benchmarks/results/buckets.{md,json}.
+XLA:CPU's gloo collectives make one call per buffer, however XLA combines them. With the
+XLA:CPU tunings on and more than one process, ``ddl.allreduce_mean(bucket_mb="auto")``
+packs a step's gradient leaves in flat 25 MiB buckets; this measures what that buys on a
+model of many small leaves, the byte-level GPT of ``ddl-jax compare`` (2 layers, 64
+wide, 36 parameter leaves; Adam 3e-3): ``ddl.data_parallel`` leaf by leaf
+(``bucket_mb=None``) and in buckets (``bucket_mb=25``), interleaved round by round in
+the same two processes. (``benchmarks/peers.py`` measures it on an MLP of 6 leaves
+against PyTorch DDP.) Prints milliseconds per step (median and spread), the ratio, and
+the buffers the collectives of one step carry (from the compiled HLO); writes
+benchmarks/results/buckets.{md,json}.
 
     python benchmarks/buckets.py [--windows 16] [--steps 20] [--rounds 7]
 """

@@ -7,7 +7,8 @@ same time; it exits if fewer than 2 cores are available. Seven modes train the s
 model on the same global batch, interleaved round by round: sequential model parallelism
 (the GPipe program with one micro-batch: each stage waits for the other), GPipe and 1F1B
 with M micro-batches (ticks grouped as ``ddl.pipeline`` groups them, and one operation a
-tick), and DDG. Each process holds one stage, so each compiles its own stage's program;
+tick), and DDG. Each process holds one stage and turns the XLA:CPU tunings on, so each
+compiles its own stage's program;
 GPipe also runs as the one program with a switch over the stages that a process holding
 several stages runs. Prints samples/s side by side with ratios to sequential (of the medians,
 and the range of the ratio within one round), and writes JSON and markdown to

@@ -18,6 +18,7 @@ from typing import Any
 
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.train import launch
+from ddl_jax._src.xla_cpu import tunings
 
 _POLL_S = 0.05
 #: Seconds after a rank's failure in which the failures of others are reported with it.
@@ -65,6 +66,8 @@ def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock):
         }
         if args.devices_per_process is not None:
             env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process)
+        if args.xla_cpu_tunings:
+            env[tunings.ENV_VAR] = "1"
         # A session of its own, so stopping a rank also stops whatever it started.
         proc = subprocess.Popen(
             args.command,
@@ -236,6 +239,14 @@ def parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=3.0,
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 3)",
+    )
+    p.add_argument(
+        "--xla-cpu-tunings",
+        action="store_true",
+        help=(
+            f"turn on the XLA:CPU tunings in every rank ({tunings.ENV_VAR}=1): they help "
+            "CPU clusters of one process per pinned core (see ddl_jax.launch.initialize)"
+        ),
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
     _compare_parser(sub)

@@ -16,6 +16,7 @@ from jax import lax
 
 import ddl_jax as ddl
 from ddl_jax._src.xla_cpu import products as cpu_products
+from ddl_jax._src.xla_cpu import tunings
 from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 
 LEADING = re.compile(r" dot\([^)]*\), lhs_contracting_dims=\{0\}")
@@ -86,8 +87,18 @@ def test_other_products_and_higher_order_primitives_run_unchanged():
 
 @pytest.fixture
 def one_core(monkeypatch):
-    """This process as if it ran on one core, where the builders rewrite their gradients."""
+    """This process as if it ran on one core with the XLA:CPU tunings on, where the
+    builders rewrite their gradients."""
     monkeypatch.setattr(cpu_products, "one_core", lambda: True)
+    monkeypatch.setitem(tunings._state, "switch", True)
+
+
+def test_one_core_processes_keep_autodiffs_products_without_the_tunings(mlp, monkeypatch):
+    monkeypatch.setattr(cpu_products, "one_core", lambda: True)
+    monkeypatch.setitem(tunings._state, "switch", False)
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    assert leading_products(strategy.step, strategy.init(params), make_batches(1, 16)[0]) == 2
 
 
 class Sequence(nnx.Module):
@@ -121,6 +132,7 @@ def test_one_core_processes_train_as_single_device_sgd_without_a_leading_contrac
 
 def test_processes_with_several_cores_keep_autodiffs_products(mlp, monkeypatch):
     monkeypatch.setattr(cpu_products, "one_core", lambda: False)
+    monkeypatch.setitem(tunings._state, "switch", True)
     loss_fn, params = mlp
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
     assert leading_products(strategy.step, strategy.init(params), make_batches(1, 16)[0]) == 2

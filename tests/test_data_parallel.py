@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import ddl_jax as ddl
 from ddl_jax._src.measure.comm import collectives
 from ddl_jax._src.reduce import allreduce as reducers
+from ddl_jax._src.xla_cpu import tunings
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 
@@ -331,9 +332,14 @@ def test_gradients_travel_in_buckets(mlp, monkeypatch):
     total = sum(x.nbytes for x in leaves)
     assert buffers(None) == len(leaves) + 1  # + the loss
     assert buffers(25) == 1 + 1
-    # "auto": leaf by leaf in one process; buckets on a CPU cluster.
+    # "auto": leaf by leaf in one process, and on a CPU cluster by default; buckets on a
+    # CPU cluster with the XLA:CPU tunings on.
     assert buffers("auto") == len(leaves) + 1
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setitem(tunings._state, "switch", False)
+    assert reducers.default_bucket_bytes() is None
+    assert buffers("auto") == len(leaves) + 1
+    monkeypatch.setitem(tunings._state, "switch", True)
     assert reducers.default_bucket_bytes() == 25 * 2**20
     assert buffers("auto") == 1 + 1
     # Buckets fill in leaf order up to the cap; a leaf beyond the cap travels alone.

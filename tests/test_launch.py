@@ -37,6 +37,7 @@ WORKER = textwrap.dedent(
     f"""
     import os, signal, sys
     from ddl_jax._src.train import launch
+    from ddl_jax._src.xla_cpu import gloo_threads
     launch.initialize()
     import jax, numpy as np, optax
     from flax import nnx
@@ -76,7 +77,7 @@ WORKER = textwrap.dedent(
     time.sleep(1.0)  # initialize's watcher looks twice a second
     loops = set()
     for _ in range(100):  # a loop thread spends moments outside epoll_wait
-        loops |= set(launch.gloo_loop_threads())
+        loops |= set(gloo_threads.loop_threads())
         time.sleep(0.01)
     idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
     print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
@@ -109,7 +110,7 @@ def restarted(tmp_path_factory):
     # the restart must resume from a checkpoint, not from scratch.
     kill_at = random.randint(5, STEPS - 1)
     tmp_path = tmp_path_factory.mktemp("killed")
-    proc, out = run_launcher(tmp_path, "killed", kill_at, "--restarts", "1")
+    proc, out = run_launcher(tmp_path, "killed", kill_at, "--restarts", "1", "--xla-cpu-tunings")
     log = f"kill_at={kill_at}\n{proc.stdout}{proc.stderr}"
     assert proc.returncode == 0, log
     return proc, log, kill_at, *load(out)
@@ -124,7 +125,8 @@ def test_kill_9_is_reported_and_the_restarted_run_ends_bitwise_equal(restarted):
     for rank in (0, 1):
         assert f"[rank {rank}] devices 8 first step {int(step.group(1)) + 1}" in proc.stdout
         assert f"[rank {rank}] devices 8 first step 1" in proc.stdout  # the uninterrupted run
-        # initialize lowered gloo's spinning transport threads (one per device group).
+        # With the tunings (--xla-cpu-tunings), initialize lowered gloo's spinning
+        # transport threads (one per device group).
         loops = rf"\[rank {rank}\] gloo loop threads (\d+) all at SCHED_IDLE (\w+)"
         loops = re.search(loops, proc.stdout)
         assert loops and int(loops[1]) >= 1 and loops[2] == "True", log
@@ -281,11 +283,6 @@ def test_launcher_bad_arguments(argv, message, capsys):
 def test_initialize_rejects_a_cluster_that_cannot_be_right(args, match):
     with pytest.raises(ValueError, match=match):
         launch.initialize(*args)
-
-
-def test_initialize_rejects_a_non_bool_idle_gloo_loop():
-    with pytest.raises(TypeError, match="idle_gloo_loop must be True or False, got 'yes'"):
-        launch.initialize("127.0.0.1:1234", 2, 0, idle_gloo_loop="yes")
 
 
 def test_initialize_rejects_bad_launcher_variables(monkeypatch):

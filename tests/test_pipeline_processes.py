@@ -1,9 +1,9 @@
 """A pipeline whose stages live in different processes: each compiles its stage's program.
 
 Two processes x 2 CPU devices over gloo (``ddl-jax launch``), a ``data=2, stage=2`` mesh
-(``ddl.make_mesh`` gives each process one stage's two data workers); GPipe and 1F1B then run
-``stage_step`` (no switch over the stages) and must train as one device does on the whole
-batch.
+(``ddl.make_mesh`` gives each process one stage's two data workers); with the XLA:CPU
+tunings on (``--xla-cpu-tunings``) GPipe and 1F1B then run ``stage_step`` (no switch over
+the stages) and must train as one device does on the whole batch.
 """
 
 import pathlib
@@ -75,7 +75,7 @@ def launched(tmp_path_factory):
     script, out = tmp_path / "worker.py", tmp_path / "params.npz"
     script.write_text(WORKER)
     launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2"]
-    options = ["--devices-per-process", "2", "--heartbeat-timeout", "10"]
+    options = ["--devices-per-process", "2", "--heartbeat-timeout", "10", "--xla-cpu-tunings"]
     proc = subprocess.run(
         [*launcher, *options, "--", sys.executable, str(script), str(out)],
         env=child_env(),

@@ -112,7 +112,8 @@ class Kit(NamedTuple):
     @property
     def transposes_weight_gradients(self) -> bool:
         """Whether gradients are computed with ``cpu_products.transposed_weight_gradients``
-        (CPU devices, a process on one core: ``cpu_products.applies``)."""
+        (the XLA:CPU tunings on, CPU devices, a process on one core:
+        ``cpu_products.applies``)."""
         return cpu_products.applies(self.mesh)
 
     def shardings(self, specs: Any) -> Any:

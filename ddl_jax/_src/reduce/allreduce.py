@@ -32,20 +32,23 @@ from ddl_jax._src.reduce.collectives import (
     ring_allreduce,
     tree_allreduce,
 )
+from ddl_jax._src.xla_cpu import tunings
 
 #: The bucket size in MiB where buckets are used (DDP's default).
 BUCKET_MB = 25.0
 
 
 def default_bucket_bytes() -> int | None:
-    """``bucket_mb="auto"``: 25 MiB buckets where collectives cross processes over gloo (a
-    CPU cluster: XLA:CPU's gloo makes one call per buffer), else ``None``, leaf by leaf.
+    """``bucket_mb="auto"``: leaf by leaf (``None``), or 25 MiB buckets with the XLA:CPU
+    tunings on where collectives cross processes over gloo (``xla_cpu/tunings.py``).
 
-    Within one process XLA:CPU reduces separate buffers concurrently and one large buffer
-    slowly (the MLP's 7.5 MB gradient on 8 simulated devices: 7.2 ms leaf by leaf, 38 ms as
-    one bucket); on GPUs and TPUs XLA combines per-leaf collectives itself.
+    XLA combines per-leaf all-reduces into one op, but XLA:CPU's gloo makes one call per
+    buffer: one bucket pays off where a process has one core and loses where processes
+    share cores, and within one process XLA:CPU reduces separate buffers concurrently
+    and one large buffer slowly (``docs/figures.md``). On GPUs and TPUs XLA combines
+    per-leaf collectives itself.
     """
-    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    if tunings.cluster():
         return int(BUCKET_MB * 2**20)
     return None
 
@@ -147,12 +150,10 @@ def allreduce_mean(
       bucket_mb: with ``"psum"``, the leaves of a dtype travel packed in flat buckets of
         at most this many MiB (a larger leaf alone), one all-reduce each, as DDP's
         gradient buckets. ``None``: one all-reduce per leaf, which XLA may combine into
-        one op, but XLA:CPU's gloo still runs leaf by leaf: 7 calls for an MLP of 3
-        layers and its loss (``benchmarks/peers.py``: 1.3x the step time over 2 processes
-        before ``ddl.launch.initialize`` idled gloo's spinning thread, 1.4% after).
-        ``"auto"``: 25 MiB on a CPU cluster (more than one process), else ``None``; see
-        ``default_bucket_bytes``. The explicit algorithms always fuse each dtype into one
-        buffer.
+        one op (XLA:CPU's gloo still runs it leaf by leaf). ``"auto"``: ``None``, or
+        25 MiB with the XLA:CPU tunings on and more than one CPU process (see
+        ``default_bucket_bytes``; ``benchmarks/peers.py`` measures both). The explicit
+        algorithms always fuse each dtype into one buffer.
 
     Returns:
       A stateless ``optax.GradientTransformation`` to run inside ``shard_map``.

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import platform
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.strategy import Batch, check_int, check_mesh_axis
 from ddl_jax._src.data import datasets as data_lib
+from ddl_jax._src.xla_cpu import gloo_threads, tunings
 
 #: Environment variables ``ddl-jax launch`` sets in every process it starts.
 ENV_COORDINATOR = "DDL_JAX_COORDINATOR"
@@ -46,7 +44,7 @@ def initialize(
     local_device_count: int | None = None,
     heartbeat_timeout_seconds: int | None = None,
     initialization_timeout: int = 120,
-    idle_gloo_loop: bool = True,
+    xla_cpu_tunings: bool | None = None,
 ) -> bool:
     """Joins this process to JAX's distributed runtime; call it first in a training script.
 
@@ -72,12 +70,14 @@ def initialize(
         dead; default 10 under ``ddl-jax launch``, else JAX's default (100).
       initialization_timeout: seconds to wait for every process to join (and for the
         coordinator to answer) before giving up.
-      idle_gloo_loop: on Linux CPUs, a daemon thread lowers each of gloo's transport
-        threads to ``SCHED_IDLE`` as it appears (XLA starts one per group of devices
-        that a collective first runs over). Such a thread spins while a peer's message
-        waits for this process to post its receive; at normal priority it takes the core
-        from the step (with one core per process: 2 ms per tiny all-reduce in place of
-        0.2 ms, and a slower backward). At ``SCHED_IDLE`` it runs when the step waits.
+      xla_cpu_tunings: turns on (``True``) or off (``False``) the tunings for a CPU
+        cluster of one process per pinned core (``DDL_JAX_XLA_CPU_TUNINGS``; ``None``:
+        leave that variable to decide, off when unset). They are: weight gradients from
+        explicit transposes in a process on one core, gradients packed into 25 MiB buckets
+        before gloo's all-reduce, gloo's transport threads at ``SCHED_IDLE``, one
+        program per pipeline stage. Each helps that setting and costs elsewhere (processes
+        that share cores: leaf-by-leaf all-reduces are about 3x faster than buckets); with
+        them off, results do not depend on CPU affinity.
 
     Returns:
       Whether the distributed runtime was initialised (false: single process).
@@ -93,10 +93,12 @@ def initialize(
     ``DEADLINE_EXCEEDED`` (no Python exception). ``ddl-jax launch`` always passes a
     consistent count and ids.
     """
-    if not isinstance(idle_gloo_loop, bool):
-        raise TypeError(
-            f"initialize: idle_gloo_loop must be True or False, got {idle_gloo_loop!r}."
-        )
+    if xla_cpu_tunings is not None:
+        if not isinstance(xla_cpu_tunings, bool):
+            raise TypeError(
+                f"initialize: xla_cpu_tunings must be True, False or None, got {xla_cpu_tunings!r}."
+            )
+        tunings.set_enabled(xla_cpu_tunings)
     explicit = coordinator_address is not None
     if not explicit and (num_processes is not None or process_id is not None):
         raise ValueError(
@@ -147,47 +149,9 @@ def initialize(
         if not (explicit or launched) and "coordinator_address" in str(e):
             return False
         raise
-    if idle_gloo_loop and jax.default_backend() == "cpu" and hasattr(os, "SCHED_IDLE"):
-        threading.Thread(target=_idle_gloo_loops, name="ddl-idle-gloo", daemon=True).start()
+    if tunings.cluster():
+        gloo_threads.start_idling()
     return True
-
-
-# epoll_wait's system call numbers (epoll_pwait where there is no epoll_wait), and the
-# maximum events and timeout (ms) gloo's TCP loop passes: `gloo::transport::tcp::Loop::run`.
-_EPOLL_SYSCALLS = {"x86_64": {232, 281}, "aarch64": {22}}
-_GLOO_LOOP_EPOLL = (64, 10)
-
-
-def gloo_loop_threads() -> list[int]:
-    """Thread ids of this process's gloo TCP loop threads now in ``epoll_wait`` (Linux).
-
-    A thread counts when ``/proc`` shows it in ``epoll_wait`` with gloo's loop arguments
-    (64 events, a 10 ms timeout). XLA starts one such thread per communicator, when a
-    program first runs a collective over a new group of devices.
-    """
-    calls = _EPOLL_SYSCALLS.get(platform.machine(), set())
-    found = []
-    for tid in os.listdir("/proc/self/task") if calls else ():
-        try:
-            with open(f"/proc/self/task/{tid}/syscall") as f:
-                fields = f.read().split()
-        except OSError:  # the thread ended, or /proc hides system calls
-            continue
-        epoll = len(fields) > 4 and fields[0].isdigit() and int(fields[0]) in calls
-        if epoll and tuple(int(x, 16) for x in fields[3:5]) == _GLOO_LOOP_EPOLL:
-            found.append(int(tid))
-    return found
-
-
-def _idle_gloo_loops(interval: float = 0.5) -> None:
-    """Lowers every gloo loop thread that appears to ``SCHED_IDLE``, for ever (a daemon)."""
-    done: set[int] = set()
-    while True:
-        for tid in set(gloo_loop_threads()) - done:
-            with contextlib.suppress(OSError):  # it ended meanwhile
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            done.add(tid)
-        time.sleep(interval)
 
 
 def _wait_for_coordinator(address: str, timeout: int, process_id: int, count: int) -> None:

@@ -6,16 +6,17 @@ model), then transposes it; XLA:CPU lowers that to a matrix product whose left o
 contracts dimension 0. XLA:CPU hands matrix products to YNNPACK only when the left
 operand contracts its last dimension, so the weight gradient stays on the generic Eigen
 product. In a process that runs on one core that takes about twice as long
-(``docs/figures.md``: 8.7 ms against 4.5 ms for 256x784 by 256x1024); PyTorch's BLAS call
-takes a transposed operand natively. Where the process has several cores, Eigen's product
-runs threaded and the two layouts take about the same time (whole steps measured 1 to 3%
-slower rewritten), so :func:`applies` leaves them alone.
+(``docs/figures.md``); PyTorch's BLAS call takes a transposed operand natively. Where the
+process has several cores, Eigen's product runs threaded and the two layouts take about
+the same time, so :func:`applies` leaves them alone.
 
 :func:`transposed_weight_gradients` re-evaluates a function's jaxpr with each such product
 computed from an explicit transpose of one operand (both viewed as matrices over the
 contracted rows); an optimization barrier keeps XLA from folding the transpose back into
 the product. Same mathematics, same result up to float rounding. The builder kit applies
-it (the strategies' gradients and the pipeline's backward) where :func:`applies`.
+it (the strategies' gradients and the pipeline's backward) where :func:`applies`: only
+with the XLA:CPU tunings on (``tunings.py``), so by default results do not depend on the
+process's CPU affinity.
 """
 
 import math
@@ -31,6 +32,8 @@ from jax.extend.core.primitives import dot_general_p, jit_p
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src.xla_cpu import tunings
+
 
 def one_core() -> bool:
     """Whether this process may run on one CPU core only (XLA:CPU then runs single-threaded)."""
@@ -41,9 +44,9 @@ def one_core() -> bool:
 
 def applies(mesh: Mesh) -> bool:
     """Whether steps on ``mesh`` compute their weight gradients from explicit transposes:
-    on CPU devices, in a process that runs on one core (as a CPU cluster with one process
-    per core does)."""
-    return mesh.devices.flat[0].platform == "cpu" and one_core()
+    with the XLA:CPU tunings on (``tunings.py``), on CPU devices, in a process that runs
+    on one core (as a CPU cluster with one process per core does)."""
+    return tunings.active_on(mesh.devices.flat[0].platform) and one_core()
 
 
 def _contracts_leading(eqn: Any) -> bool:

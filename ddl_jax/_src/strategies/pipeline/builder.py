@@ -56,6 +56,7 @@ from ddl_jax._src.strategies.pipeline.types import (
     StageFn,
     Stages,
 )
+from ddl_jax._src.xla_cpu import tunings
 
 
 def _micro_shapes(batch: Any, count: int) -> Any:
@@ -219,13 +220,14 @@ MODEL_SPECS = ModelVars(state=P(STAGE), key=P(), step=P())
 def process_stage(mesh: Mesh) -> int | None:
     """The stage of every device of ``mesh`` this process holds, where it holds devices of
     one stage only and other processes hold the other stages (one stage per process or
-    host), on CPU devices: its GPipe / 1F1B step is then that stage's program alone
-    (``stage_step``). ``None`` otherwise: every stage's work behind a switch.
+    host), on CPU devices with the XLA:CPU tunings on (``xla_cpu/tunings.py``): its GPipe
+    / 1F1B step is then that stage's program alone (``stage_step``). ``None`` otherwise:
+    every stage's work behind a switch.
 
     Processes that compile different programs meet in their messages in the schedule's
     order; this is checked with gloo's CPU collectives, so other platforms keep the switch.
     """
-    if jax.process_count() == 1 or mesh.devices.flat[0].platform != "cpu":
+    if jax.process_count() == 1 or not tunings.active_on(mesh.devices.flat[0].platform):
         return None
     axis = mesh.axis_names.index(STAGE)
     mine = {
