@@ -1,4 +1,4 @@
-"""One process of ``benchmarks/peers.py``: one framework, one core, one timed run.
+"""One process of ``benchmarks/peers.py``: one framework, one timed run.
 
     python benchmarks/_peers_worker.py FRAMEWORK NUM_PROCESSES PROCESS_ID PORT CONFIG_JSON
 
@@ -187,7 +187,8 @@ def run_jax() -> None:
 
 def run_dots() -> None:
     """Prints, per layer, the milliseconds of its three products: in JAX as autodiff emits
-    them, as ddl runs them on one core (``cpu_products.py``), and in PyTorch."""
+    them, as ddl runs them on one core with the XLA:CPU tunings on (``xla_cpu/products.py``),
+    and in PyTorch."""
     import jax
     import jax.numpy as jnp
 
@@ -206,7 +207,7 @@ def run_dots() -> None:
         jax.block_until_ready(out)
         return (time.perf_counter() - start) / n * 1e3
 
-    from ddl_jax._src.xla_cpu.products import transposed_weight_gradients  # as ddl on one core
+    from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 
     # JAX's products as autodiff emits them; PyTorch's as its autograd computes them.
     products = {

@@ -1,5 +1,6 @@
-"""Worker processes pinned one per core, one thread each, under a hard timeout (the
-multi-process benchmarks: peers.py, pipeline.py)."""
+"""Worker processes pinned one per core, one thread each, or free to share the machine's
+cores, under a hard timeout (the multi-process benchmarks: peers.py, pipeline.py,
+buckets.py)."""
 
 import os
 import socket
@@ -30,15 +31,27 @@ def free_port() -> int:
 
 
 def run_pinned(
-    worker: Path, argvs: list[list[str]], cores: list[int], timeout: float
+    worker: Path,
+    argvs: list[list[str]],
+    cores: list[int] | None,
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str], list[int]]:
-    """Runs ``worker`` once per argument list, process i on ``cores[i]``; returns their
-    stdouts, stderrs and exit codes. Raises ``TimeoutError`` (all killed) past ``timeout``."""
+    """Runs ``worker`` once per argument list, process i on ``cores[i]`` with one thread
+    (``cores=None``: every process free to use every core, with JAX's default threads);
+    returns their stdouts, stderrs and exit codes. ``env`` is added to each process's
+    environment. Raises ``TimeoutError`` (all killed) past ``timeout``."""
+    threads = ONE_THREAD_ENV if cores else {"JAX_PLATFORMS": "cpu"}
+    base = {**os.environ, **threads, **(env or {})}
+
+    def pin(i: int) -> list[str]:
+        return ["taskset", "-c", str(cores[i])] if cores else []
+
     procs = [
         subprocess.Popen(
             # -P keeps benchmarks/ off sys.path: its scripts' names may shadow modules.
-            ["taskset", "-c", str(cores[i]), sys.executable, "-P", str(worker), *argv],
-            env={**os.environ, **ONE_THREAD_ENV},
+            [*pin(i), sys.executable, "-P", str(worker), *argv],
+            env=base,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
