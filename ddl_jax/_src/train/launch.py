@@ -72,12 +72,12 @@ def initialize(
         coordinator to answer) before giving up.
       xla_cpu_tunings: turns on (``True``) or off (``False``) the tunings for a CPU
         cluster of one process per pinned core (``DDL_JAX_XLA_CPU_TUNINGS``; ``None``:
-        leave that variable to decide, off when unset). They are: weight gradients from
-        explicit transposes in a process on one core, gradients packed into 25 MiB buckets
-        before gloo's all-reduce, gloo's transport threads at ``SCHED_IDLE``, one
-        program per pipeline stage. Each helps that setting and costs elsewhere (processes
-        that share cores: leaf-by-leaf all-reduces are about 3x faster than buckets); with
-        them off, results do not depend on CPU affinity.
+        leave that variable to decide, off when unset): weight gradients from explicit
+        transposes in a process on one core, gradients packed into 25 MiB buckets before
+        gloo's all-reduce, gloo's transport threads at ``SCHED_IDLE``, one program per
+        pipeline stage (``docs/design.md``). They help that setting and slow processes
+        that share cores (``benchmarks/peers.py``); off, results do not depend on the
+        process's CPU affinity.
 
     Returns:
       Whether the distributed runtime was initialised (false: single process).
