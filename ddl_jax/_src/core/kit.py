@@ -178,8 +178,16 @@ class Kit(NamedTuple):
             state_specs = specs(abstract(state)) if callable(specs) else specs
             out = state_specs if out_specs is None else out_specs
             out = out(abstract(state)) if callable(out) else out
+
+            def checked(state: st.State, batch: st.Batch) -> tuple[Any, st.Metrics]:
+                new, metrics = worker_step(state, batch)
+                if vma:
+                    _check_agrees(new, out, "the new state")
+                    _check_agrees(metrics, P(), "the metrics")
+                return new, metrics
+
             program = jax.shard_map(
-                worker_step,
+                checked,
                 mesh=self.mesh,
                 in_specs=(state_specs, P(self.axis)),
                 out_specs=(out, P()),
@@ -187,18 +195,7 @@ class Kit(NamedTuple):
             )
             sharding = NamedSharding(self.mesh, P(self.axis))
             batch = jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
-            try:
-                return program(state, batch)
-            except ValueError as e:
-                if "can't be statically inferred" not in str(e):
-                    raise
-                raise ValueError(
-                    "the reducer's output is not provably the same on every worker. A "
-                    "reducer must average over the workers (e.g. ddl.allreduce_mean()); "
-                    "allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain loses the "
-                    "mark that lets strategies run its ppermute rounds: chain it with "
-                    "ddl.chain instead."
-                ) from e
+            return program(state, batch)
 
         return step
 
@@ -283,6 +280,27 @@ class Kit(NamedTuple):
 def is_spec(x: Any) -> bool:
     """Whether ``x`` is a ``PartitionSpec`` (a leaf of a spec tree, not a tuple to map over)."""
     return isinstance(x, P)
+
+
+def _check_agrees(tree: Any, specs: Any, what: str) -> None:
+    """Each leaf of a worker step's output typed the same on every worker of each mesh axis
+    its spec does not split it over (what ``shard_map`` needs to return it so)."""
+    full = jax.tree.broadcast(specs, tree, is_leaf=is_spec)
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(full, is_leaf=is_spec), strict=True):
+        split = {
+            a for names in spec if names for a in ((names,) if isinstance(names, str) else names)
+        }
+        varying = jax.typeof(leaf).manual_axis_type.varying - split
+        if varying:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} is not provably the same on "
+                f"every worker of {sorted(varying)}: the reducer's output must be. A reducer "
+                "must average over the workers (e.g. ddl.allreduce_mean()); "
+                "allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain loses the "
+                "mark that lets strategies run its ppermute rounds: chain it with ddl.chain "
+                "instead."
+            )
 
 
 def _check_model_state(model_state: Any) -> None:
