@@ -2,7 +2,7 @@
 
 Every strategy a comparison can run is one row of ``FAMILIES``: its name, how the text
 after ``name:`` is parsed (with the one-line message a bad value gets), and how the
-strategy is built. ``parse_spec`` (here) and ``make_config`` (``compare_config``) are the
+strategy is built. ``parse_spec`` (here) and ``make_config`` (``config``) are the
 only places a command line or a TOML file is checked, so both say the same thing about the
 same mistake.
 """
@@ -33,7 +33,7 @@ NETWORKS: dict[str, sim.Network] = {
     "ici": sim.TPU_V4_ICI,
 }
 
-#: Workloads by name (built in ``compare_workloads``).
+#: Workloads by name (built in ``workloads``).
 WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
 
 #: The strategies ``ddl-jax compare`` runs by default: one of every family.

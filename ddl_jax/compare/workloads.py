@@ -154,7 +154,7 @@ def make_workload(
     compute_dtype: Any = None,
     non_iid: float | None = None,
 ) -> Workload:
-    """Builds the workload ``name`` (one of ``compare_specs.WORKLOADS``).
+    """Builds the workload ``name`` (one of ``specs.WORKLOADS``).
 
     Args:
       name: ``"digits-mlp"``, ``"digits-cnn"``, ``"digits-resnet"`` or ``"text-gpt"``.

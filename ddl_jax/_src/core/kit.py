@@ -226,7 +226,7 @@ class Kit(NamedTuple):
         micro-batch's activations and one gradient); the model state passes through the
         micro-batches in order, and micro-batch j draws ``fold_in(key, j)``. Where
         :attr:`transposes_weight_gradients`, the weight-gradient products are laid out for
-        XLA:CPU (``cpu_products.py``).
+        XLA:CPU (``xla_cpu/products.py``).
         """
         fn, has_aux, stateful = ml.as_model_loss(self.loss_fn).fn, self.has_aux, self.stateful
 

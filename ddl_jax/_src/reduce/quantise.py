@@ -3,10 +3,10 @@
 Each is an optax ``GradientTransformation`` run inside a strategy's ``shard_map`` that
 returns the workers' averaged gradient, compressed on the wire by a compressed
 reduce-scatter (``all_to_all`` of one chunk per owner), a fp32 average on the owner, and a
-compressed all-gather (see ``compression_wire``). The gathered values are typed invariant
+compressed all-gather (see ``wire``). The gathered values are typed invariant
 over the axis, so their output provably agrees across workers: they are plain optax
 transforms, which ``optax.chain`` composes like any other. Sparsifiers are in
-``compression_sparse``, PowerSGD in ``compression_lowrank``.
+``sparse``, PowerSGD in ``lowrank``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def enabled() -> bool:
     if on and not _state["logged"]:
         _state["logged"] = True
         _logger.warning(
-            "ddl_jax: XLA:CPU tunings on (%s); results may depend on CPU affinity.", ENV_VAR
+            "ddl_jax: XLA:CPU tunings on (for one process per pinned core; see "
+            "ddl_jax.launch.initialize): results may depend on CPU affinity."
         )
     return on
 

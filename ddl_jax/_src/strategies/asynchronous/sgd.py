@@ -1,7 +1,7 @@
 """Asynchronous SGD simulated exactly: a parameter server and N workers in one SPMD program.
 
 The schedule (who arrives, pushes, fetches, when the server applies) is the pure event
-clock of ``async_events.py``; this module replays it on the parameters and model state,
+clock of ``events.py``; this module replays it on the parameters and model state,
 one worker per device, the server replicated (or sharded, under Downpour).
 """
 
@@ -94,7 +94,7 @@ class AsyncSGDState(NamedTuple):
       workers: each worker's fetched parameters and model state and its task in flight.
       protocol: ``Plain()``, a softsync ``Group``, Downpour's ``Accrued`` or
         ``async_local``'s ``Inner``.
-      clock: the simulated clocks (``async_events.Clock``), replicated ``P()``: every
+      clock: the simulated clocks (``events.Clock``), replicated ``P()``: every
         device runs the same event schedule.
     """
 
@@ -512,7 +512,7 @@ def async_sgd(
     the new model state travels with the push. An update sets the server's to the pushing
     worker's (softsync(n): the mean of the group's, integer leaves their maximum).
 
-    Event model (``async_events.py``). Worker i's k-th gradient takes ``d(i, k)``
+    Event model (``events.py``). Worker i's k-th gradient takes ``d(i, k)``
     (``compute_time``), from its fetch (or release) at t to its arrival at ``t + d(i, k)``;
     arrivals are processed in time order, ties to the lower worker. A push's staleness
     tau counts the server updates since the worker's fetch. One ``Strategy.step``: (1)
@@ -526,7 +526,7 @@ def async_sgd(
     ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
     checkpoint resumes the same run.
 
-    Unreliable workers (``async_events.py``), drawn from (seed, i, k) like ``d(i, k)``:
+    Unreliable workers (``events.py``), drawn from (seed, i, k) like ``d(i, k)``:
     ``drop=p`` loses the push of worker i's task k with probability p; the worker, unaware,
     fetches at once, even under softsync (whose group waits for the next arrivals): with
     equal times softsync(N) is then synchronous SGD in which a lost gradient is redone by

@@ -2,7 +2,7 @@
 
 K stages live on the ``stage`` mesh axis, one per device; activations travel to the next
 stage and error gradients to the previous one by ``ppermute``, inside a ``lax.scan`` over
-the ticks of a schedule computed in numpy (``pipeline_schedules``). Stages may differ in
+the ticks of a schedule computed in numpy (``schedules``). Stages may differ in
 parameters and in activation shapes: each stage's parameters are one flat vector (padded
 to the largest stage, so they stack over the ``stage`` axis) and activations travel as flat
 buffers padded to the largest boundary, unpacked by the receiving stage. A stage may carry
@@ -11,7 +11,7 @@ stacked over ``stage`` like the parameters.
 
 :func:`pipeline` checks its arguments once into a ``PipelineConfig`` (:func:`_setup`) and
 hands it to one of two builders on the kit: :func:`_exact_pipeline` (GPipe, 1F1B) and
-:func:`_ddg_pipeline`; their per-device programs are in ``pipeline_programs``. A process
+:func:`_ddg_pipeline`; their per-device programs are in ``programs``. A process
 whose devices all belong to one stage runs GPipe and 1F1B as that stage's program alone
 (:func:`process_stage`).
 """
