@@ -1,5 +1,16 @@
-"""An alpha-beta network model for pricing a step's communication on other networks."""
+"""Models for pricing a step on other hardware: an alpha-beta network model for its
+communication, a two-number device model for its computation."""
 
+from ddl_jax._src.measure.compute import (
+    A100,
+    CPU_CORE,
+    H100,
+    TPU_V4,
+    ComputeStats,
+    Device,
+    compute_stats,
+    estimate_compute_time,
+)
 from ddl_jax._src.measure.sim import (
     ETHERNET_1G,
     INFINIBAND_100G,
@@ -8,4 +19,18 @@ from ddl_jax._src.measure.sim import (
     estimate_step_time,
 )
 
-__all__ = ["ETHERNET_1G", "INFINIBAND_100G", "TPU_V4_ICI", "Network", "estimate_step_time"]
+__all__ = [
+    "A100",
+    "CPU_CORE",
+    "ETHERNET_1G",
+    "H100",
+    "INFINIBAND_100G",
+    "TPU_V4",
+    "TPU_V4_ICI",
+    "ComputeStats",
+    "Device",
+    "Network",
+    "compute_stats",
+    "estimate_compute_time",
+    "estimate_step_time",
+]

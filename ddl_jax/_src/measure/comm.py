@@ -114,7 +114,7 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     comps: dict[str, list[str]] = {}
     entry, current = "", None
     for line in hlo.splitlines():
@@ -234,7 +234,7 @@ def _walk(comps, name, devices, count, branch, out) -> None:
 
 def collectives(hlo: str) -> tuple[CollectiveOp, ...]:
     """Lists the collectives of compiled HLO text (an async pair counts once, at ``-done``)."""
-    comps, entry = _computations(hlo)
+    comps, entry = computations(hlo)
     devices = re.search(r"num_partitions=(\d+)", hlo)
     devices = int(devices[1]) if devices else 1
     out: list[CollectiveOp] = []

@@ -1,0 +1,67 @@
+"""``ddl.sim.compute_stats``: the flops and bytes of a compiled program, read from its HLO,
+against counts written by hand; and their price on a device model."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+
+import ddl_jax as ddl
+
+X = jnp.ones((128, 128))
+
+
+def stats(fn, *args):
+    return ddl.sim.compute_stats(jax.jit(fn), *args)
+
+
+def test_a_matrix_product_is_2mnk_flops():
+    assert (
+        stats(lambda x, w: x @ w, jnp.ones((64, 32)), jnp.ones((32, 16))).flops == 2 * 64 * 16 * 32
+    )
+
+
+def test_a_loop_counts_its_trip_count_times():
+    one = stats(lambda x: x @ x, X).flops
+    ten = stats(lambda x: lax.scan(lambda c, _: (c @ x, None), x, None, length=10)[0], X).flops
+    assert ten == 10 * one == 10 * 2 * 128**3
+
+
+def test_a_conditional_counts_its_costliest_branch():
+    two = stats(lambda p, x: lax.cond(p, lambda x: x @ x @ x, lambda x: x, x), True, X)
+    assert two.flops == 2 * 2 * 128**3
+
+
+def test_a_convolution_counts_each_output_times_its_window():
+    def conv(x, k):
+        return lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    out = stats(conv, jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 16)))
+    assert out.flops == 2 * (2 * 8 * 8 * 16) * (3 * 3 * 3)
+
+
+def test_bytes_count_what_kernels_write():
+    # One product writing a 128 x 128 float32 result.
+    assert stats(lambda x: x @ x, X).bytes == 128 * 128 * 4
+
+
+def test_the_price_on_a_device_and_bad_devices():
+    work = ddl.sim.ComputeStats(flops=2e9, bytes=1e9)
+    assert ddl.sim.estimate_compute_time(work, ddl.sim.Device(1e12, 1e11)) == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="device.flops_per_s"):
+        ddl.sim.estimate_compute_time(work, ddl.sim.Device(0.0, 1e11))
+
+
+def test_a_strategy_step_is_priced_the_same_every_time(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4))
+    state = strategy.init(params)
+    batch = {"x": jnp.zeros((32, 12)), "y": jnp.zeros(32, jnp.int32)}
+    first = ddl.sim.compute_stats(jax.jit(strategy.step), state, batch)
+    assert first == ddl.sim.compute_stats(jax.jit(strategy.step), state, batch)
+    # Each worker's 8 examples: the forward and the backward of 12 -> 16 -> 5 (the first
+    # layer's input gradient is not needed): 2 * 8 * (12*16 + 16*5) * 3 - 2 * 8 * 12*16.
+    assert first.flops == 2 * 8 * (12 * 16 + 16 * 5) * 3 - 2 * 8 * 12 * 16
