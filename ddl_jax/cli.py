@@ -264,8 +264,8 @@ def _compare_parser(sub: Any) -> None:
         description=(
             "Trains the same model on the same data, in the same order, with each strategy "
             "(spec name[:param]), and reports final accuracy, steps and examples to the "
-            "target, bytes each device sends per step (compiled HLO), compiled step time "
-            "and simulated time to the target on --network. Writes results.json, "
+            "target, bytes each device sends per step and the step's flops (compiled HLO), "
+            "and simulated time to the target on --network and --compute. Writes results.json, "
             "results.md and PNG figures to --out. Invalid input exits with code 2."
         ),
         epilog=(
@@ -276,7 +276,11 @@ def _compare_parser(sub: Any) -> None:
             )
         ),
     )
-    p.add_argument("--workload", help=f"one of {', '.join(cs.WORKLOADS)} (default digits-mlp)")
+    p.add_argument(
+        "--workload",
+        help=f"one of {', '.join(cs.WORKLOADS)} (default digits-mlp), or module:function "
+        "returning a ddl_jax.compare.Workload of your own",
+    )
     p.add_argument(
         "--strategies",
         help=f"comma-separated specs (default {','.join(cs.DEFAULT_STRATEGIES)})",
@@ -288,6 +292,11 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--devices", help="workers, one per device (default 8)")
     p.add_argument("--steps", help="training steps per strategy (default: the workload's)")
     p.add_argument("--network", help=f"one of {', '.join(cs.NETWORKS)} (default 1gbps)")
+    p.add_argument(
+        "--compute",
+        help=f"device model pricing each worker's computation: {', '.join(cs.DEVICES)} "
+        "(default cpu)",
+    )
     p.add_argument(
         "--straggler",
         help="one worker's compute time relative to the others, >= 1 (default 1: none)",
@@ -317,6 +326,7 @@ _COMPARE_FLAGS = (
     "devices",
     "steps",
     "network",
+    "compute",
     "straggler",
     "drop",
     "non_iid",

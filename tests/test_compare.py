@@ -8,6 +8,7 @@ import pytest
 
 from ddl_jax import cli
 from ddl_jax._src.strategies import fsdp, gossip
+from ddl_jax.compare import run as run_module
 from ddl_jax.compare import specs
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
@@ -61,7 +62,9 @@ BAD = [
     (["--steps", "ten"], "steps must be an integer >= 1, got 'ten'"),
     (["--straggler", "0.5"], "straggler must be a number >= 1, got 0.5"),
     (["--devices", str(DEVICES + 1)], f"more than the {DEVICES} cpu device(s) available"),
-    (["--strategies", f"softsync:{DEVICES + 1}"], f"strategy 'softsync:{DEVICES + 1}':"),
+    (["--strategies", f"softsync:{DEVICES + 1}"], f"softsync:{DEVICES + 1}: softsync n="),
+    (["--devices", "3", "--strategies", "sync,adasum"], "adasum: adasum: the mesh axis"),
+    (["--target", "95"], "target 95 is not an accuracy in (0, 1]"),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
     (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
@@ -132,10 +135,14 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys):
     second = _tiny(tmp_path / "b", tmp_path / "c.toml")
     printed = capsys.readouterr().out
     assert "| sync |" in printed and "| local:4 |" in printed
+    # Times are priced from the compiled programs, not timed: the same in both runs, and
+    # so the ranking.
     exact = ("final", "eval_values", "eval_steps", "eval_bytes", "bytes_per_device_per_step")
+    exact += ("eval_seconds", "compute_flops_per_step", "compute_ms_per_step", "rank")
     for a, b in zip(first["runs"], second["runs"], strict=True):
         assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
         assert a["eval_steps"] == [4, 8, 12]
+        assert a["compute_flops_per_step"] > 0
     sync, local = first["runs"]
     # Local SGD with H = 4 sends a quarter of synchronous SGD's bytes, plus its small loss
     # all-reduce every step.
@@ -183,3 +190,124 @@ def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):
     runs = _run(tmp_path, "--strategies", "local:2", "--steps", "4", "--drop", "0.5")
     assert runs["local:2"]["consensus_distance"] > 0
     assert "| local:2 |" in capsys.readouterr().out
+
+
+USER_MODULE = """
+from ddl_jax.compare import make_workload
+
+
+def make(seed, devices):
+    return make_workload("digits-mlp", seed=seed, devices=devices)._replace(name="mine")
+
+
+def no_keywords(model):
+    raise AssertionError("not called")
+
+
+def vector_metric(seed, devices):
+    w = make_workload("digits-mlp", seed=seed, devices=devices)
+    return w._replace(evaluate=lambda params: w.evaluate(params) * jnp.ones(3))
+
+
+import jax.numpy as jnp
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module outside the package, ``user_workloads``, importable from the cwd."""
+    (tmp_path / "user_workloads.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_a_users_workload_runs_through_the_cli_and_python_as_the_bundled_one(
+    user_module, tmp_path, capsys
+):
+    flags = ["--strategies", "sync,local:4", "--steps", "8", "--eval-every", "4"]
+    bundled = _run(tmp_path / "bundled", *flags)
+    cli_user = _run(tmp_path / "cli", *flags, "--workload", "user_workloads:make")
+    import user_workloads
+
+    from ddl_jax.compare import compare
+
+    api = compare(
+        user_workloads.make(seed=0, devices=DEVICES),
+        "sync,local:4",
+        steps=8,
+        eval_every=4,
+        out=str(tmp_path / "api"),
+    )
+    api = {r["strategy"]: r for r in api["runs"]}
+    for runs in (cli_user, api):
+        assert runs == bundled
+    table = (tmp_path / "api" / "results.md").read_text().splitlines()[2:]
+    assert table == (tmp_path / "bundled" / "results.md").read_text().splitlines()[2:]
+
+
+@pytest.mark.parametrize(
+    ("workload", "message"),
+    [
+        ("user_workloads:nothing", "cannot load it"),
+        ("no_such_module:make", "cannot load it"),
+        ("user_workloads:no_keywords", "needs model; it may take any of seed, devices"),
+        ("user_workloads:vector_metric", "evaluate(params) must return one finite number"),
+    ],
+)
+def test_a_broken_user_workload_is_one_line_and_exit_code_2(
+    user_module, workload, message, capsys, tmp_path
+):
+    args = ["compare", "--workload", workload, "--steps", "2", "--out", str(tmp_path / "o")]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_async_is_priced_as_a_parameter_server(tmp_path, capsys):
+    runs = _run(tmp_path, "--strategies", "sync,async", "--steps", "8")
+    sync, push = runs["sync"], runs["async"]
+    params = sum(x.nbytes for x in jax.tree.leaves(_bundled_params()))
+    # A push sends the gradient (its share per device) and the server answers with the
+    # parameters; its compute is a data-parallel step's, not its SPMD simulation's.
+    assert push["comm_bytes_per_event"] == pytest.approx(params / DEVICES)
+    assert push["comm_s_per_event"] == pytest.approx(2 * (50e-6 + params / (1e9 / 8)))
+    assert push["compute_ms_per_step"] == pytest.approx(sync["compute_ms_per_step"])
+
+
+def _bundled_params():
+    from ddl_jax.compare import make_workload
+
+    return make_workload("digits-mlp", seed=0, devices=DEVICES).params
+
+
+def test_ties_share_a_rank():
+    def run(low, high):
+        return {"simulated_seconds_before_target": low, "simulated_seconds_to_target": high}
+
+    runs = [run(0.0, 1.0), run(0.9, 1.2), run(1.1, 2.0), {"simulated_seconds_to_target": None}]
+    assert run_module.ranks(runs) == [1, 1, 2, None]
+    assert run_module.ranks([{"strategy": "x", "error": "boom"}]) == [None]
+
+
+def test_a_failing_strategy_leaves_the_others_written(tmp_path, capsys, monkeypatch):
+    real = run_module.run_one
+
+    def flaky(spec, *args):
+        if spec.text == "local:4":
+            raise RuntimeError("out of memory")
+        return real(spec, *args)
+
+    monkeypatch.setattr(run_module, "run_one", flaky)
+    runs = _run(tmp_path, "--strategies", "sync,local:4", "--steps", "4")
+    assert runs["local:4"] == {
+        "strategy": "local:4",
+        "error": "RuntimeError: out of memory",
+        "rank": None,
+    }
+    assert runs["sync"]["final"] > 0
+    assert (
+        "| - | local:4 | failed: RuntimeError: out of memory |"
+        in (tmp_path / "results.md").read_text()
+    )
+    assert "local:4: failed: RuntimeError: out of memory" in capsys.readouterr().err

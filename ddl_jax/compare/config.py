@@ -11,6 +11,7 @@ from typing import Any
 
 from ddl_jax.compare.specs import (
     DEFAULT_STRATEGIES,
+    DEVICES,
     FAMILIES,
     NETWORKS,
     PRESETS,
@@ -27,12 +28,15 @@ class Config:
     """A checked comparison config (``make_config`` builds it).
 
     Attributes:
-      workload: one of ``WORKLOADS``.
+      workload: one of ``WORKLOADS``, or ``"module:function"``: a function of the user's
+        that returns a ``Workload`` (``workloads.load``).
       strategies: the parsed specs, in order.
       preset: the ``PRESETS`` list ``strategies`` came from (``None``: given, or default).
       devices: workers (devices on the mesh's ``data`` axis).
       steps: training steps per strategy (``None``: the workload's default).
       network: a key of ``NETWORKS``.
+      compute: a key of ``DEVICES``: the device model each worker's computation is priced
+        on (from the compiled step's flops and bytes).
       straggler: one worker's compute time relative to the others (>= 1; 1 is none).
       drop: the probability that a message is lost, in [0, 1): only for the families with
         a model of it (``Family.unreliable``; ``--preset unreliable``).
@@ -51,6 +55,7 @@ class Config:
     devices: int = 8
     steps: int | None = None
     network: str = "1gbps"
+    compute: str = "cpu"
     straggler: float = 1.0
     drop: float = 0.0
     non_iid: float | None = None
@@ -112,7 +117,9 @@ def make_config(values: Mapping[str, Any]) -> Config:
     v = {k: x for k, x in values.items() if x is not None}
     checked: dict[str, Any] = {}
     if "workload" in v:
-        checked["workload"] = _choice("workload", v["workload"], WORKLOADS)
+        name = v["workload"]
+        user = isinstance(name, str) and ":" in name
+        checked["workload"] = name if user else _choice("workload", name, WORKLOADS)
     if "strategies" in v and "preset" in v:
         raise CompareError("give strategies or a preset, not both.")
     if "strategies" in v:
@@ -122,6 +129,8 @@ def make_config(values: Mapping[str, Any]) -> Config:
         checked["strategies"] = parse_specs(PRESETS[checked["preset"]])
     if "network" in v:
         checked["network"] = _choice("network", v["network"], tuple(NETWORKS))
+    if "compute" in v:
+        checked["compute"] = _choice("compute", v["compute"], tuple(DEVICES))
     for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
         if key in v:
             checked[key] = _integer(key, v[key], minimum)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,39 @@ def _network(results: dict[str, Any]) -> str:
 
 
 def subtitle(results: dict[str, Any]) -> str:
-    """One line naming the workload, devices, steps and network."""
+    """One line naming the workload, devices, steps and the settings that shape the answer
+    (compute model, straggler, drop, non-i.i.d. shares)."""
     c, w, env = results["config"], results["workload"], results["environment"]
+    settings = [f"compute {c['compute']}"]
+    if c["straggler"] != 1:
+        settings.append(f"straggler {c['straggler']:g}x")
+    if c["drop"]:
+        settings.append(f"drop {c['drop']:g}")
+    if c["non_iid"] is not None:
+        settings.append(f"non-iid alpha {c['non_iid']:g}")
     return (
         f"{w['title']}, {c['devices']} {env['platform']} devices, {c['steps']} steps x "
-        f"{w['batch_size']} examples"
+        f"{w['batch_size']} examples, {', '.join(settings)}"
+    )
+
+
+def _time(r: dict[str, Any]) -> str:
+    if r.get("diverged"):
+        return "diverged"
+    return _seconds(r["simulated_seconds_to_target"])
+
+
+def _row(r: dict[str, Any], tied: bool) -> str:
+    if "error" in r:
+        return f"| - | {r['strategy']} | failed: {r['error']} | | | | | | |"
+    consensus = r["consensus_distance"]
+    rank = "-" if r["rank"] is None else f"{r['rank']}{'=' if tied else ''}"
+    steps, examples = r["steps_to_target"], r["examples_to_target"]
+    return (
+        f"| {rank} | {r['strategy']} | {r['final']:.4f} | {'-' if steps is None else steps} | "
+        f"{'-' if examples is None else examples} | "
+        f"{_bytes(r['bytes_per_device_per_step'])} | {r['compute_ms_per_step']:.3g} | "
+        f"{_time(r)} | {'-' if consensus is None else f'{consensus:.3g}'} |"
     )
 
 
@@ -46,35 +75,30 @@ def markdown(results: dict[str, Any]) -> str:
     """The results table in markdown, with a line of context above and notes below."""
     c, w = results["config"], results["workload"]
     metric = w["metric"]
-    straggler = f", straggler {c['straggler']:g}x" if c["straggler"] != 1 else ""
     lines = [
-        f"{subtitle(results)}, network {_network(results)}{straggler}, seed {c['seed']}; "
+        f"{subtitle(results)}, network {_network(results)}, seed {c['seed']}; "
         f"target {metric} {'>=' if w['higher_is_better'] else '<='} {w['target']:g}.",
         "",
-        f"| strategy | final {metric} | steps to target | examples to target | "
-        f"bytes / device / step | compiled step (ms) | simulated time to target "
-        f"({c['network']}) | consensus distance |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| rank | strategy | final {metric} | steps to target | examples to target | "
+        f"bytes / device / step | compute / step (ms, {c['compute']}) | simulated time to "
+        f"target ({c['network']}) | consensus distance |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results["runs"]:
-        consensus = r["consensus_distance"]
-        lines.append(
-            f"| {r['strategy']} | {r['final']:.4f} | "
-            f"{'-' if r['steps_to_target'] is None else r['steps_to_target']} | "
-            f"{'-' if r['examples_to_target'] is None else r['examples_to_target']} | "
-            f"{_bytes(r['bytes_per_device_per_step'])} | {r['compiled_step_ms']:.2f} | "
-            f"{_seconds(r['simulated_seconds_to_target'])} | "
-            f"{'-' if consensus is None else f'{consensus:.3g}'} |"
-        )
+    ranks = [r.get("rank") for r in results["runs"]]
+    lines += [_row(r, ranks.count(r.get("rank")) > 1) for r in results["runs"]]
     lines += [
         "",
-        f"Steps to target: the first evaluation (every {c['eval_every']} steps) at the "
-        "target. Bytes: sent by the busiest device, read from the compiled step's HLO, "
-        "averaged over the run (synchronisations included). Simulated time: steps x "
-        "(compiled step time + the alpha-beta cost of the step's collectives on the "
-        "network; local SGD's synchronisations and async pushes as they happen); async "
-        "strategies use their simulated wall clock, and their bytes are those of the SPMD "
-        "simulation (one masked parameter all-reduce per push).",
+        f"Rank: by simulated time to target; `n=` marks a tie: the target was crossed "
+        f"between two evaluations (every {c['eval_every']} steps), and these runs' "
+        "intervals overlap. Bytes: sent by the busiest device, read from the compiled "
+        "step's HLO, averaged over the run (synchronisations included). Compute: the "
+        "compiled step's flops and bytes on the device model (`ddl.sim.compute_stats`), "
+        "the same in every run of this command. Simulated time: steps x (compute + the "
+        "alpha-beta cost of the step's collectives on the network; local SGD's "
+        "synchronisations as they happen); async strategies run on their event clock in "
+        "units of a data-parallel step's compute, each push sending the gradient to a "
+        "parameter server and fetching the parameters back. Diverged: the loss went "
+        "non-finite or grew 100x.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -83,17 +107,22 @@ def _zoom(ax: Any, results: dict[str, Any], with_initial: bool) -> None:
     """Limits the metric's axis to the region near the target, where strategies differ
     (early evaluations far from it run off the edge)."""
     w = results["workload"]
-    values = [v for r in results["runs"] for v in r["eval_values"]]
+    runs = [r for r in results["runs"] if "error" not in r]
+    values = [v for r in runs for v in r["eval_values"] if math.isfinite(v)]
     if with_initial:
-        values += [r["initial"] for r in results["runs"]]
+        values += [r["initial"] for r in runs]
+    if not values:
+        return
     if w["higher_is_better"]:
         low = w["target"] - 0.2 * max(abs(w["target"]), 1e-9)
-        if min(values) < low:
-            ax.set_ylim(bottom=low, top=max(values) + 0.02 * (max(values) - low))
+        if min(values) < low < max(values):  # some evaluations near the target
+            top = max(*values, w["target"])  # the target's line and label in view
+            ax.set_ylim(bottom=low, top=top + 0.02 * (top - low))
     else:
         high = w["target"] * 1.5
-        if max(values) > high:
-            ax.set_ylim(top=high, bottom=min(values) - 0.02 * (high - min(values)))
+        if min(values) < high < max(values):
+            bottom = min(*values, w["target"])
+            ax.set_ylim(top=high, bottom=bottom - 0.02 * (high - bottom))
 
 
 def figures(results: dict[str, Any], out: Path) -> list[Path]:
@@ -133,13 +162,15 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
     for name, key, xlabel, log, what in axes:
         fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
         for i, r in enumerate(results["runs"]):
+            if "error" in r:
+                continue
             xs, ys = list(r[key]), list(r["eval_values"])
             if name == "steps":
                 xs, ys = [0, *xs], [r["initial"], *ys]
             ax.plot(
                 xs,
                 ys,
-                label=r["strategy"],
+                label=r["strategy"] + (" (diverged)" if r.get("diverged") else ""),
                 color=cmap(i % 10),
                 marker=_MARKERS[i % len(_MARKERS)],
                 markersize=4,
@@ -162,7 +193,7 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric + (" (higher is better)" if w["higher_is_better"] else ""))
         ax.set_title(
-            f"{metric} {what}\n{subtitle(results)}, network {_network(results)}", fontsize=10
+            f"{metric} {what}\n{subtitle(results)}\nnetwork {_network(results)}", fontsize=10
         )
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)

@@ -1,13 +1,13 @@
-"""``ddl-jax compare``: every strategy on the same model, data and network, measured alike.
+"""``ddl-jax compare``: every strategy on the same model, data and network, priced alike.
 
 For each strategy of a ``Config``: the same initial variables and the same global batches
 in the same order (one seed), ``ddl.fit`` with an evaluation every ``eval_every`` steps
 (its records logged to ``<out>/logs/<strategy>.jsonl``, ``:`` written ``_``), then, on
-the jitted step, ``ddl.comm_stats`` (bytes each device sends, from the compiled HLO) and
-the compiled step time (median of a few timed calls after compilation).
+the jitted step, ``ddl.comm_stats`` (bytes each device sends) and ``ddl.sim.compute_stats``
+(flops and bytes each device computes), both read from the compiled HLO.
 
-Simulated wall time after k steps, on the chosen network (``ddl.sim``'s alpha-beta model,
-communication after computation, no overlap)::
+Simulated wall time after k steps, on the chosen network (``ddl.sim``'s alpha-beta model)
+and device model (``--compute``), communication after computation, no overlap::
 
     time(k) = compute(k) + k * comm + events(k) * comm_event
 
@@ -15,48 +15,63 @@ communication after computation, no overlap)::
 conditional collective that a metric counts: a synchronisation of local SGD and its kin
 (metric ``synchronised``; DES-LOC's moment averages, ``synchronised_mu`` / ``_nu``, count
 too), a push of the async family (metric ``pushes``); ``events(k)`` sums those metrics
-over the first k steps. Bytes add up the same way. ``compute(k)`` is
-``k * F * t`` for synchronous strategies (every step waits for the slowest worker, F
-times slower under ``--straggler F``) and ``wall_clock(k) * t`` for the async family,
-whose event simulation runs the straggler (the last worker, ``compute_time`` F, the
-others 1) and reports ``wall_clock`` in units of one worker's gradient; ``t`` is the
-measured compiled step time.
+over the first k steps. ``compute(k)`` is ``k * F * t`` for synchronous strategies (every
+step waits for the slowest worker, F times slower under ``--straggler F``), ``t`` the
+step's modeled compute time: a function of the program alone, so two runs of the same
+command give the same times and the same ranking.
 
-The async family's bytes are those of its SPMD simulation, where each push is a masked
-parameter-sized all-reduce (see ``ddl.async_sgd``), not those of a real parameter server.
+The asynchronous family is priced as a parameter server would run it, not as its SPMD
+simulation: compute ``wall_clock(k) * g``, with ``wall_clock`` the event clock in units
+of one worker's gradient (its straggler, ``compute_time`` F, included) and ``g`` the
+modeled time of a synchronous data-parallel step of the same workload; each push sends
+the gradient to the server and fetches the parameters back over the server's link
+(``2 * (latency + P / bandwidth)`` for P parameter bytes; the worker sends P).
+
+The time to target is resolved to the evaluations: the target was crossed after the last
+evaluation below it and by the first at it. Strategies whose such intervals overlap share
+a rank (a tie), rather than being ordered by the evaluation grid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import statistics
+import math
 import sys
 import time
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 import ddl_jax as ddl
 from ddl_jax import consistency, sim
 from ddl_jax.compare import report as compare_report
-from ddl_jax.compare.config import Config
+from ddl_jax.compare import workloads
+from ddl_jax.compare.config import Config, make_config
 from ddl_jax.compare.specs import (
+    DEVICES,
     FAMILIES,
+    LEARNING_RATE,
     NETWORKS,
     BuildContext,
     CompareError,
     Spec,
 )
-from ddl_jax.compare.workloads import Workload, make_workload
+from ddl_jax.compare.workloads import Workload
+
+#: A loss that grows past this multiple of its first value marks a run diverged (as
+#: ``ddl.fit`` warns at it).
+LOSS_GROWTH = 100.0
 
 #: States whose ``params`` hold one replica per worker (gossip measures its own).
 REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState)
-
-#: Timed calls of the compiled step (after one untimed call).
-TIMED_STEPS = 5
 
 
 def start_devices(n: int) -> list[jax.Device]:
@@ -78,17 +93,6 @@ def start_devices(n: int) -> list[jax.Device]:
             "available."
         )
     return devices[:n]
-
-
-def _time_step(jitted: Any, state: Any, batch: Any) -> float:
-    """Median seconds of ``TIMED_STEPS`` calls of the compiled step."""
-    jax.block_until_ready(jitted(state, batch))
-    times = []
-    for _ in range(TIMED_STEPS):
-        tick = time.perf_counter()
-        jax.block_until_ready(jitted(state, batch))
-        times.append(time.perf_counter() - tick)
-    return statistics.median(times)
 
 
 #: Metrics counting the steps' runs of a conditional collective: local SGD's (and its
@@ -162,6 +166,30 @@ def log_path(out: str | Path, spec: Spec) -> Path:
     return Path(out) / "logs" / f"{spec.text.replace(':', '_')}.jsonl"
 
 
+def _float_bytes(params: Any) -> int:
+    """Bytes of the floating leaves of ``params`` (what a parameter server sends)."""
+    leaves = jax.tree.leaves(params)
+    return sum(x.nbytes for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[str, float]:
+    """A push to a parameter server and the fetch of the parameters it answers with: the
+    pushing worker sends ``param_bytes`` (per device, averaged over the ``workers``), and
+    the server's link carries both ways in turn, one push after another."""
+    seconds = 2 * (network.latency + param_bytes / network.bandwidth)
+    event_bytes = param_bytes / workers
+    return {"bytes": 0.0, "seconds": 0.0, "event_bytes": event_bytes, "event_seconds": seconds}
+
+
+def _diverged(history: list[dict[str, float]]) -> bool:
+    """Whether the loss went non-finite or grew past ``LOSS_GROWTH`` x its first value."""
+    losses = [r["loss"] for r in history if "loss" in r]
+    if not losses:
+        return False
+    first = abs(losses[0]) or 1.0
+    return any(not math.isfinite(x) or abs(x) > LOSS_GROWTH * first for x in losses)
+
+
 def run_one(
     spec: Spec,
     workload: Workload,
@@ -170,45 +198,54 @@ def run_one(
     steps: int,
     eval_every: int,
     label: str,
+    gradient_s: float,
 ) -> dict[str, Any]:
-    """Trains and measures one strategy; returns its results record."""
+    """Trains and measures one strategy; returns its results record. ``gradient_s``: the
+    modeled compute time of a synchronous data-parallel step (the async family's unit)."""
     network = NETWORKS[config.network]
     family = FAMILIES[spec.family]
-    ctx = BuildContext(
-        workload.loss_fn, mesh, config.straggler, config.seed, eval_every, config.drop
-    )
-    try:
-        strategy = spec.build(ctx)
-    except ValueError as e:
-        raise CompareError(f"strategy {spec.text!r}: {e}") from None
+    strategy = spec.build(_context(workload, mesh, config, eval_every))
     print(f"{label} {spec.text}: {family.describe}", flush=True)
-    state, history = ddl.fit(
-        strategy,
-        workload.params,
-        workload.batches,
-        steps=steps,
-        eval_fn=workload.evaluate,
-        eval_every=eval_every,
-        log_every=min(10, eval_every),
-        log_file=log_path(config.out, spec),
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, history = ddl.fit(
+            strategy,
+            workload.params,
+            workload.batches,
+            steps=steps,
+            eval_fn=workload.evaluate,
+            eval_every=eval_every,
+            log_every=min(10, eval_every),
+            log_file=log_path(config.out, spec),
+        )
+    for w in caught:
+        print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
     stats = ddl.comm_stats(jitted, state, batch)
-    compute_s = _time_step(jitted, state, batch)
+    work = sim.compute_stats(jitted, state, batch)
     events = _event_metrics(history[0])
     event = "+".join(events) or None
-    comm = _comm(stats, network, event)
+    if family.asynchronous:
+        compute_s = gradient_s
+        comm = _server_comm(_float_bytes(workload.params), mesh.shape["data"], network)
+    else:
+        compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
+        comm = _comm(stats, network, event)
     slow = 1.0 if family.asynchronous else config.straggler
     curves = _curves(history, comm, event, compute_s, slow)
     evals = [(i, r["eval"]) for i, r in enumerate(history) if "eval" in r]
     target = config_target(config, workload)
-    reached = next((i for i, v in evals if _reached(v, target, workload.higher_is_better)), None)
+    reached = next(
+        (k for k, (_, v) in enumerate(evals) if _reached(v, target, workload.higher_is_better)),
+        None,
+    )
     record: dict[str, Any] = {
         "strategy": spec.text,
         "description": family.describe,
         "final": history[-1]["eval"],
         "initial": float(workload.evaluate(workload.params)),
+        "diverged": _diverged(history),
         "eval_steps": [history[i]["step"] for i, _ in evals],
         "eval_values": [v for _, v in evals],
         "eval_bytes": [curves["bytes"][i] for i, _ in evals],
@@ -222,18 +259,39 @@ def run_one(
         "events": curves["events"],
         "comm_bytes_per_event": comm["event_bytes"],
         "comm_s_per_event": comm["event_seconds"],
-        "compiled_step_ms": 1e3 * compute_s,
+        "compute_flops_per_step": work.flops,
+        "compute_bytes_per_step": work.bytes,
+        "compute_ms_per_step": 1e3 * compute_s,
         "simulated_seconds_total": curves["seconds"][-1],
         "steps_to_target": None,
         "examples_to_target": None,
         "simulated_seconds_to_target": None,
+        "simulated_seconds_before_target": None,
         "consensus_distance": history[-1].get("consensus_distance", _consensus(state)),
     }
     if reached is not None:
-        record["steps_to_target"] = history[reached]["step"]
-        record["examples_to_target"] = history[reached]["step"] * workload.batch_size
-        record["simulated_seconds_to_target"] = curves["seconds"][reached]
+        at = evals[reached][0]
+        record["steps_to_target"] = history[at]["step"]
+        record["examples_to_target"] = history[at]["step"] * workload.batch_size
+        record["simulated_seconds_to_target"] = curves["seconds"][at]
+        before = curves["seconds"][evals[reached - 1][0]] if reached else 0.0
+        record["simulated_seconds_before_target"] = before
     return record
+
+
+def ranks(runs: list[dict[str, Any]]) -> list[int | None]:
+    """Each run's rank by simulated time to target (``None``: not reached, or failed):
+    1 + the runs that certainly reached it sooner, i.e. whose time at the target is before
+    this run's last evaluation below it. Runs of the same rank are tied."""
+    done = [r.get("simulated_seconds_to_target") for r in runs]
+    out: list[int | None] = []
+    for r, high in zip(runs, done, strict=True):
+        if high is None:
+            out.append(None)
+            continue
+        low = r["simulated_seconds_before_target"]
+        out.append(1 + sum(1 for other in done if other is not None and other < low))
+    return out
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
@@ -245,28 +303,93 @@ def config_target(config: Config, workload: Workload) -> float:
     return workload.target if config.target is None else config.target
 
 
-def run_compare(config: Config) -> dict[str, Any]:
+def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> BuildContext:
+    return BuildContext(
+        workload.loss_fn, mesh, config.straggler, config.seed, eval_every, config.drop
+    )
+
+
+def _check_target(config: Config, workload: Workload) -> None:
+    """An accuracy target must be a fraction (``--target 95`` is a percentage)."""
+    target = config_target(config, workload)
+    if "accuracy" in workload.metric and not 0 < target <= 1:
+        raise CompareError(
+            f"target {target:g} is not an accuracy in (0, 1] (the metric is "
+            f"{workload.metric}); e.g. --target {min(target / 100, 1):g}."
+        )
+
+
+def _check_strategies(
+    specs: tuple[Spec, ...], workload: Workload, mesh: Any, config: Config, eval_every: int
+) -> None:
+    """Builds every strategy, places its state and traces its first step (the step is
+    not compiled and nothing trains), so one that refuses the mesh or the workload stops
+    the comparison before any trains."""
+    ctx = _context(workload, mesh, config, eval_every)
+    batch = next(workload.batches(0))
+    refused = []
+    for spec in specs:
+        try:
+            strategy = spec.build(ctx)
+            jax.eval_shape(strategy.step, strategy.init(workload.params), batch)
+        except (ValueError, TypeError) as e:
+            refused.append(f"{spec.text}: {str(e).splitlines()[0]}")
+    if refused:
+        raise CompareError(
+            f"{len(refused)} of the strategies cannot run here (remove them or change "
+            f"the setting): {'; '.join(refused)}"
+        )
+
+
+def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
+    """The modeled compute time of a synchronous data-parallel step of ``workload``: one
+    worker's gradient and update, the async family's unit of compute."""
+    strategy = ddl.data_parallel(workload.loss_fn, optax.adam(LEARNING_RATE), mesh)
+    state = strategy.init(workload.params)
+    work = sim.compute_stats(jax.jit(strategy.step), state, next(workload.batches(0)))
+    return sim.estimate_compute_time(work, DEVICES[config.compute])
+
+
+def run_compare(config: Config, workload: Workload | None = None) -> dict[str, Any]:
     """Runs the comparison ``config`` describes, prints its table, writes its files.
+
+    ``workload``: the model and data (``ddl_jax.compare.Workload``); ``None`` builds the
+    bundled ``config.workload``.
 
     Returns:
       The results: ``{"config", "environment", "workload", "runs"}`` (also written to
       ``config.out``/results.json).
 
     Raises:
-      CompareError: too few devices, or a strategy that refuses this mesh.
+      CompareError: too few devices, a target out of the metric's range, or strategies
+        that refuse this mesh or workload (all named, before any trains).
     """
     devices = start_devices(config.devices)
     mesh = ddl.make_mesh(data=config.devices, devices=devices)
-    workload = make_workload(
-        config.workload, seed=config.seed, devices=config.devices, non_iid=config.non_iid
-    )
+    if workload is None:
+        workload = workloads.load(
+            config.workload, seed=config.seed, devices=config.devices, non_iid=config.non_iid
+        )
+    else:
+        workload = workloads.check(workload, workload.name)
+    _check_target(config, workload)
     steps = workload.steps if config.steps is None else config.steps
     eval_every = config.eval_every or max(1, steps // 20)
+    _check_strategies(config.strategies, workload, mesh, config, eval_every)
+    asynchronous = any(FAMILIES[s.family].asynchronous for s in config.strategies)
+    gradient_s = _gradient_seconds(workload, mesh, config) if asynchronous else 0.0
     started = time.perf_counter()
     runs = []
     for i, spec in enumerate(config.strategies, 1):
         label = f"[{i}/{len(config.strategies)}]"
-        runs.append(run_one(spec, workload, mesh, config, steps, eval_every, label))
+        try:
+            runs.append(run_one(spec, workload, mesh, config, steps, eval_every, label, gradient_s))
+        except Exception as e:  # one strategy's failure leaves the others' results
+            message = f"{type(e).__name__}: {e}".splitlines()[0]
+            print(f"{label} {spec.text}: failed: {message}", file=sys.stderr, flush=True)
+            runs.append({"strategy": spec.text, "error": message})
+    for run, rank in zip(runs, ranks(runs), strict=True):
+        run["rank"] = rank
     results = {
         "config": {**config.as_dict(), "steps": steps, "eval_every": eval_every},
         "environment": {
@@ -298,3 +421,34 @@ def run_compare(config: Config) -> dict[str, Any]:
     for path in [*figures, *(log_path(out, spec) for spec in config.strategies)]:
         print(f"  {path}")
     return results
+
+
+def compare(
+    workload: Workload,
+    strategies: str | Sequence[str] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """Compares strategies on a workload of your own: the Python face of ``ddl-jax compare``.
+
+    Args:
+      workload: a ``ddl_jax.compare.Workload``: your model's loss and initial variables,
+        its batches, its evaluation, the metric and its target.
+      strategies: specs as on the command line (``"sync,local:16,diloco:16"`` or a list);
+        ``None``: the default list.
+      **settings: any other ``Config`` field (``devices``, ``steps``, ``network``,
+        ``compute``, ``straggler``, ``drop``, ``seed``, ``target``, ``eval_every``,
+        ``out``), checked as the command line's flags are.
+
+    Returns:
+      The results the command writes to ``results.json``: ``{"config", "environment",
+      "workload", "runs"}``.
+
+    Raises:
+      CompareError: a bad setting, a workload that does not work, or strategies that cannot
+        run on it (one line naming what to change).
+    """
+    if "workload" in settings:
+        raise CompareError("compare: pass the workload as the first argument, not a setting.")
+    values = {**settings, "strategies": strategies}
+    config = dataclasses.replace(make_config(values), workload=workload.name)
+    return run_compare(config, workload)

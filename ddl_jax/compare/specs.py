@@ -33,6 +33,14 @@ NETWORKS: dict[str, sim.Network] = {
     "ici": sim.TPU_V4_ICI,
 }
 
+#: Device models the computation is priced on (``ddl.sim.Device``), by ``--compute`` name.
+DEVICES: dict[str, sim.Device] = {
+    "cpu": sim.CPU_CORE,
+    "a100": sim.A100,
+    "h100": sim.H100,
+    "tpu-v4": sim.TPU_V4,
+}
+
 #: Workloads by name (built in ``workloads``).
 WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
 

@@ -1,17 +1,29 @@
-"""``ddl-jax compare``'s workloads: a model, its data stream and its evaluation."""
+"""``ddl-jax compare``'s workloads: a model, its data stream and its evaluation.
+
+The four bundled workloads are instances of :class:`Workload`; a user's own is any
+function returning one, named on the command line as ``--workload module:function`` (or
+``workload = "module:function"`` in a TOML config), or passed to ``compare`` in Python.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import math
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from ddl_jax import data, models
 from ddl_jax import flax as flax_bridge
+from ddl_jax.compare.specs import CompareError
 
 
 class Workload(NamedTuple):
@@ -174,3 +186,77 @@ def make_workload(
             raise ValueError("non_iid splits labels: a digits workload, not text-gpt.")
         return _text_gpt(seed, devices, compute_dtype)
     raise ValueError(f"unknown workload {name!r}.")
+
+
+def load(spec: str, *, seed: int, devices: int, non_iid: float | None = None) -> Workload:
+    """The workload of a bundled name or of ``"module:function"`` (the module found on
+    ``sys.path`` or in the working directory): the function is called with those of
+    ``seed``, ``devices`` and ``non_iid`` it takes as keywords.
+
+    Raises:
+      CompareError: the module or function cannot be found, takes other arguments, or
+        returns something other than a working ``Workload``.
+    """
+    if ":" not in spec:
+        return make_workload(spec, seed=seed, devices=devices, non_iid=non_iid)
+    module_name, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:  # as `python -m` would: the user's own modules
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise CompareError(f"workload {spec!r}: cannot load it ({e}).") from None
+    offered = {"seed": seed, "devices": devices, "non_iid": non_iid}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise CompareError(f"workload {spec!r} is not a function.") from None
+    needed = [
+        p.name
+        for p in params.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    unknown = [n for n in needed if n not in offered]
+    if unknown:
+        raise CompareError(
+            f"workload {spec!r} needs {', '.join(unknown)}; it may take any of "
+            "seed, devices, non_iid as keywords, and nothing else."
+        )
+    try:
+        workload = fn(**{k: v for k, v in offered.items() if k in params})
+    except Exception as e:
+        raise CompareError(f"workload {spec!r} failed: {type(e).__name__}: {e}") from None
+    return check(workload, spec)
+
+
+def check(workload: Any, where: str) -> Workload:
+    """``workload`` if it is a working ``Workload``: batches come, the evaluation of the
+    initial variables is one finite number. Raises ``CompareError`` naming what to change."""
+    if not isinstance(workload, Workload):
+        raise CompareError(
+            f"workload {where!r} returned {type(workload).__name__}, not a "
+            "ddl_jax.compare.Workload."
+        )
+    for field in ("loss_fn", "batches", "evaluate"):
+        value = getattr(workload, field)
+        if not callable(value) and not (field == "loss_fn" and hasattr(value, "fn")):
+            raise CompareError(f"workload {where!r}: {field} must be callable, got {value!r}.")
+    try:
+        next(iter(workload.batches(0)))
+    except Exception as e:
+        raise CompareError(
+            f"workload {where!r}: batches(0) must yield global batches; it raised "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    try:
+        value = workload.evaluate(workload.params)
+    except Exception as e:
+        raise CompareError(
+            f"workload {where!r}: evaluate(params) raised {type(e).__name__}: {e}"
+        ) from None
+    if np.ndim(value) != 0 or not math.isfinite(float(value)):
+        raise CompareError(
+            f"workload {where!r}: evaluate(params) must return one finite number (the "
+            f"metric), got {np.shape(value)} {np.asarray(value).ravel()[:3]}."
+        )
+    return workload
