@@ -316,6 +316,7 @@ def _compare_parser(sub: Any) -> None:
     )
     p.add_argument("--eval-every", help="steps between evaluations (default steps / 20)")
     p.add_argument("--out", help="output directory (default compare-results)")
+    p.add_argument("--tensorboard", help="directory for TensorBoard logs, a run per strategy")
     p.add_argument("--config", help="TOML file with any of these settings; flags override it")
 
 
@@ -334,6 +335,7 @@ _COMPARE_FLAGS = (
     "target",
     "eval_every",
     "out",
+    "tensorboard",
 )
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from ddl_jax import cli
 from ddl_jax._src.strategies import fsdp, gossip
+from ddl_jax.compare import report, specs
 from ddl_jax.compare import run as run_module
-from ddl_jax.compare import specs
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
 
@@ -264,8 +264,10 @@ def test_a_broken_user_workload_is_one_line_and_exit_code_2(
     assert err.count("\n") == 1 and message in err, err
 
 
-def test_async_is_priced_as_a_parameter_server(tmp_path, capsys):
-    runs = _run(tmp_path, "--strategies", "sync,async", "--steps", "8")
+def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(tmp_path, capsys):
+    tensorboard = tmp_path / "tb"
+    flags = ["--strategies", "sync,local:4,async", "--steps", "12", "--target", "0.3"]
+    runs = _run(tmp_path, *flags, "--tensorboard", str(tensorboard))
     sync, push = runs["sync"], runs["async"]
     params = sum(x.nbytes for x in jax.tree.leaves(_bundled_params()))
     # A push sends the gradient (its share per device) and the server answers with the
@@ -273,6 +275,17 @@ def test_async_is_priced_as_a_parameter_server(tmp_path, capsys):
     assert push["comm_bytes_per_event"] == pytest.approx(params / DEVICES)
     assert push["comm_s_per_event"] == pytest.approx(2 * (50e-6 + params / (1e9 / 8)))
     assert push["compute_ms_per_step"] == pytest.approx(sync["compute_ms_per_step"])
+    # The crossover sweep re-prices each run from its alpha-beta terms: on the run's own
+    # network it gives the table's time.
+    for run in runs.values():
+        assert run["simulated_seconds_to_target"] is not None, run["strategy"]
+        again = report.time_to_target(run, 1e9 / 8, 50e-6)
+        assert again == pytest.approx(run["simulated_seconds_to_target"])
+    table = (tmp_path / "results.md").read_text()
+    assert "| strategy | reaches the target sooner |" in table
+    assert (tmp_path / "time_vs_bandwidth.png").read_bytes()[:4] == b"\x89PNG"
+    for name in ("sync", "local_4", "async"):
+        assert list((tensorboard / name).glob("events.out.tfevents.*")), name
 
 
 def _bundled_params():

@@ -47,6 +47,8 @@ class Config:
         (``None``: the workload's default).
       eval_every: steps between evaluations (``None``: about 20 per run).
       out: directory of ``results.json``, ``results.md`` and the figures.
+      tensorboard: a directory for TensorBoard event files, one run per strategy
+        (``None``: none).
     """
 
     workload: str = "digits-mlp"
@@ -63,6 +65,7 @@ class Config:
     target: float | None = None
     eval_every: int | None = None
     out: str = "compare-results"
+    tensorboard: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The config as plain JSON values (strategies as their spec strings)."""
@@ -145,6 +148,10 @@ def make_config(values: Mapping[str, Any]) -> Config:
         if not isinstance(v["out"], str | Path) or not str(v["out"]):
             raise CompareError(f"out must be a directory path, got {v['out']!r}.")
         checked["out"] = str(v["out"])
+    if "tensorboard" in v:
+        if not isinstance(v["tensorboard"], str | Path) or not str(v["tensorboard"]):
+            raise CompareError(f"tensorboard must be a directory path, got {v['tensorboard']!r}.")
+        checked["tensorboard"] = str(v["tensorboard"])
     return Config(**checked)
 
 

@@ -100,7 +100,81 @@ def markdown(results: dict[str, Any]) -> str:
         "parameter server and fetching the parameters back. Diverged: the loss went "
         "non-finite or grew 100x.",
     ]
+    cross = crossovers(results)
+    if cross:
+        base = "sync" if any(r["strategy"] == "sync" for r in results["runs"]) else "the first"
+        lines += [
+            "",
+            f"Against {base}, on bandwidths from 10 Mb/s to 100 Gb/s at "
+            f"{1e6 * results['workload']['network']['latency']:.3g} us per message (the "
+            "same runs re-priced; `time_vs_bandwidth.png`):",
+            "",
+            "| strategy | reaches the target sooner |",
+            "|---|---|",
+            *(f"| {name} | {verdict} |" for name, verdict in cross),
+        ]
     return "\n".join(lines) + "\n"
+
+
+#: Bandwidths of the crossover sweep, bytes per second: 10 Mb/s to 100 Gb/s.
+BANDWIDTHS = tuple(10 ** (6 + k / 8) / 8 for k in range(41))
+
+
+def time_to_target(run: dict[str, Any], bandwidth: float, latency: float) -> float | None:
+    """``run``'s simulated time to target on a network of ``bandwidth`` (bytes/s) and
+    ``latency`` (s): its compute, and its collectives' alpha-beta terms re-priced
+    (``None``: never reached, diverged or failed)."""
+    if run.get("compute_seconds_to_target") is None or run.get("diverged"):
+        return None
+    per_step = run["comm_rounds_per_step"] * latency + run["comm_busy_bytes_per_step"] / bandwidth
+    per_event = (
+        run["comm_rounds_per_event"] * latency + run["comm_busy_bytes_per_event"] / bandwidth
+    )
+    return (
+        run["compute_seconds_to_target"]
+        + run["steps_to_target"] * per_step
+        + run["events_to_target"] * per_event
+    )
+
+
+def crossovers(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per strategy, on the sweep ``BANDWIDTHS`` at the network's latency: where it reaches
+    the target sooner than the synchronous baseline (``sync``, else the first strategy)."""
+    runs = [r for r in results["runs"] if "error" not in r]
+    if not runs:
+        return []
+    base = next((r for r in runs if r["strategy"] == "sync"), runs[0])
+    latency = results["workload"]["network"]["latency"]
+    out = []
+    for r in runs:
+        if r is base:
+            continue
+        wins = []
+        for bw in BANDWIDTHS:
+            mine, theirs = time_to_target(r, bw, latency), time_to_target(base, bw, latency)
+            wins.append(mine is not None and (theirs is None or mine < theirs))
+        if mine is None and not any(wins):
+            verdict = "never reaches the target"
+        elif all(wins):
+            verdict = "faster at every bandwidth"
+        elif not any(wins):
+            verdict = "never faster"
+        elif wins[0] and not wins[-1]:
+            last = max(i for i, w in enumerate(wins) if w)
+            verdict = f"faster below {_rate(BANDWIDTHS[last + 1])}"
+        else:
+            first = min(i for i, w in enumerate(wins) if w)
+            verdict = f"faster from {_rate(BANDWIDTHS[first])}"
+        out.append((r["strategy"], verdict))
+    return out
+
+
+def _rate(bandwidth: float) -> str:
+    bits = 8 * bandwidth
+    for unit, scale in (("Gb/s", 1e9), ("Mb/s", 1e6)):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits:.3g} b/s"
 
 
 def _zoom(ax: Any, results: dict[str, Any], with_initial: bool) -> None:
@@ -201,4 +275,42 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+    paths.append(_bandwidth_figure(results, out, plt, cmap))
     return paths
+
+
+def _bandwidth_figure(results: dict[str, Any], out: Path, plt: Any, cmap: Any) -> Path:
+    """``time_vs_bandwidth.png``: each strategy's simulated time to target on the sweep."""
+    latency = results["workload"]["network"]["latency"]
+    fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+    gbits = [8 * bw / 1e9 for bw in BANDWIDTHS]
+    for i, r in enumerate(results["runs"]):
+        if "error" in r:
+            continue
+        times = [time_to_target(r, bw, latency) for bw in BANDWIDTHS]
+        if all(x is None for x in times):
+            continue
+        ax.plot(
+            gbits,
+            [float("nan") if x is None else x for x in times],
+            label=r["strategy"],
+            color=cmap(i % 10),
+            marker=_MARKERS[i % len(_MARKERS)],
+            markevery=8,
+            markersize=4,
+            linestyle=("-", "--", "-.", ":")[i // 10 % 4],
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bandwidth per device, Gb/s (log scale)")
+    ax.set_ylabel("simulated time to target, seconds (log scale)")
+    ax.set_title(
+        f"time to target vs bandwidth ({1e6 * latency:.3g} us per message)\n{subtitle(results)}",
+        fontsize=10,
+    )
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+    path = out / "time_vs_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

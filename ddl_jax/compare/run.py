@@ -125,8 +125,9 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
     Streaming DiLoCo's fragments: each once per period; NoLoCo's pairings), so the mean
     prices the run exactly."""
     plain = sim.estimate_step_time(stats, network)
-    out = {"bytes": stats.bytes_per_device, "seconds": plain}
+    out = {"bytes": stats.bytes_per_device, "seconds": plain, **_terms(stats.ops, "")}
     out["event_bytes"] = out["event_seconds"] = 0.0
+    out["event_rounds"] = out["event_busy_bytes"] = 0.0
     labels = [label for label, sent in stats.branches.items() if sent > 0]
     if event is not None and labels:
         for label in labels:
@@ -134,7 +135,21 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
             out["event_bytes"] += stats.branches[label] / runs
             seconds = sim.estimate_step_time(stats, network, branch=label) - plain
             out["event_seconds"] += seconds / runs
+            terms = _terms(stats.ops, label)
+            out["event_rounds"] += terms["rounds"] / runs
+            out["event_busy_bytes"] += terms["busy_bytes"] / runs
     return out
+
+
+def _terms(ops: Any, branch: str) -> dict[str, float]:
+    """The alpha-beta terms of the collectives in ``branch``: messages in turn (``rounds``,
+    priced at the latency) and the busiest device's bytes (at the bandwidth), so that
+    their seconds on any network are ``rounds * latency + busy_bytes / bandwidth``."""
+    mine = [op for op in ops if op.branch == branch]
+    return {
+        "rounds": float(sum(op.count * op.rounds for op in mine)),
+        "busy_bytes": float(sum(op.count * max(op.sent) for op in mine)),
+    }
 
 
 def _curves(
@@ -156,6 +171,8 @@ def _curves(
     return {
         "bytes": sent.tolist(),
         "seconds": (compute + comm_s).tolist(),
+        "compute": compute.tolist(),
+        "events_by_step": events.tolist(),
         "events": float(events[-1]),
     }
 
@@ -177,8 +194,16 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
     pushing worker sends ``param_bytes`` (per device, averaged over the ``workers``), and
     the server's link carries both ways in turn, one push after another."""
     seconds = 2 * (network.latency + param_bytes / network.bandwidth)
-    event_bytes = param_bytes / workers
-    return {"bytes": 0.0, "seconds": 0.0, "event_bytes": event_bytes, "event_seconds": seconds}
+    return {
+        "bytes": 0.0,
+        "seconds": 0.0,
+        "rounds": 0.0,
+        "busy_bytes": 0.0,
+        "event_bytes": param_bytes / workers,
+        "event_seconds": seconds,
+        "event_rounds": 2.0,
+        "event_busy_bytes": 2.0 * param_bytes,
+    }
 
 
 def _diverged(history: list[dict[str, float]]) -> bool:
@@ -188,6 +213,13 @@ def _diverged(history: list[dict[str, float]]) -> bool:
         return False
     first = abs(losses[0]) or 1.0
     return any(not math.isfinite(x) or abs(x) > LOSS_GROWTH * first for x in losses)
+
+
+def _tensorboard_dir(config: Config, spec: Spec) -> str | None:
+    """``<tensorboard>/<strategy>``, one TensorBoard run per strategy (``:`` written ``_``)."""
+    if config.tensorboard is None:
+        return None
+    return str(Path(config.tensorboard) / spec.text.replace(":", "_"))
 
 
 def run_one(
@@ -217,6 +249,7 @@ def run_one(
             eval_every=eval_every,
             log_every=min(10, eval_every),
             log_file=log_path(config.out, spec),
+            tensorboard_dir=_tensorboard_dir(config, spec),
         )
     for w in caught:
         print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
@@ -259,6 +292,10 @@ def run_one(
         "events": curves["events"],
         "comm_bytes_per_event": comm["event_bytes"],
         "comm_s_per_event": comm["event_seconds"],
+        "comm_rounds_per_step": comm["rounds"],
+        "comm_busy_bytes_per_step": comm["busy_bytes"],
+        "comm_rounds_per_event": comm["event_rounds"],
+        "comm_busy_bytes_per_event": comm["event_busy_bytes"],
         "compute_flops_per_step": work.flops,
         "compute_bytes_per_step": work.bytes,
         "compute_ms_per_step": 1e3 * compute_s,
@@ -267,6 +304,8 @@ def run_one(
         "examples_to_target": None,
         "simulated_seconds_to_target": None,
         "simulated_seconds_before_target": None,
+        "compute_seconds_to_target": None,
+        "events_to_target": None,
         "consensus_distance": history[-1].get("consensus_distance", _consensus(state)),
     }
     if reached is not None:
@@ -274,6 +313,8 @@ def run_one(
         record["steps_to_target"] = history[at]["step"]
         record["examples_to_target"] = history[at]["step"] * workload.batch_size
         record["simulated_seconds_to_target"] = curves["seconds"][at]
+        record["compute_seconds_to_target"] = curves["compute"][at]
+        record["events_to_target"] = curves["events_by_step"][at]
         before = curves["seconds"][evals[reached - 1][0]] if reached else 0.0
         record["simulated_seconds_before_target"] = before
     return record
