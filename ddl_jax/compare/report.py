@@ -117,7 +117,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 #: Bandwidths of the crossover sweep, bytes per second: 10 Mb/s to 100 Gb/s.
-BANDWIDTHS = tuple(10 ** (6 + k / 8) / 8 for k in range(41))
+BANDWIDTHS = tuple(10 ** (7 + k / 8) / 8 for k in range(33))
 
 
 def time_to_target(run: dict[str, Any], bandwidth: float, latency: float) -> float | None:
@@ -153,7 +153,9 @@ def crossovers(results: dict[str, Any]) -> list[tuple[str, str]]:
         for bw in BANDWIDTHS:
             mine, theirs = time_to_target(r, bw, latency), time_to_target(base, bw, latency)
             wins.append(mine is not None and (theirs is None or mine < theirs))
-        if mine is None and not any(wins):
+        if r.get("diverged"):
+            verdict = "diverged"
+        elif mine is None and not any(wins):
             verdict = "never reaches the target"
         elif all(wins):
             verdict = "faster at every bandwidth"
