@@ -150,7 +150,7 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys):
     assert first["config"]["strategies"] == ["sync", "local:4"]
     out = tmp_path / "a"
     table = (out / "results.md").read_text()
-    assert table.count("\n| ") == 3  # header, sync, local:4
+    assert table.count("\n| ") == 5  # header, sync, local:4; the crossover header, local:4
     for name in ("accuracy_vs_steps", "accuracy_vs_bytes", "accuracy_vs_time"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Each run's records, from fit's log_file.
