@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +53,19 @@ def guard_nonfinite(
 MAX_IN_FLIGHT = 4
 
 
+def _timed(batches: Iterable[Any], seconds: list[float]) -> Iterator[Any]:
+    """``batches``, appending to ``seconds`` the time each one took to draw (the loader)."""
+    iterator = iter(batches)
+    while True:
+        tick = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        seconds.append(time.perf_counter() - tick)
+        yield batch
+
+
 def fit(
     strategy: Strategy,
     params: Variables,
@@ -80,6 +94,15 @@ def fit(
     ``step i/steps: loss=..., ex_per_s=...`` per ``log_every`` steps. A loss that grows over
     ``LOSS_GROWTH`` (100) times the first recorded one gives one ``UserWarning`` (a
     learning rate too high, or negative).
+
+    With several processes, each measures the seconds its steps wait for their batch (the
+    time inside ``next`` of ``batches``: the loader) and its wall seconds per step between
+    log points (no synchronisation beyond the log points'; the first includes compiling).
+    At the end all exchange them, and process 0 prints, even with ``progress=False``, one
+    line per rank (loader median and worst, step median) and names the slowest loader: a
+    straggler when its median exceeds every other rank's ``STRAGGLER_RATIO`` (2) times and
+    by at least 1 ms. The others wait for a straggler inside each step's collectives, so
+    their steps take about as long as its. One process reports nothing.
 
     With ``checkpoint_dir``, every ``checkpoint_every`` steps and after the last step a
     checkpoint is saved there asynchronously (orbax), keeping the last ``keep``: the whole
@@ -123,7 +146,8 @@ def fit(
       eval_every: steps between evaluations; ``None`` evaluates after the last step only.
       log_every: steps between metric fetches and progress updates.
       progress: show progress and one line per evaluation; ``False`` prints nothing but
-        the one-line notice of a resume (warnings are given either way).
+        the one-line notice of a resume and the straggler report of several processes
+        (warnings are given either way).
       checkpoint_dir: the checkpoints' directory, the same on every process (``None``: none).
       checkpoint_every: steps between saves; ``None`` saves after the last step only.
       keep: number of most recent checkpoints kept (default 3).
@@ -200,7 +224,9 @@ def _train(
 
     stopped = False
     in_flight: collections.deque[Any] = collections.deque()
-    for i, batch in enumerate(itertools.islice(stream, max(steps - start, 0)), start + 1):
+    loader_seconds: list[float] = []  # per batch drawn: the straggler report's
+    drawn = _timed(itertools.islice(stream, max(steps - start, 0)), loader_seconds)
+    for i, batch in enumerate(drawn, start + 1):
         # Step i - 1's records are final (evaluated) now: pass them on before step i.
         if stopped := log.pass_on():
             break
@@ -235,6 +261,7 @@ def _train(
         if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
             evaluate()
         log.pass_on()
+    log.report_stragglers(loader_seconds)
     if manager is not None and manager.latest_step() != last:
         save(last)
     return state, history

@@ -1,5 +1,5 @@
 """``fit``'s records: metrics fetched in batches, progress shown, the JSON-lines log file,
-TensorBoard, callbacks, and the loss-growth warning."""
+TensorBoard, callbacks, the loss-growth warning, and the straggler report."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ from ddl_jax._src.train.settings import FitSettings
 
 #: ``fit`` warns once when the loss exceeds this multiple of the first recorded loss.
 LOSS_GROWTH = 100.0
+
+#: A rank is named a straggler when its median loader seconds per step exceed every other
+#: rank's by this factor and by ``STRAGGLER_MIN_SECONDS``: a clear margin, not noise.
+STRAGGLER_RATIO = 2.0
+STRAGGLER_MIN_SECONDS = 1e-3
 
 
 def _eval_record(eval_fn: Callable[[Variables], Any], variables: Variables) -> dict[str, float]:
@@ -98,6 +103,44 @@ def _open_log_file(path: str, start: int) -> TextIO:
     return open(path, "a", encoding="utf-8")  # closed by TrainingLog.close
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def straggler_lines(ranks: np.ndarray) -> list[str]:
+    """The straggler report of a multi-process ``fit``: one line per rank, then one naming
+    the slowest.
+
+    Args:
+      ranks: one row per process, ``[rank, median loader seconds per step, worst loader
+        seconds per step, median step seconds]``.
+    """
+    ranks = np.asarray(ranks, dtype=np.float64)
+    ranks = ranks[np.argsort(ranks[:, 0])]
+    lines = [
+        f"fit: rank {int(rank)}: loader {_ms(median)} median, {_ms(worst)} worst per step; "
+        f"step {_ms(step)} median"
+        for rank, median, worst, step in ranks
+    ]
+    slowest = int(np.argmax(ranks[:, 1]))
+    rank, median = int(ranks[slowest, 0]), ranks[slowest, 1]
+    others = max(np.delete(ranks[:, 1], slowest), default=0.0)
+    if median > STRAGGLER_RATIO * others and median - others >= STRAGGLER_MIN_SECONDS:
+        lines.append(
+            f"fit: rank {rank} is the straggler: its loader takes {_ms(median)} per step "
+            f"(median), the others' at most {_ms(others)}. In a synchronous program the other "
+            "ranks wait for it inside each step's collectives, so their wait is about its "
+            f"extra loader time, {_ms(median - others)} per step."
+        )
+    else:
+        lines.append(
+            f"fit: no rank stands out: the slowest loader, rank {rank}'s, takes {_ms(median)} "
+            f"per step (median), the others' at most {_ms(others)} (a straggler's would exceed "
+            f"theirs {STRAGGLER_RATIO:g}x and by at least {_ms(STRAGGLER_MIN_SECONDS)})."
+        )
+    return lines
+
+
 def summary_writer_class() -> type:
     """tensorboardX's ``SummaryWriter``, imported on first use (an optional dependency).
 
@@ -131,6 +174,7 @@ class TrainingLog:
         self.history: list[dict[str, float]] = []
         self.pending: list[Any] = []
         self.examples, self.tick = 0, time.perf_counter()
+        self.step_seconds: list[float] = []  # wall seconds per step, one per log point
         self.checked, self.warned, self.first = 0, False, None
 
     def say(self, line: str, *, notice: bool = False) -> None:
@@ -187,8 +231,9 @@ class TrainingLog:
                 )
             history.append(record)
         self.bar.update(len(self.pending))
-        self.pending.clear()
         now = time.perf_counter()
+        self.step_seconds.append((now - self.tick) / len(self.pending))
+        self.pending.clear()
         shown = {
             "loss": f"{history[-1]['loss']:.4f}",
             "ex_per_s": f"{self.examples / (now - self.tick):.0f}",
@@ -220,6 +265,22 @@ class TrainingLog:
         message = _growth_warning(self.first, new)
         self.warned = message is not None
         return message
+
+    def report_stragglers(self, loader_seconds: list[float]) -> None:
+        """With several processes, each gives its loader seconds per step (median, worst)
+        and its median step seconds; process 0 prints ``straggler_lines`` of them, even
+        with ``progress=False``. Every process calls this at the end of training."""
+        if jax.process_count() == 1:
+            return
+        mine = [
+            jax.process_index(),
+            float(np.median(loader_seconds)) if loader_seconds else 0.0,
+            max(loader_seconds, default=0.0),
+            float(np.median(self.step_seconds)) if self.step_seconds else 0.0,
+        ]
+        ranks = multihost_utils.process_allgather(np.asarray(mine, dtype=np.float32))
+        for line in straggler_lines(ranks):
+            self.say(line, notice=True)
 
     def pass_on(self) -> bool:
         """Writes the records fetched since the last call to the log file and gives them to
