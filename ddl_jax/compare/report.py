@@ -120,19 +120,31 @@ def markdown(results: dict[str, Any]) -> str:
 BANDWIDTHS = tuple(10 ** (7 + k / 8) / 8 for k in range(33))
 
 
-def time_to_target(run: dict[str, Any], bandwidth: float, latency: float) -> float | None:
+def time_to_target(
+    run: dict[str, Any],
+    bandwidth: float,
+    latency: float,
+    *,
+    per_buffer: bool = False,
+    step_overhead: float = 0.0,
+) -> float | None:
     """``run``'s simulated time to target on a network of ``bandwidth`` (bytes/s) and
     ``latency`` (s): its compute, and its collectives' alpha-beta terms re-priced
-    (``None``: never reached, diverged or failed)."""
+    (``None``: never reached, diverged or failed). ``per_buffer``: a combined collective
+    pays the latency per buffer (XLA:CPU's gloo); ``step_overhead``: seconds each step
+    adds (a calibrated launch cost)."""
     if run.get("compute_seconds_to_target") is None or run.get("diverged"):
         return None
-    per_step = run["comm_rounds_per_step"] * latency + run["comm_busy_bytes_per_step"] / bandwidth
+    rounds = "calls" if per_buffer else "rounds"
+    per_step = (
+        run[f"comm_{rounds}_per_step"] * latency + run["comm_busy_bytes_per_step"] / bandwidth
+    )
     per_event = (
-        run["comm_rounds_per_event"] * latency + run["comm_busy_bytes_per_event"] / bandwidth
+        run[f"comm_{rounds}_per_event"] * latency + run["comm_busy_bytes_per_event"] / bandwidth
     )
     return (
         run["compute_seconds_to_target"]
-        + run["steps_to_target"] * per_step
+        + run["steps_to_target"] * (per_step + step_overhead)
         + run["events_to_target"] * per_event
     )
 

@@ -127,7 +127,7 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
     plain = sim.estimate_step_time(stats, network)
     out = {"bytes": stats.bytes_per_device, "seconds": plain, **_terms(stats.ops, "")}
     out["event_bytes"] = out["event_seconds"] = 0.0
-    out["event_rounds"] = out["event_busy_bytes"] = 0.0
+    out["event_rounds"] = out["event_calls"] = out["event_busy_bytes"] = 0.0
     labels = [label for label, sent in stats.branches.items() if sent > 0]
     if event is not None and labels:
         for label in labels:
@@ -137,6 +137,7 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
             out["event_seconds"] += seconds / runs
             terms = _terms(stats.ops, label)
             out["event_rounds"] += terms["rounds"] / runs
+            out["event_calls"] += terms["calls"] / runs
             out["event_busy_bytes"] += terms["busy_bytes"] / runs
     return out
 
@@ -144,10 +145,12 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
 def _terms(ops: Any, branch: str) -> dict[str, float]:
     """The alpha-beta terms of the collectives in ``branch``: messages in turn (``rounds``,
     priced at the latency) and the busiest device's bytes (at the bandwidth), so that
-    their seconds on any network are ``rounds * latency + busy_bytes / bandwidth``."""
+    their seconds on any network are ``rounds * latency + busy_bytes / bandwidth``;
+    ``calls`` counts a combined op's buffers apart, as XLA:CPU's gloo sends them."""
     mine = [op for op in ops if op.branch == branch]
     return {
         "rounds": float(sum(op.count * op.rounds for op in mine)),
+        "calls": float(sum(op.count * op.rounds * op.buffers for op in mine)),
         "busy_bytes": float(sum(op.count * max(op.sent) for op in mine)),
     }
 
@@ -198,10 +201,12 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
         "bytes": 0.0,
         "seconds": 0.0,
         "rounds": 0.0,
+        "calls": 0.0,
         "busy_bytes": 0.0,
         "event_bytes": param_bytes / workers,
         "event_seconds": seconds,
         "event_rounds": 2.0,
+        "event_calls": 2.0,
         "event_busy_bytes": 2.0 * param_bytes,
     }
 
@@ -293,6 +298,8 @@ def run_one(
         "comm_bytes_per_event": comm["event_bytes"],
         "comm_s_per_event": comm["event_seconds"],
         "comm_rounds_per_step": comm["rounds"],
+        "comm_calls_per_step": comm["calls"],
+        "comm_calls_per_event": comm["event_calls"],
         "comm_busy_bytes_per_step": comm["busy_bytes"],
         "comm_rounds_per_event": comm["event_rounds"],
         "comm_busy_bytes_per_event": comm["event_busy_bytes"],
