@@ -323,7 +323,10 @@ def _bandwidth_figure(results: dict[str, Any], out: Path, plt: Any, cmap: Any) -
         fontsize=10,
     )
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+    if ax.lines:
+        ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "no strategy reached the target", transform=ax.transAxes, ha="center")
     path = out / "time_vs_bandwidth.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

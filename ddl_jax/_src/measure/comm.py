@@ -186,6 +186,14 @@ def _start_of(done: re.Match, ops: dict[str, re.Match]) -> re.Match:
             return m
 
 
+def branch_computations(line: str) -> list[str]:
+    """The branch computations of a ``conditional`` instruction, in branch order."""
+    names = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if names:
+        return [n.strip().lstrip("%") for n in names[1].split(",")]
+    return re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+
+
 def _walk(comps, name, devices, count, branch, out) -> None:
     ops = {m["name"]: m for line in comps.get(name, ()) if (m := _OP.search(line))}
     subs = []
@@ -213,13 +221,7 @@ def _walk(comps, name, devices, count, branch, out) -> None:
             out += [op._replace(count=op.count * n) for op in body_ops]
             out += [op._replace(count=op.count * (n + 1)) for op in cond_ops]
         elif kind == "conditional":
-            names = re.search(r"branch_computations=\{([^}]*)\}", line)
-            names = (
-                [n.strip().lstrip("%") for n in names[1].split(",")]
-                if names
-                else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
-            )
-            for i, sub in enumerate(names):
+            for i, sub in enumerate(branch_computations(line)):
                 _walk(comps, sub, devices, count, f"{branch}{sub} (branch {i})/", out)
         elif kind in KINDS and phase in (None, "-done"):
             # A -done's shape is the collective's result (its -start's shape also holds the

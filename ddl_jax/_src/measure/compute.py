@@ -23,7 +23,7 @@ import re
 from typing import Any, NamedTuple
 
 from ddl_jax._src.core.strategy import check_real
-from ddl_jax._src.measure.comm import KINDS, computations, shape_bytes
+from ddl_jax._src.measure.comm import KINDS, branch_computations, computations, shape_bytes
 
 # Instructions that move no data of their own.
 _FREE = {
@@ -118,13 +118,7 @@ def _walk(comps: dict[str, list[str]], name: str, top: bool) -> tuple[float, flo
             flops, nbytes = flops + n * f, nbytes + n * b
             continue
         if op == "conditional":
-            names = re.search(r"branch_computations=\{([^}]*)\}", line)
-            subs = (
-                [s.strip().lstrip("%") for s in names[1].split(",")]
-                if names
-                else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
-            )
-            costs = [_walk(comps, s, top) for s in subs]
+            costs = [_walk(comps, s, top) for s in branch_computations(line)]
             flops += max((c[0] for c in costs), default=0.0)
             nbytes += max((c[1] for c in costs), default=0.0)
             continue
