@@ -324,3 +324,9 @@ def test_a_failing_strategy_leaves_the_others_written(tmp_path, capsys, monkeypa
         in (tmp_path / "results.md").read_text()
     )
     assert "local:4: failed: RuntimeError: out of memory" in capsys.readouterr().err
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_training(capsys):
+    assert cli.main(["compare", "--steps", "2", "--out", "/proc/ddl-jax-out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out '/proc/ddl-jax-out' cannot be written" in err, err

@@ -5,8 +5,10 @@ import os
 import re
 import shutil
 import struct
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import chex
 import jax
@@ -399,3 +401,69 @@ def test_a_long_run_without_logging_does_not_deadlock_the_devices(mlp):
     batch = make_batches(1, 64)[0]
     _, history = ddl.fit(strategy, params, [batch] * 300, steps=300, log_every=10**6)
     assert len(history) == 300 and np.isfinite(history[-1]["loss"])
+
+
+def test_an_eval_fn_returning_a_vector_is_named(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    for bad, where in (
+        (lambda v: jnp.ones(3), "result is"),
+        (lambda v: {"acc": jnp.ones(2)}, "['acc']"),
+    ):
+        with pytest.raises(TypeError, match=re.escape("fit: eval_fn must return one number")) as e:
+            ddl.fit(strategy, params, make_batches(2, 32), steps=2, eval_fn=bad, progress=False)
+        assert where in str(e.value)
+
+
+def _unwritable_folders(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    return {"a file": str(a_file), "under /proc": "/proc/ddl-jax-checkpoints"}
+
+
+@pytest.mark.parametrize("kind", ["a file", "under /proc"])
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_the_first_step(mlp, tmp_path, kind):
+    loss_fn, params = mlp
+    folder = _unwritable_folders(tmp_path)[kind]
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    stepped = []
+
+    def batches():
+        stepped.append(1)
+        yield from make_batches(2, 32)
+
+    with pytest.raises(ValueError, match=f"checkpoint_dir '{re.escape(folder)}' cannot be written"):
+        ddl.fit(strategy, params, batches(), steps=2, checkpoint_dir=folder, progress=False)
+    assert not stepped
+
+
+_IMMUTABLE = """
+import sys, optax, ddl_jax as ddl
+from conftest import make_batches, mlp_pair
+loss_fn, params = mlp_pair()
+strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
+ddl.fit(strategy, params, make_batches(2, 32), steps=2, checkpoint_dir=sys.argv[1], progress=False)
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("chattr") is None or os.geteuid() != 0, reason="needs root's chattr"
+)
+def test_an_immutable_checkpoint_dir_ends_the_process_in_one_line(tmp_path):
+    """The folder exists but cannot be written even by root (``chattr +i``): orbax's
+    background save used to fail and leave the process unable to exit."""
+    from conftest import child_env
+
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("this file system has no immutable attribute")
+    try:
+        script = [sys.executable, "-c", _IMMUTABLE, str(folder)]
+        env = {**child_env(), "PYTHONPATH": str(Path(__file__).parent)}
+        out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ValueError: checkpoint_dir '{folder}' cannot be written"), out.stderr

@@ -357,6 +357,20 @@ def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> 
     )
 
 
+def _check_out(out: str) -> None:
+    """The output folder can be created and written, before anything trains."""
+    probe = Path(out) / ".ddl-jax-write-check"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise CompareError(
+            f"out {out!r} cannot be written ({e.strerror or type(e).__name__}); give a "
+            "folder this process can create and write to."
+        ) from None
+
+
 def _check_target(config: Config, workload: Workload) -> None:
     """An accuracy target must be a fraction (``--target 95`` is a percentage)."""
     target = config_target(config, workload)
@@ -412,6 +426,7 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
       CompareError: too few devices, a target out of the metric's range, or strategies
         that refuse this mesh or workload (all named, before any trains).
     """
+    _check_out(config.out)
     devices = start_devices(config.devices)
     mesh = ddl.make_mesh(data=config.devices, devices=devices)
     if workload is None:

@@ -67,7 +67,25 @@ def checkpoint_manager(directory: str | os.PathLike, *, keep: int = 3) -> ocp.Ch
     return _manager(directory, keep=keep)
 
 
+def _check_writable(path: epath.Path) -> None:
+    """Creates ``path`` if missing and writes a file in it, or raises a ``ValueError``
+    naming it: a folder that cannot be written fails here in one line, before the first
+    step, not in orbax's background save (whose failure can keep the process from ending)."""
+    probe = path / f".ddl-jax-write-check-{os.getpid()}-{jax.process_index()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ValueError(
+            f"checkpoint_dir {str(path)!r} cannot be written ({reason}); give a folder this "
+            "process can create and write to, the same on every process."
+        ) from None
+
+
 def _manager(directory: str | os.PathLike, *, keep: int | None) -> ocp.CheckpointManager:
+    _check_writable(_directory(directory))
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True
     )

@@ -32,6 +32,15 @@ STRAGGLER_MIN_SECONDS = 1e-3
 
 def _eval_record(eval_fn: Callable[[Variables], Any], variables: Variables) -> dict[str, float]:
     result = jax.device_get(eval_fn(variables))
+    named = result if isinstance(result, dict) else {"": result}
+    for name, value in named.items():
+        if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+            where = f"[{name!r}]" if name else ""
+            raise TypeError(
+                f"fit: eval_fn must return one number (a 0-d array) or a dict of them; its "
+                f"result{where} is {type(value).__name__} of shape {np.shape(value)}: reduce "
+                "it (e.g. .mean()) or return a dict of scalars."
+            )
     if isinstance(result, dict):
         return {f"eval_{k}": float(v) for k, v in result.items()}
     return {"eval": float(result)}
