@@ -58,3 +58,10 @@ def test_notebook_runs(path):
         text = "".join(texts)
         assert "| strategy" in text and "topk:0.01" in text, text[-2000:]
         assert images >= 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_use_only_the_public_api(path):
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert "ddl_jax._src" not in code
