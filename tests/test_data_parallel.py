@@ -357,3 +357,21 @@ def test_gradients_travel_in_buckets(mlp, monkeypatch):
 def test_allreduce_mean_rejects_a_bad_bucket_size(bad):
     with pytest.raises(ValueError, match="bucket_mb"):
         ddl.allreduce_mean(bucket_mb=bad)
+
+
+def test_a_loss_asking_for_a_batch_key_it_lacks_names_it(mlp):
+    loss_fn, params = mlp  # reads batch["x"] and batch["y"]
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4))
+    batch = {"x": np.zeros((8, 12), np.float32), "label": np.zeros(8, np.int32)}
+    with pytest.raises(KeyError, match=r"asked the batch for 'y'.*its keys: \['label', 'x'\]"):
+        strategy.step(strategy.init(params), batch)
+
+
+def test_float_inside_the_loss_is_one_line_naming_the_loss():
+    def loss_fn(params, batch):
+        return float(jnp.mean((batch["x"] @ params["w"]) ** 2))
+
+    params = {"w": jnp.ones((3, 1))}
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4))
+    with pytest.raises(TypeError, match=r"loss_fn made a traced value concrete \(float\(\)"):
+        strategy.step(strategy.init(params), {"x": np.ones((8, 3), np.float32)})

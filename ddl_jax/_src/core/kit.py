@@ -232,7 +232,7 @@ class Kit(NamedTuple):
 
         def one(params, model_state, batch, key):
             def loss(p):
-                out, new_state = fn(p, model_state, batch, key)
+                out, new_state = _call_loss(fn, p, model_state, batch, key)
                 st.check_loss_output(abstract(out), has_aux=has_aux)
                 if stateful:
                     _check_returned_state(model_state, new_state)
@@ -280,6 +280,28 @@ class Kit(NamedTuple):
 def is_spec(x: Any) -> bool:
     """Whether ``x`` is a ``PartitionSpec`` (a leaf of a spec tree, not a tuple to map over)."""
     return isinstance(x, P)
+
+
+def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(params, model_state, batch, key)``, its two commonest mistakes named: a batch
+    key it does not hold, and a traced value made concrete inside it."""
+    batch = args[2]
+    try:
+        return fn(*args)
+    except KeyError as e:
+        missing = e.args[0] if e.args else None
+        if isinstance(batch, dict) and isinstance(missing, str) and missing not in batch:
+            raise KeyError(
+                f"loss_fn asked the batch for {missing!r}, which it does not hold; its keys: "
+                f"{sorted(batch)}."
+            ) from e
+        raise
+    except jax.errors.ConcretizationTypeError as e:
+        raise TypeError(
+            "loss_fn made a traced value concrete (float(), int(), bool(), .item(), or a "
+            "Python if on an array): the loss runs traced under jit. Keep it in jnp "
+            "(jnp.where, jax.lax.cond) and return an array."
+        ) from e
 
 
 def _check_agrees(tree: Any, specs: Any, what: str) -> None:
