@@ -106,3 +106,18 @@ def test_bad_arguments():
         ddl.flax.loss_from_module(model, "cross_entropy")
     with pytest.raises(TypeError, match="for Linen use"):
         ddl.flax.update_module(LinenMLP(), {})
+
+
+def test_a_linen_dropout_without_its_stream_names_the_fix():
+    class Dropped(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dropout(0.5, deterministic=False)(linen.Dense(4)(x))
+
+    module = Dropped()
+    variables = module.init(jax.random.key(0), jnp.ones((2, 3)))
+    loss_fn, params = ddl.flax.loss_from_module(
+        module, lambda model, batch: model(batch["x"]).mean(), variables=variables
+    )
+    with pytest.raises(ValueError, match=r"for Linen pass rngs=\('dropout', \.\.\.\)"):
+        loss_fn(params, {"x": jnp.ones((2, 3))})

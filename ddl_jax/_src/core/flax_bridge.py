@@ -91,7 +91,14 @@ def _linen_loss(
     rest = {k: v for k, v in variables.items() if k != "params"}
     if not rest and not rngs:
         bind = _bind_linen(module, rest)
-        return (lambda p, batch: loss(bind(p), batch)), variables["params"]
+
+        def plain(p, batch):
+            try:
+                return loss(bind(p), batch)
+            except errors.InvalidRngError as e:
+                raise _missing_stream(e) from e
+
+        return plain, variables["params"]
 
     def fn(p, model_state, batch, key):
         current = dict(model_state)
