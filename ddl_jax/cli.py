@@ -7,10 +7,12 @@ import argparse
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +53,7 @@ def _pump(stream, prefix: str, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock):
+def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock, joined: str):
     port = _free_port()
     procs, pumps = [], []
     for rank in range(args.num_processes):
@@ -62,6 +64,7 @@ def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock):
             launch.ENV_PROCESS_ID: str(rank),
             launch.ENV_HEARTBEAT: str(args.heartbeat_timeout),
             launch.ENV_ATTEMPT: str(attempt),
+            launch.ENV_JOINED: joined,
             "PYTHONUNBUFFERED": "1",
         }
         if args.devices_per_process is not None:
@@ -141,6 +144,21 @@ def _log(message: str, lock: threading.Lock) -> None:
         print(f"ddl-jax launch: {message}", file=sys.stderr, flush=True)
 
 
+def _warn_unjoined(count: int, joined: str, lock: threading.Lock) -> None:
+    """Warns about ranks that never called ``ddl_jax.launch.initialize()``: they ran as
+    independent single-process jobs, not as one cluster."""
+    missing = [r for r in range(count) if not os.path.exists(os.path.join(joined, f"rank-{r}"))]
+    shutil.rmtree(joined, ignore_errors=True)
+    if missing and count > 1:
+        ranks = ", ".join(map(str, missing))
+        _log(
+            f"warning: rank(s) {ranks} never called ddl_jax.launch.initialize(), so the "
+            f"{count} processes ran as independent jobs, not one cluster; call it first in "
+            "the script, before any JAX computation.",
+            lock,
+        )
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """Runs ``args.command`` as ``args.num_processes`` ranks; returns the exit status.
 
@@ -150,7 +168,8 @@ def run_launch(args: argparse.Namespace) -> int:
     """
     lock = threading.Lock()
     for attempt in range(args.restarts + 1):
-        procs, pumps = _start(args, attempt, lock)
+        joined = tempfile.mkdtemp(prefix="ddl-jax-launch-")
+        procs, pumps = _start(args, attempt, lock, joined)
         try:
             failures = _supervise(procs)
         except KeyboardInterrupt:
@@ -161,7 +180,9 @@ def run_launch(args: argparse.Namespace) -> int:
             for pump in pumps:
                 pump.join()
         if not failures:
+            _warn_unjoined(args.num_processes, joined, lock)
             return 0
+        shutil.rmtree(joined, ignore_errors=True)
         others = args.num_processes - len(failures)
         stopped = f"; stopped the other {others} process(es)" if others else ""
         _log(f"{_failed(failures)}{stopped}.", lock)

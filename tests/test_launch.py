@@ -388,3 +388,31 @@ def test_numpy_integers_are_arguments_like_python_ints():
     options = {"initialization_timeout": np.int64(5), "heartbeat_timeout_seconds": np.int16(3)}
     assert launch.initialize(*args, **options) is False
     assert launch.process_rows(ddl.make_mesh(data=np.int64(8)), np.int64(32)) == slice(0, 32)
+
+
+def test_ranks_that_never_join_are_warned_about(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text("print('trained alone')\n")
+    joined = tmp_path / "joined.py"
+    joined.write_text(
+        "from ddl_jax._src.train import launch\nlaunch.initialize()\nprint('joined')\n"
+    )
+    launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--"]
+    alone = subprocess.run(
+        [*launcher, sys.executable, str(script)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 0
+    assert "rank(s) 0, 1 never called ddl_jax.launch.initialize()" in alone.stderr, alone.stderr
+    together = subprocess.run(
+        [*launcher, sys.executable, str(joined)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert together.returncode == 0, together.stderr
+    assert "never called" not in together.stderr

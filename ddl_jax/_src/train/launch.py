@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -24,6 +25,8 @@ ENV_NUM_PROCESSES = "DDL_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "DDL_JAX_PROCESS_ID"
 ENV_HEARTBEAT = "DDL_JAX_HEARTBEAT_TIMEOUT"
 ENV_ATTEMPT = "DDL_JAX_ATTEMPT"
+#: A folder where each rank that joins leaves ``rank-<id>`` (``ddl-jax launch`` checks it).
+ENV_JOINED = "DDL_JAX_JOINED_DIR"
 
 
 def _env_int(name: str) -> int | None:
@@ -123,6 +126,9 @@ def initialize(
             heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT) or 10
     if explicit or launched:
         num_processes, process_id = _check_cluster(coordinator_address, num_processes, process_id)
+    if launched and os.environ.get(ENV_JOINED):
+        with contextlib.suppress(OSError):  # the launcher's note; never fatal
+            open(os.path.join(os.environ[ENV_JOINED], f"rank-{process_id}"), "w").close()
     if local_device_count is not None:
         local_device_count = check_int("local_device_count", local_device_count, minimum=1)
         jax.config.update("jax_num_cpu_devices", local_device_count)
