@@ -8,8 +8,10 @@ many steps as the simulator says it needs to reach the target. Per strategy and 
 measured wall time of those steps, the simulated time before calibration (the link's
 nominal rate, 50 us per message, the ``cpu`` device model) and after (latency per
 message, bandwidth and a step's fixed cost fitted to an all-reduce sweep across the same
-link, each buffer of a combined all-reduce paying the latency as gloo sends them apart,
-the device model scaled to a measured step of one worker alone), and the relative errors.
+link, each buffer of a combined all-reduce paying the latency as gloo sends them apart
+unless the XLA:CPU tunings pack them into one bucket, the device model scaled to a
+measured step of one worker alone), and the relative errors. ``--xla-cpu-tunings`` runs
+the workers with the tunings on (gloo's spinning threads idled, gradients in buckets).
 
 Needs root (``ip netns``, ``tc``) and says so otherwise. ``tc netem`` (delay) is not used.
 Writes benchmarks/results/emulated.md and emulated.json.
@@ -34,6 +36,7 @@ HERE = Path(__file__).parent
 WORKER = HERE / "_emulated_worker.py"
 NAMESPACES = (("ddlA", "vA", "10.77.0.1", "ddlhostA"), ("ddlB", "vB", "10.77.0.2", "ddlhostB"))
 NOMINAL_LATENCY = 50e-6
+TUNINGS: dict[str, str] = {}  # the workers' DDL_JAX_XLA_CPU_TUNINGS (--xla-cpu-tunings)
 
 
 def sh(*cmd: str) -> None:
@@ -78,7 +81,7 @@ def run_pair(*args: str, timeout: float = 300) -> dict:
         procs.append(
             subprocess.Popen(
                 ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", inner],
-                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                env={**os.environ, "JAX_PLATFORMS": "cpu", **TUNINGS},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -135,7 +138,11 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=400, help="simulated run's steps")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--xla-cpu-tunings", action="store_true", help="the workers run with the tunings on"
+    )
     args = parser.parse_args()
+    TUNINGS["DDL_JAX_XLA_CPU_TUNINGS"] = "1" if args.xla_cpu_tunings else "0"
     if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("unshare"):
         raise SystemExit(
             "emulated.py needs root, `ip`, `tc` and `unshare` (network namespaces and a tbf "
@@ -170,7 +177,9 @@ def main() -> None:
                     {**run, "compute_seconds_to_target": compute},
                     bandwidth,
                     latency,
-                    per_buffer=True,
+                    # gloo sends a combined all-reduce's buffers apart, unless the tunings
+                    # packed them into one bucket
+                    per_buffer=not args.xla_cpu_tunings,
                     step_overhead=overhead,
                 )
                 row = {

@@ -21,10 +21,11 @@ from conftest import (
     step_key,
     worker_shards,
 )
-from flax import nnx
+from flax import linen, nnx
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from pipeline_models import Block, full_loss, reference, xent
+from pipeline_models import make_batches as pipeline_batches
 
 import ddl_jax as ddl
 from ddl_jax import pipeline, pipeline_stages
@@ -938,3 +939,29 @@ def test_what_pipelines_cannot_carry_fails_clearly():
             microbatches=1,
             example_batch=make_batches(1, 4)[0],
         )
+
+
+class _LinenFirst(linen.Module):
+    @linen.compact
+    def __call__(self, batch):
+        return linen.relu(linen.Dense(16)(batch["x"]))
+
+
+def test_linen_stages_with_their_variables_train_like_one_device():
+    modules = [_LinenFirst(), linen.Dense(5)]
+    batches = pipeline_batches()
+    key = jax.random.key(0)
+    variables = [
+        modules[0].init(key, batches[0]),
+        modules[1].init(key, jnp.zeros((16, 16))),
+    ]
+    with pytest.raises(TypeError, match=r"modules\[0\] is a Linen module.*variables="):
+        ddl.pipeline_stages(modules)
+    stages, params = ddl.pipeline_stages(modules, variables)
+    mesh = ddl.make_mesh(stage=2)
+    strategy = ddl.pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2)
+    state = strategy.init(params)
+    for batch in batches:
+        state, _ = strategy.step(state, batch)
+    expected = reference(full_loss(stages), optax.sgd(0.1), params, batches)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 from ddl_jax._src.core import model_loss as ml
 from ddl_jax._src.core import strategy as st
@@ -29,9 +29,14 @@ from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 
 
 def pipeline_stages(
-    modules: Sequence[nnx.Module],
+    modules: Sequence[nnx.Module | linen.Module],
+    variables: Sequence[Any] | None = None,
 ) -> tuple[list[tuple[StageFn, Any]], list[Any]]:
-    """Flax NNX modules -> ``(stages, variables)`` for :func:`pipeline` and its ``init``.
+    """Flax modules -> ``(stages, variables)`` for :func:`pipeline` and its ``init``.
+
+    NNX modules hold their variables; Linen modules need theirs, ``variables[k] =
+    modules[k].init(rng, x_k)`` for stage k's input ``x_k`` (``None`` for an NNX module in
+    the list).
 
     ``stages[k]`` is the pair ``(apply, variables_k)`` of module k, as
     ``ddl.flax.loss_from_module(module, lambda model, x: model(x))`` makes it:
@@ -48,7 +53,20 @@ def pipeline_stages(
     ``ddl.flax.update_module(modules, variables)``). Every stateful stage carries the same
     seed, the first RNG stream of the first module that has one: the run's base key.
     """
-    pairs = [loss_from_module(m, _call) for m in modules]
+    given = [None] * len(modules) if variables is None else list(variables)
+    if len(given) != len(modules):
+        raise ValueError(
+            f"pipeline_stages: {len(given)} variables for {len(modules)} modules; give one per "
+            "module (None for an NNX module)."
+        )
+    for k, (module, v) in enumerate(zip(modules, given, strict=True)):
+        if isinstance(module, linen.Module) and v is None:
+            raise TypeError(
+                f"pipeline_stages: modules[{k}] is a Linen module, which does not hold its "
+                "variables: pass them, ddl.pipeline_stages(modules, variables=[m.init(rng, "
+                "x) for each stage's module m and input x])."
+            )
+    pairs = [loss_from_module(m, _call, variables=v) for m, v in zip(modules, given, strict=True)]
     seeds = [apply.seed for apply, _ in pairs if isinstance(apply, ModelLoss)]
     stages = [
         (apply._replace(seed=seeds[0]) if isinstance(apply, ModelLoss) else apply, variables)
