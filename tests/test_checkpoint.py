@@ -199,6 +199,7 @@ def test_bad_checkpoint_arguments(tmp_path, kwargs, match):
 def test_a_cloud_directory_stays_a_url_and_a_local_one_becomes_absolute(monkeypatch):
     # A manager on gs:// would reach for GCS: record the directory orbax would be given.
     monkeypatch.setattr(checkpoint.ocp, "CheckpointManager", lambda directory, **_: directory)
+    monkeypatch.setattr(checkpoint, "_check_writable", lambda directory: None)  # no ./run
     cloud = checkpoint.checkpoint_manager("gs://bucket/run")
     assert str(cloud) == "gs://bucket/run"
     assert str(cloud / f"{checkpoint.CORRUPT_PREFIX}4") == "gs://bucket/run/corrupt-4"

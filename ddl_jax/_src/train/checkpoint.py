@@ -71,6 +71,8 @@ def _check_writable(path: epath.Path) -> None:
     """Creates ``path`` if missing and writes a file in it, or raises a ``ValueError``
     naming it: a folder that cannot be written fails here in one line, before the first
     step, not in orbax's background save (whose failure can keep the process from ending)."""
+    if "://" in str(path):  # a remote file system reports its own errors, on first use
+        return
     probe = path / f".ddl-jax-write-check-{os.getpid()}-{jax.process_index()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
