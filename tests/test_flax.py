@@ -121,3 +121,16 @@ def test_a_linen_dropout_without_its_stream_names_the_fix():
     )
     with pytest.raises(ValueError, match=r"for Linen pass rngs=\('dropout', \.\.\.\)"):
         loss_fn(params, {"x": jnp.ones((2, 3))})
+
+
+def test_update_module_names_what_does_not_match():
+    model = ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0))
+    _, other = ddl.flax.loss_from_module(ddl.models.MLP(12, [8], 5, rngs=nnx.Rngs(0)), mlp_loss)
+    with pytest.raises(ValueError, match=r"update_module: the variables' params do not match") as e:
+        ddl.flax.update_module(model, other)
+    assert "is (12, 8) in the variables, (12, 16) in the module" in str(e.value)
+    _, deeper = ddl.flax.loss_from_module(
+        ddl.models.MLP(12, [16, 16], 5, rngs=nnx.Rngs(0)), mlp_loss
+    )
+    with pytest.raises(ValueError, match=r"not in the module \[\"\['layers'\]\[2\]"):
+        ddl.flax.update_module(model, deeper)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import errors, linen, nnx
 
 from ddl_jax._src.core.model_loss import ModelLoss
@@ -259,12 +260,37 @@ def update_module(module: Any, variables: Any) -> Any:
     params = nnx.state(module, nnx.Param)
     stats = nnx.state(module, nnx.BatchStat)
     if nnx.to_pure_dict(stats) and isinstance(variables, dict) and "params" in variables:
+        _check_matches(params, variables["params"], "params")
+        _check_matches(stats, variables.get("batch_stats", {}), "batch_stats")
         nnx.replace_by_pure_dict(params, variables["params"])
         nnx.replace_by_pure_dict(stats, variables.get("batch_stats", {}))
         nnx.update(module, params, stats)
     else:
         if isinstance(variables, dict) and set(variables) <= {"params", "batch_stats"}:
             variables = variables.get("params", variables)
+        _check_matches(params, variables, "params")
         nnx.replace_by_pure_dict(params, variables)
         nnx.update(module, params)
     return module
+
+
+def _check_matches(state: Any, given: Any, what: str) -> None:
+    """``given`` has the module's ``what`` paths and shapes, or a ``ValueError`` names
+    the difference."""
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return {jax.tree_util.keystr(path): tuple(np.shape(x)) for path, x in leaves}
+
+    mine, theirs = shapes(nnx.to_pure_dict(state)), shapes(given)
+    if mine == theirs:
+        return
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    resized = [k for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
+    parts = [f"missing {missing[:3]}"] if missing else []
+    parts += [f"not in the module {extra[:3]}"] if extra else []
+    parts += [f"{k} is {theirs[k]} in the variables, {mine[k]} in the module" for k in resized[:3]]
+    raise ValueError(
+        f"update_module: the variables' {what} do not match the module ({'; '.join(parts)}); "
+        "pass the variables of a strategy built from this model (Strategy.params(state))."
+    )
