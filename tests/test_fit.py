@@ -467,3 +467,30 @@ def test_an_immutable_checkpoint_dir_ends_the_process_in_one_line(tmp_path):
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ValueError: checkpoint_dir '{folder}' cannot be written"), out.stderr
+
+
+def test_an_interrupted_fit_says_which_step_it_resumes_from(mlp, tmp_path, capsys):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+
+    def batches():
+        for i, batch in enumerate(make_batches(8, 32)):
+            if i == 5:  # Ctrl-C while step 6's batch is drawn
+                raise KeyboardInterrupt
+            yield batch
+
+    folder = tmp_path / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        ddl.fit(
+            strategy, params, batches(), steps=8, checkpoint_dir=folder, checkpoint_every=2,
+            progress=False,
+        )  # fmt: skip
+    said = capsys.readouterr()
+    assert (
+        f"fit: interrupted; the last complete checkpoint holds step 4 in {folder}: run the "
+        "same fit again to resume from it." in said.out + said.err
+    )
+    _, history = ddl.fit(
+        strategy, params, make_batches(8, 32), steps=8, checkpoint_dir=folder, progress=False
+    )
+    assert history[0]["step"] == 5

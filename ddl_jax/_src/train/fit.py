@@ -192,10 +192,28 @@ def fit(
                 log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
         log.open()
         return _train(strategy, state, batches, log, manager, settings)
+    except KeyboardInterrupt:
+        if manager is not None:
+            manager.wait_until_finished()  # a save under way completes first
+        log.say(_interrupted(manager), notice=True)
+        raise
     finally:
         log.close()
         if manager is not None:
             manager.close()  # waits for the last asynchronous save
+
+
+def _interrupted(manager: Any) -> str:
+    """What an interrupted ``fit`` leaves: the step its last complete checkpoint holds."""
+    if manager is None:
+        return "fit: interrupted; no checkpoint_dir, so nothing was saved."
+    step = manager.latest_step()
+    if step is None:
+        return f"fit: interrupted before the first checkpoint in {manager.directory}."
+    return (
+        f"fit: interrupted; the last complete checkpoint holds step {step} in "
+        f"{manager.directory}: run the same fit again to resume from it."
+    )
 
 
 def _train(
