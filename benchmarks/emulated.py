@@ -150,6 +150,7 @@ def main() -> None:
             "`ddl-jax launch` instead."
         )
     sys.path.insert(0, str(HERE.parent))
+    from ddl_jax import sim as sim_model
     from ddl_jax.compare import report
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,8 +161,8 @@ def main() -> None:
         check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     alone = json.loads(local.stdout.strip().splitlines()[-1])
-    cpu = 100e9, 20e9  # the `cpu` device model (ddl.sim.CPU_CORE)
-    modeled = alone["flops"] / cpu[0] + alone["bytes"] / cpu[1]
+    work = sim_model.ComputeStats(alone["flops"], alone["bytes"])
+    modeled = sim_model.estimate_compute_time(work, sim_model.CPU_CORE)  # `--compute cpu`
     device_scale = alone["seconds"] / modeled  # calibrated compute = modeled x this
     rows = []
     try:
