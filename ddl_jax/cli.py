@@ -338,6 +338,18 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--eval-every", help="steps between evaluations (default steps / 20)")
     p.add_argument("--out", help="output directory (default compare-results)")
     p.add_argument("--tensorboard", help="directory for TensorBoard logs, a run per strategy")
+    p.add_argument(
+        "--measure",
+        action="store_const",
+        const=True,
+        help="also run each strategy as --devices real processes, time it to the target and "
+        "show the simulator's error before and after calibrating it on them",
+    )
+    p.add_argument(
+        "--emulate",
+        help="RATE[,DELAY], e.g. 100mbit or 1gbit,2ms: --measure with each process in its own "
+        "network namespace behind a tc limit (Linux, root; the delay needs tc netem)",
+    )
     p.add_argument("--config", help="TOML file with any of these settings; flags override it")
 
 
@@ -357,6 +369,8 @@ _COMPARE_FLAGS = (
     "eval_every",
     "out",
     "tensorboard",
+    "measure",
+    "emulate",
 )
 
 

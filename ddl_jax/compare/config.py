@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddl_jax.compare.processes import parse_emulation
 from ddl_jax.compare.specs import (
     DEFAULT_STRATEGIES,
     DEVICES,
@@ -49,6 +50,11 @@ class Config:
       out: directory of ``results.json``, ``results.md`` and the figures.
       tensorboard: a directory for TensorBoard event files, one run per strategy
         (``None``: none).
+      measure: also run each strategy as ``devices`` real processes (one device each)
+        and time it to the target, next to its simulated time (``measured``).
+      emulate: the processes' network, ``"RATE[,DELAY]"`` (``"100mbit"``,
+        ``"1gbit,2ms"``): each in its own network namespace behind a ``tc`` limit (Linux,
+        root; implies ``measure``). ``None``: the loopback interface.
     """
 
     workload: str = "digits-mlp"
@@ -66,6 +72,8 @@ class Config:
     eval_every: int | None = None
     out: str = "compare-results"
     tensorboard: str | None = None
+    measure: bool = False
+    emulate: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The config as plain JSON values (strategies as their spec strings)."""
@@ -152,7 +160,26 @@ def make_config(values: Mapping[str, Any]) -> Config:
         if not isinstance(v["tensorboard"], str | Path) or not str(v["tensorboard"]):
             raise CompareError(f"tensorboard must be a directory path, got {v['tensorboard']!r}.")
         checked["tensorboard"] = str(v["tensorboard"])
+    _measure(v, checked)
     return Config(**checked)
+
+
+def _measure(v: dict[str, Any], checked: dict[str, Any]) -> None:
+    """``measure`` and ``emulate`` checked against the settings real processes can run."""
+    if "emulate" in v:
+        checked["emulate"] = parse_emulation(v["emulate"]).text
+        checked["measure"] = True
+    if "measure" in v:
+        if not isinstance(v["measure"], bool):
+            raise CompareError(f"measure must be true or false, got {v['measure']!r}.")
+        if not v["measure"] and "emulate" in checked:
+            raise CompareError("emulate runs real processes: it cannot go with measure=false.")
+        checked["measure"] = checked.get("measure", False) or v["measure"]
+    if checked.get("measure") and checked.get("straggler", 1.0) != 1.0:
+        raise CompareError(
+            "measure times real processes, which have no simulated straggler: drop straggler "
+            "(or slow one process of your own and read fit's straggler report)."
+        )
 
 
 def _unreliable(v: dict[str, Any], checked: dict[str, Any]) -> None:

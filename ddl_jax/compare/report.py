@@ -113,7 +113,41 @@ def markdown(results: dict[str, Any]) -> str:
             "|---|---|",
             *(f"| {name} | {verdict} |" for name, verdict in cross),
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _measured(results)) + "\n"
+
+
+def _measured(results: dict[str, Any]) -> list[str]:
+    """The measured runs next to the simulated ones (``compare --measure``)."""
+    m = results.get("measured")
+    if not m:
+        return []
+    nominal, fitted = m["nominal_network"], m["fitted_network"]
+    lines = [
+        "",
+        f"Measured: {m['cluster']}. Simulated, nominal: {nominal['bandwidth'] / 1e6:.4g} MB/s, "
+        f"{1e6 * nominal['latency']:.3g} us per message, the {results['config']['compute']} "
+        f"model. Calibrated: fitted to an all-reduce sweep across the processes, "
+        f"{fitted['bandwidth'] / 1e6:.4g} MB/s, {1e6 * fitted['latency']:.3g} us per message"
+        f"{' (per buffer)' if m['per_buffer_latency'] else ''}; compute x "
+        f"{m['compute_scale']:.3g} (a probe step timed across the processes, "
+        f"{_seconds(m['probe_step_seconds'])}: each worker's gradient and update, only the "
+        "loss averaged). Error: simulated / measured - 1.",
+        "",
+        f"| strategy | steps | measured | {results['workload']['metric']} after | simulated, "
+        "nominal | error | simulated, calibrated | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        x = r.get("measured", {})
+        if "seconds" not in x:
+            lines.append(f"| {r['strategy']} | not measured: {x.get('skipped', '-')} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['strategy']} | {x['steps']} | {_seconds(x['seconds'])} | {x['metric']:.4g} | "
+            f"{_seconds(x['simulated_seconds'])} | {x['error']:+.0%} | "
+            f"{_seconds(x['calibrated_seconds'])} | {x['calibrated_error']:+.0%} |"
+        )
+    return lines
 
 
 #: Bandwidths of the crossover sweep, bytes per second: 10 Mb/s to 100 Gb/s.
@@ -126,13 +160,11 @@ def time_to_target(
     latency: float,
     *,
     per_buffer: bool = False,
-    step_overhead: float = 0.0,
 ) -> float | None:
     """``run``'s simulated time to target on a network of ``bandwidth`` (bytes/s) and
     ``latency`` (s): its compute, and its collectives' alpha-beta terms re-priced
     (``None``: never reached, diverged or failed). ``per_buffer``: a combined collective
-    pays the latency per buffer (XLA:CPU's gloo); ``step_overhead``: seconds each step
-    adds (a calibrated launch cost)."""
+    pays the latency per buffer (XLA:CPU's gloo)."""
     if run.get("compute_seconds_to_target") is None or run.get("diverged"):
         return None
     rounds = "calls" if per_buffer else "rounds"
@@ -144,7 +176,7 @@ def time_to_target(
     )
     return (
         run["compute_seconds_to_target"]
-        + run["steps_to_target"] * (per_step + step_overhead)
+        + run["steps_to_target"] * per_step
         + run["events_to_target"] * per_event
     )
 

@@ -52,14 +52,15 @@ import optax
 
 import ddl_jax as ddl
 from ddl_jax import consistency, sim
+from ddl_jax.compare import measured, processes, workloads
 from ddl_jax.compare import report as compare_report
-from ddl_jax.compare import workloads
 from ddl_jax.compare.config import Config, make_config
 from ddl_jax.compare.specs import (
     DEVICES,
     FAMILIES,
     LEARNING_RATE,
     NETWORKS,
+    WORKLOADS,
     BuildContext,
     CompareError,
     Spec,
@@ -381,6 +382,18 @@ def _check_target(config: Config, workload: Workload) -> None:
         )
 
 
+def _check_measurable(config: Config, workload: Workload) -> None:
+    """Real processes can be started here and can build the workload themselves."""
+    if ":" not in config.workload and config.workload not in WORKLOADS:
+        raise CompareError(
+            f"measure: the processes build the workload themselves; give {workload.name!r} as "
+            "'module:function' (a function of yours returning it), e.g. --workload "
+            "mypkg.workloads:make."
+        )
+    if config.emulate is not None:
+        processes.check_emulation_possible()
+
+
 def _check_strategies(
     specs: tuple[Spec, ...], workload: Workload, mesh: Any, config: Config, eval_every: int
 ) -> None:
@@ -436,6 +449,8 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     else:
         workload = workloads.check(workload, workload.name)
     _check_target(config, workload)
+    if config.measure:
+        _check_measurable(config, workload)
     steps = workload.steps if config.steps is None else config.steps
     eval_every = config.eval_every or max(1, steps // 20)
     _check_strategies(config.strategies, workload, mesh, config, eval_every)
@@ -472,18 +487,28 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
         },
         "runs": runs,
     }
+    figures = _write(results, config)
+    if config.measure:
+        try:
+            measured.measure(results, config)
+        finally:  # the simulated results stay written when a measured run fails
+            figures = _write(results, config)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = compare_report.markdown(results)
-    (out / "results.md").write_text(table)
-    figures = compare_report.figures(results, out)
     print()
-    print(table, end="")
+    print((out / "results.md").read_text(), end="")
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and", file=sys.stdout)
     for path in [*figures, *(log_path(out, spec) for spec in config.strategies)]:
         print(f"  {path}")
     return results
+
+
+def _write(results: dict[str, Any], config: Config) -> list[Path]:
+    """Writes ``results.json``, ``results.md`` and the figures; returns the figures."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(compare_report.markdown(results))
+    return compare_report.figures(results, out)
 
 
 def compare(

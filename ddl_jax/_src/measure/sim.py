@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from ddl_jax._src.core.strategy import check_real
 from ddl_jax._src.measure.comm import CommStats
@@ -19,6 +22,56 @@ class Network(NamedTuple):
 
     bandwidth: float
     latency: float
+
+    @classmethod
+    def fit(
+        cls,
+        messages: Sequence[float],
+        bytes_sent: Sequence[float],
+        seconds: Sequence[float],
+    ) -> Network:
+        """The network that explains measured collectives: a least-squares fit, in relative
+        error (each sample weighted by 1 / its seconds, so that small messages count as much
+        as large ones), of ``seconds = messages * latency + bytes_sent / bandwidth + c``.
+
+        Each sample is one measured program: the messages it sends in turn (``rounds``
+        of ``ddl.comm_stats``: an all-reduce over N devices takes ``2 * (N - 1)``), the
+        bytes its busiest device sends, and its seconds (a median of repeats). ``c`` is
+        each program's fixed cost (launching it), fitted and left out of the model. The
+        samples need two different message counts and two different sizes (e.g. an
+        all-reduce sweep of 4 B to 16 MB, and 32 scalar all-reduces in one program).
+
+        Raises:
+          ValueError: the samples differ in length, hold a negative or non-finite
+            value, or cannot separate latency from bandwidth; or the fitted bandwidth is
+            not positive (time does not grow with the bytes).
+        """
+        columns = [np.asarray(x, np.float64) for x in (messages, bytes_sent, seconds)]
+        if len({c.shape for c in columns}) != 1 or columns[0].ndim != 1:
+            raise ValueError(
+                "Network.fit: messages, bytes_sent and seconds must be 1-D sequences of one "
+                f"length, got shapes {[c.shape for c in columns]}."
+            )
+        if not all(np.isfinite(c).all() and (c >= 0).all() for c in columns):
+            raise ValueError("Network.fit: every sample must be finite and >= 0.")
+        if not (columns[2] > 0).all():
+            raise ValueError("Network.fit: every sample's seconds must be > 0.")
+        a = np.stack([columns[0], columns[1], np.ones_like(columns[0])], axis=1)
+        if np.linalg.matrix_rank(a) < 3:
+            raise ValueError(
+                "Network.fit: the samples need at least two message counts and two sizes "
+                "to separate latency from bandwidth."
+            )
+        weight = 1.0 / columns[2]
+        (latency, per_byte, _), *_ = np.linalg.lstsq(
+            a * weight[:, None], columns[2] * weight, rcond=None
+        )
+        if per_byte <= 0:
+            raise ValueError(
+                "Network.fit: the seconds do not grow with the bytes sent (fitted "
+                f"{per_byte:.3g} s per byte); measure larger messages."
+            )
+        return cls(bandwidth=float(1 / per_byte), latency=float(max(latency, 0.0)))
 
 
 #: 1 Gb/s Ethernet, about 50 us per message through the kernel's TCP stack.

@@ -1,0 +1,153 @@
+"""``ddl-jax compare --measure``: each strategy as real processes, timed, next to the
+simulator's time, before and after calibrating it on the same processes.
+
+After the simulated runs, for N = ``devices`` processes (one device each, on the loopback
+interface or on an emulated network, ``processes``):
+
+1. **Calibration.** An all-reduce sweep across the processes (``worker.sweep``) fitted by
+   ``ddl.sim.Network.fit``: the latency and bandwidth the processes really get. A probe
+   step timed as it runs across the processes (``worker.compute``: each worker's gradient
+   and Adam update on its own replica, only the loss averaged; local SGD that never
+   synchronises), its collectives' fitted cost taken out: the ratio of what remains to its
+   modeled compute (``--compute``'s device model) scales every strategy's modeled compute.
+   It holds what a step costs beyond its flops and bytes when it runs in the cluster
+   (cores shared between processes, the runtime's launch of a multi-process program).
+2. **Measured.** Each strategy that reached the target trains as the N processes for its
+   steps to target (the same program, data and seed as its simulated run), timed from its
+   first step to its last; its metric after them.
+3. **Errors.** Per strategy, simulated over measured time minus 1: *nominal* (the
+   network's stated terms: the emulated rate with 50 us per message, or ``--network``'s on
+   loopback; the device model unscaled) and *calibrated* (the fitted network and the scaled
+   device model; on CPU each buffer of a combined all-reduce pays the latency, as XLA:CPU's
+   gloo sends them apart).
+
+The asynchronous family is not measured: its processes would run its SPMD simulation, not
+the parameter server its simulated time prices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Any
+
+from ddl_jax import sim
+from ddl_jax.compare import processes
+from ddl_jax.compare import report as compare_report
+from ddl_jax.compare.config import Config
+from ddl_jax.compare.specs import DEVICES, FAMILIES, NETWORKS, parse_spec
+
+#: Seconds per message of the nominal emulated network (the kernel's TCP stack), as
+#: ``ddl.sim.ETHERNET_1G``.
+NOMINAL_LATENCY = sim.ETHERNET_1G.latency
+#: Seconds a measured run may take before its processes are stopped.
+TIMEOUT = 900.0
+
+
+def _nominal(config: Config) -> sim.Network:
+    if config.emulate is None:
+        return NETWORKS[config.network]
+    link = processes.parse_emulation(config.emulate)
+    return sim.Network(link.bandwidth, NOMINAL_LATENCY + link.latency)
+
+
+def _cluster(config: Config) -> contextlib.AbstractContextManager[processes.Cluster]:
+    if config.emulate is None:
+        return contextlib.nullcontext(processes.loopback(config.devices))
+    return processes.emulated(config.devices, processes.parse_emulation(config.emulate))
+
+
+def _compute_scale(
+    probe: dict[str, float], fitted: sim.Network, device: sim.Device, per_buffer: bool
+) -> float:
+    """The probe step's measured seconds, its collectives' fitted cost taken out, over its
+    modeled compute."""
+    rounds = probe["calls"] if per_buffer else probe["rounds"]
+    comm = rounds * fitted.latency + probe["busy_bytes"] / fitted.bandwidth
+    modeled = sim.estimate_compute_time(sim.ComputeStats(probe["flops"], probe["bytes"]), device)
+    return max(probe["seconds"] - comm, 0.0) / modeled
+
+
+def _measurable(run: dict[str, Any]) -> str | None:
+    """Why ``run`` is not measured (``None``: it is)."""
+    if "error" in run:
+        return "failed"
+    if FAMILIES[parse_spec(run["strategy"]).family].asynchronous:
+        return "asynchronous: simulated as a parameter server, not run as one"
+    if run.get("diverged") or run.get("steps_to_target") is None:
+        return "did not reach the target"
+    return None
+
+
+def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
+    """Times ``results``' strategies as real processes and adds, per run, ``measured``
+    (seconds, metric after, simulated nominal and calibrated seconds, their errors), and
+    ``results["measured"]`` (the processes, the fitted network, the compute scale).
+
+    Raises:
+      CompareError: the network cannot be emulated here (what to do instead), or a run's
+        processes failed or outlived their time (its ranks stopped).
+    """
+    settings = json.dumps({**config.as_dict(), "eval_every": results["config"]["eval_every"]})
+    nominal = _nominal(config)
+    per_buffer = results["environment"]["platform"] == "cpu"
+    with _cluster(config) as cluster:
+        print(f"measure: {cluster.description}: calibrating", flush=True)
+        samples = processes.run_worker(cluster, ["sweep"], TIMEOUT)["samples"]
+        rounds, calls, sent, seconds = zip(*samples, strict=True)
+        fitted = sim.Network.fit(calls if per_buffer else rounds, sent, seconds)
+        probe = processes.run_worker(cluster, ["compute", settings], TIMEOUT)
+        scale = _compute_scale(probe, fitted, DEVICES[config.compute], per_buffer)
+        print(
+            f"measure: fitted {1e6 * fitted.latency:.3g} us per message, "
+            f"{fitted.bandwidth / 1e6:.4g} MB/s; the probe step {1e3 * probe['seconds']:.3g} ms "
+            f"(compute {scale:.3g}x the {config.compute} model)",
+            flush=True,
+        )
+        for i, run in enumerate(results["runs"], 1):
+            why = _measurable(run)
+            if why is not None:
+                run["measured"] = {"skipped": why}
+                continue
+            steps = run["steps_to_target"]
+            got = processes.run_worker(
+                cluster, ["train", settings, run["strategy"], str(steps)], TIMEOUT
+            )
+            simulated = compare_report.time_to_target(run, nominal.bandwidth, nominal.latency)
+            calibrated_run = {
+                **run,
+                "compute_seconds_to_target": run["compute_seconds_to_target"] * scale,
+            }
+            calibrated = compare_report.time_to_target(
+                calibrated_run, fitted.bandwidth, fitted.latency, per_buffer=per_buffer
+            )
+            run["measured"] = {
+                "seconds": got["seconds"],
+                "steps": steps,
+                "metric": got["metric"],
+                "simulated_seconds": simulated,
+                "error": simulated / got["seconds"] - 1,
+                "calibrated_seconds": calibrated,
+                "calibrated_error": calibrated / got["seconds"] - 1,
+            }
+            m = run["measured"]
+            print(
+                f"[{i}/{len(results['runs'])}] {run['strategy']}: {steps} steps in "
+                f"{m['seconds']:.3g} s ({results['workload']['metric']} {m['metric']:.4g}); "
+                f"simulated {m['simulated_seconds']:.3g} s ({m['error']:+.0%}), calibrated "
+                f"{m['calibrated_seconds']:.3g} s ({m['calibrated_error']:+.0%})",
+                file=sys.stdout,
+                flush=True,
+            )
+    results["measured"] = {
+        "processes": config.devices,
+        "cluster": cluster.description,
+        "nominal_network": nominal._asdict(),
+        "fitted_network": fitted._asdict(),
+        "sweep": samples,
+        "probe_step_seconds": probe["seconds"],
+        "compute_scale": scale,
+        "per_buffer_latency": per_buffer,
+    }
+    return results

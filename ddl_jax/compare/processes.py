@@ -1,0 +1,238 @@
+"""Real processes for ``ddl-jax compare --measure``: N local processes of the compare
+worker (``ddl_jax.compare.worker``), joined by ``ddl.launch.initialize``, on the loopback
+interface or on an emulated network.
+
+The emulated network (``--emulate RATE[,DELAY]``, Linux, root): one network namespace per
+process, each with its own hostname (JAX's gloo advertises the address its hostname
+resolves to), joined to a bridge in a namespace of its own by a virtual ethernet pair
+whose both ends are limited to RATE by a ``tc`` token bucket (``tbf``): every process
+sends and receives at most RATE, as through its own network card. DELAY adds a one-way
+delay with ``tc netem`` where the kernel has it (and says so where it does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from ddl_jax.compare.specs import CompareError
+
+#: The token bucket holds this many seconds of traffic at the rate (at least MIN_BURST
+#: bytes, two Ethernet frames).
+BURST_SECONDS = 1e-3
+MIN_BURST = 3028
+
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class Emulation(NamedTuple):
+    """An emulated link: ``rate`` and ``delay`` as ``tc`` reads them, and their values."""
+
+    rate: str
+    bandwidth: float  # bytes per second
+    delay: str | None = None
+    latency: float = 0.0  # seconds one way
+
+    @property
+    def text(self) -> str:
+        return self.rate if self.delay is None else f"{self.rate},{self.delay}"
+
+
+def parse_emulation(text: str) -> Emulation:
+    """``"100mbit"`` or ``"1gbit,2ms"``: a rate in kbit, mbit or gbit per second, and an
+    optional one-way delay in us, ms or s.
+
+    Raises:
+      CompareError: not of that form (one line with an example).
+    """
+    rate, _, delay = str(text).partition(",")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", rate.strip())
+    d = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay.strip()) if delay else None
+    if m is None or float(m[1]) <= 0 or (delay and d is None):
+        raise CompareError(
+            f"emulate {text!r} is not a rate with an optional delay, e.g. 100mbit, 1gbit "
+            "or 100mbit,2ms."
+        )
+    bandwidth = float(m[1]) * _UNITS[m[2]] / 8
+    if d is None:
+        return Emulation(rate.strip(), bandwidth)
+    return Emulation(rate.strip(), bandwidth, delay.strip(), float(d[1]) * _DELAY_UNITS[d[2]])
+
+
+class Cluster(NamedTuple):
+    """Where N processes run: a command prefix per rank (empty: this namespace) and the
+    coordinator's host (rank 0's address)."""
+
+    prefixes: tuple[tuple[str, ...], ...]
+    host: str
+    description: str
+
+
+def loopback(n: int) -> Cluster:
+    """N processes on this machine's loopback interface (no bandwidth limit)."""
+    return Cluster(((),) * n, "127.0.0.1", f"{n} processes on the loopback interface")
+
+
+def _sh(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise CompareError(
+            f"emulate: `{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}."
+        )
+
+
+def check_emulation_possible() -> None:
+    """Raises ``CompareError`` (saying what to do instead) unless this is Linux, as root,
+    with ``ip``, ``tc`` and ``unshare``."""
+    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    if sys.platform != "linux" or os.geteuid() != 0 or missing:
+        why = f"missing {', '.join(missing)}" if missing else "not root on Linux"
+        raise CompareError(
+            f"emulate needs root on Linux with ip, tc and unshare ({why}): network "
+            "namespaces and a tc bandwidth limit. Run it as root (e.g. sudo), or use "
+            "--measure alone to time real processes over loopback, or `ddl-jax launch` on a "
+            "real cluster."
+        )
+
+
+def _qdiscs(ns: str, dev: str, emulation: Emulation) -> None:
+    # a bucket of 1 ms of traffic: a larger one lets a message after an idle spell (local
+    # SGD's synchronisation) pass at the veth's speed, not at the rate
+    burst = max(int(emulation.bandwidth * BURST_SECONDS), MIN_BURST)
+    tbf = ("tbf", "rate", emulation.rate, "burst", f"{burst}b", "latency", "100ms")
+    if emulation.delay is None:
+        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
+        return
+    done = subprocess.run(
+        ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+         emulation.delay], capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode:
+        raise CompareError(
+            f"emulate: this kernel has no tc netem ({done.stderr.strip()}), so a delay cannot "
+            f"be emulated; give the rate alone (--emulate {emulation.rate})."
+        )
+    _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
+
+
+@contextlib.contextmanager
+def emulated(n: int, emulation: Emulation) -> Iterator[Cluster]:
+    """N network namespaces on a bridge, every link limited to ``emulation``; removed on
+    exit (also after an error)."""
+    check_emulation_possible()
+    tag = f"d{os.getpid() % 100000}"
+    bridge = f"{tag}br"
+    names = [(f"{tag}n{i}", f"{tag}v{i}", f"{tag}b{i}", f"10.77.0.{i + 1}", f"{tag}h{i}")
+             for i in range(n)]  # fmt: skip
+    hosts = "127.0.0.1 localhost\n" + "".join(f"{ip} {host}\n" for *_, ip, host in names)
+    try:
+        _sh("ip", "netns", "add", bridge)
+        _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", bridge, "link", "set", "br0", "up")
+        for ns, dev, peer, ip, _ in names:
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", dev, "type", "veth", "peer", "name", peer)
+            _sh("ip", "link", "set", dev, "netns", ns)
+            _sh("ip", "link", "set", peer, "netns", bridge)
+            _sh("ip", "-n", bridge, "link", "set", peer, "master", "br0")
+            _sh("ip", "-n", bridge, "link", "set", peer, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _qdiscs(ns, dev, emulation)
+            _qdiscs(bridge, peer, emulation)
+            Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
+            Path(f"/etc/netns/{ns}/hosts").write_text(hosts)
+        prefixes = tuple(
+            ("ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+             f'hostname {host} && exec "$@"', "sh")
+            for ns, *_, host in names
+        )  # fmt: skip
+        link = emulation.rate + (f", {emulation.delay} delay" if emulation.delay else "")
+        yield Cluster(prefixes, names[0][3], f"{n} processes, each in a network namespace, {link}")
+    finally:
+        for ns, *_ in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        subprocess.run(["ip", "netns", "del", bridge], capture_output=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _drain(stream, into: list[str]) -> None:
+    into.extend(stream)
+
+
+def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
+    """Runs ``python -m ddl_jax.compare.worker COORDINATOR N RANK ARGS`` as one process
+    per rank of ``cluster``; returns the JSON object rank 0 prints last.
+
+    Raises:
+      CompareError: a rank failed (its last lines) or the run outlived ``timeout``
+        seconds (every rank is killed; none is left behind).
+    """
+    n = len(cluster.prefixes)
+    coordinator = f"{cluster.host}:{_free_port()}"
+    env = {
+        **os.environ,
+        # the processes import the user's workload module as this one did
+        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+        # one device each, whatever this process simulates
+        "XLA_FLAGS": re.sub(
+            r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+        ),
+    }
+    procs, outs, errs, pumps = [], [], [], []
+    for rank, prefix in enumerate(cluster.prefixes):
+        worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n), str(rank)]
+        procs.append(
+            subprocess.Popen(
+                [*prefix, *worker, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        outs.append([])
+        errs.append([])
+        for stream, into in ((procs[-1].stdout, outs[-1]), (procs[-1].stderr, errs[-1])):
+            pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
+            pumps[-1].start()
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CompareError(
+            f"measure: `{' '.join(args[:1])}` outlived {timeout:.0f} s; every rank stopped."
+        ) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for t in pumps:
+            t.join(timeout=5)
+    failed = [rank for rank, p in enumerate(procs) if p.returncode]
+    if failed:
+        tail = " | ".join("".join(errs[failed[0]]).strip().splitlines()[-3:])
+        raise CompareError(f"measure: rank {failed[0]} of `{args[0]}` failed: {tail}")
+    lines = "".join(outs[0]).strip().splitlines()
+    if not lines:
+        raise CompareError(f"measure: rank 0 of `{args[0]}` printed no result.")
+    return json.loads(lines[-1])

@@ -1,0 +1,240 @@
+"""One process of ``ddl-jax compare --measure`` (started by ``processes.run_worker``).
+
+    python -m ddl_jax.compare.worker COORDINATOR N RANK sweep
+    python -m ddl_jax.compare.worker COORDINATOR N RANK compute CONFIG
+    python -m ddl_jax.compare.worker COORDINATOR N RANK train CONFIG SPEC STEPS
+
+Each joins the N processes (``ddl.launch.initialize``), one device each.
+
+``sweep``: all-reduces across the processes, of 4 B to 16 MB, of 4 and 16 buffers
+combined, and 32 scalar all-reduces in turn: per program, the messages and bytes
+``ddl.comm_stats`` reads from it and its median seconds.
+
+``compute``: a probe step (each worker's gradient and Adam update on its own replica, only
+the loss averaged) timed as it runs across the processes, with its modeled flops and bytes
+and its collectives' terms.
+
+``train``: the strategy SPEC as ``compare`` builds it from CONFIG (a JSON object of its
+settings), its STEPS global batches placed on the devices and the step compiled first,
+then STEPS timed steps; the metric after.
+
+Times are the slowest process's. Rank 0 prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import ddl_jax as ddl
+
+#: All-reduce sizes of the sweep, in bytes (one buffer each): 4 B to 16 MB.
+SWEEP_BYTES = (4, 64, 2**10, 2**14, 2**18, 2**20, 2**22, 2**24)
+#: Buffers of the sweep's combined all-reduces (of 1 kB and 64 kB each).
+SWEEP_BUFFERS = (4, 16)
+#: Scalar all-reduces in the sweep's second program: their seconds beyond one's are latency.
+SCALARS = 32
+#: Steps of the compute probe, and its runs (the median is kept).
+PROBE_STEPS = 40
+PROBE_REPEATS = 5
+
+
+def _mesh() -> Any:
+    """A ``data`` mesh of one device per process (each process's first)."""
+    import jax
+
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return ddl.make_mesh(data=len(first), devices=[first[i] for i in sorted(first)])
+
+
+def _median_seconds(fn: Callable, *args: Any, repeats: int = 7) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times)
+
+
+def sweep() -> dict[str, Any]:
+    """Per program: ``[rounds, calls, bytes the busiest device sends, median seconds]``
+    (``ddl.comm_stats``'s terms: ``calls`` counts a combined all-reduce's buffers apart)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, P("data"))
+
+    def program(count: int, buffers: int) -> Callable:
+        def body(*arrays):
+            for _ in range(count):
+                arrays = tuple(a * 0.5 for a in jax.lax.psum(arrays, "data"))
+            return arrays
+
+        specs = (P("data"),) * buffers
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+
+    def arrays(size: int, buffers: int) -> tuple:
+        local = np.ones((1, max(size // 4, 1)), np.float32)
+        return (jax.make_array_from_process_local_data(sharding, local),) * buffers
+
+    shapes = [(1, 1, b) for b in SWEEP_BYTES]
+    shapes += [(1, buffers, b) for buffers in SWEEP_BUFFERS for b in (2**10, 2**16)]
+    shapes += [(SCALARS, 1, 4)]
+    samples = []
+    for count, buffers, size in shapes:
+        fn, x = program(count, buffers), arrays(size, buffers)
+        ops = ddl.comm_stats(fn, *x).ops
+        samples.append([
+            sum(op.count * op.rounds for op in ops),
+            sum(op.count * op.rounds * op.buffers for op in ops),
+            sum(op.count * max(op.sent) for op in ops),
+            _median_seconds(fn, *x, repeats=11),
+        ])  # fmt: skip
+    return {"samples": samples}
+
+
+def _slowest(value: float) -> float:
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.float64(value))))
+
+
+def compute(config: dict[str, Any]) -> dict[str, Any]:
+    """The probe step timed as it runs in the cluster: each worker's forward, backward and
+    Adam update on its own replica, only the loss averaged across the processes (local
+    SGD that never synchronises); its modeled flops and bytes and its collectives' terms,
+    so that the caller can take the collectives out of the time."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from ddl_jax.compare import workloads
+    from ddl_jax.compare.specs import LEARNING_RATE
+
+    n = jax.process_count()
+    mesh = _mesh()
+    workload = workloads.load(config["workload"], seed=config["seed"], devices=n,
+                              non_iid=config["non_iid"])  # fmt: skip
+    probe = ddl.local_sgd(workload.loss_fn, optax.adam(LEARNING_RATE), mesh, period=2**30)
+    state = probe.init(workload.params)
+    batches = _placed(workload, mesh, PROBE_STEPS)
+    step = jax.jit(probe.step, donate_argnums=0)
+    work = ddl.sim.compute_stats(step, state, batches[0])
+    ops = [op for op in ddl.comm_stats(step, state, batches[0]).ops if not op.branch]
+    compiled = step.lower(state, batches[0]).compile()
+    times = []
+    for _ in range(PROBE_REPEATS):
+        seconds, _ = _loop_seconds(compiled, jax.tree.map(jnp.copy, state), batches)
+        times.append(seconds / PROBE_STEPS)
+    return {
+        "seconds": statistics.median(times),  # per step
+        "flops": work.flops,
+        "bytes": work.bytes,
+        "rounds": sum(op.count * op.rounds for op in ops),
+        "calls": sum(op.count * op.rounds * op.buffers for op in ops),
+        "busy_bytes": sum(op.count * max(op.sent) for op in ops),
+    }
+
+
+def _loop_seconds(step: Callable, state: Any, batches: list) -> tuple[float, Any]:
+    """Seconds of the steps of ``batches`` in turn from ``state`` (its buffers donated),
+    as training runs them, on the slowest process; and the state after. First a warm-up
+    step on a copy of ``state``: the first run of a compiled program, and the processes'
+    first collective, cost tens of milliseconds once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    jax.block_until_ready(step(jax.tree.map(jnp.copy, state), batches[0]))
+    multihost_utils.sync_global_devices("timed")
+    tick = time.perf_counter()
+    for batch in batches:
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    return _slowest(time.perf_counter() - tick), (state, metrics)
+
+
+def _placed(workload: Any, mesh: Any, steps: int) -> list[dict[str, Any]]:
+    """The first ``steps`` global batches, each process holding its rows."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P("data"))
+    it = workload.batches(0)
+    out = []
+    for _ in range(steps):
+        batch = next(it)
+        out.append(
+            jax.tree.map(
+                lambda v: jax.make_array_from_callback(
+                    np.shape(v), sharding, lambda i, v=v: np.asarray(v)[i]
+                ),
+                batch,
+            )
+        )
+    return out
+
+
+def train(config: dict[str, Any], spec_text: str, steps: int) -> dict[str, Any]:
+    """``spec_text`` trained for ``steps`` timed steps across the processes."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from ddl_jax.compare import workloads
+    from ddl_jax.compare.specs import BuildContext, parse_spec
+
+    n = jax.process_count()
+    mesh = _mesh()
+    workload = workloads.load(config["workload"], seed=config["seed"], devices=n,
+                              non_iid=config["non_iid"])  # fmt: skip
+    context = BuildContext(workload.loss_fn, mesh, config["straggler"], config["seed"],
+                           config["eval_every"], config["drop"])  # fmt: skip
+    strategy = parse_spec(spec_text).build(context)
+    state = strategy.init(workload.params)
+    batches = _placed(workload, mesh, steps)
+    step = jax.jit(strategy.step, donate_argnums=0).lower(state, batches[0]).compile()
+    seconds, (state, metrics) = _loop_seconds(step, state, batches)
+    params = multihost_utils.process_allgather(strategy.params(state), tiled=True)
+    return {
+        "seconds": seconds,
+        "steps": steps,
+        "loss": float(np.mean(multihost_utils.process_allgather(metrics["loss"], tiled=True))),
+        "metric": float(workload.evaluate(params)),
+    }
+
+
+def main(argv: list[str]) -> None:
+    coordinator, n, rank, mode, *rest = argv
+    ddl.launch.initialize(
+        coordinator, int(n), int(rank), initialization_timeout=120, heartbeat_timeout_seconds=30
+    )
+    import jax
+
+    if mode == "sweep":
+        result = sweep()
+    elif mode == "compute":
+        result = compute(json.loads(rest[0]))
+    elif mode == "train":
+        result = train(json.loads(rest[0]), rest[1], int(rest[2]))
+    else:
+        raise SystemExit(f"worker: unknown mode {mode!r}")
+    if jax.process_index() == 0:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

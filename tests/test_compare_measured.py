@@ -1,0 +1,127 @@
+"""``ddl-jax compare --measure`` / ``--emulate``: the strategies as real processes, timed,
+next to the simulator's time before and after calibrating it on those processes."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import child_env
+
+from ddl_jax import cli
+from ddl_jax.compare import processes
+from ddl_jax.compare.config import make_config
+from ddl_jax.compare.specs import CompareError
+
+
+@pytest.mark.parametrize(
+    ("text", "rate", "bandwidth", "delay", "latency"),
+    [
+        ("100mbit", "100mbit", 12.5e6, None, 0.0),
+        ("1gbit,2ms", "1gbit", 125e6, "2ms", 2e-3),
+        ("2.5gbit,500us", "2.5gbit", 312.5e6, "500us", 5e-4),
+    ],
+)
+def test_parse_emulation(text, rate, bandwidth, delay, latency):
+    link = processes.parse_emulation(text)
+    assert (link.rate, link.delay, link.text) == (rate, delay, text)
+    assert link.bandwidth == pytest.approx(bandwidth)
+    assert link.latency == pytest.approx(latency)
+
+
+@pytest.mark.parametrize("text", ["5g", "100mb", "0mbit", "100mbit,2", "100mbit,fast", ""])
+def test_a_bad_emulation_is_one_line_with_an_example(text):
+    with pytest.raises(CompareError, match="e.g. 100mbit, 1gbit or 100mbit,2ms"):
+        processes.parse_emulation(text)
+
+
+def test_emulate_implies_measure_and_both_refuse_what_processes_cannot_run():
+    config = make_config({"emulate": "100mbit"})
+    assert (config.measure, config.emulate) == (True, "100mbit")
+    assert make_config({"measure": True}).measure
+    with pytest.raises(CompareError, match="no simulated straggler"):
+        make_config({"measure": True, "straggler": 2})
+    with pytest.raises(CompareError, match="cannot go with measure=false"):
+        make_config({"measure": False, "emulate": "1gbit"})
+    with pytest.raises(CompareError, match="measure must be true or false"):
+        make_config({"measure": "yes"})
+
+
+def test_emulate_without_root_says_what_to_do_before_anything_trains(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    args = ["compare", "--devices", "2", "--strategies", "sync", "--steps", "2"]
+    assert cli.main([*args, "--emulate", "100mbit", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert "emulate needs root on Linux" in captured.err
+    assert "use --measure alone" in captured.err
+    assert "sync:" not in captured.out  # refused before the first run trained
+
+
+def _compare(out, *args, timeout=420):
+    """``ddl-jax compare`` as a process of its own (its measured runs start more), in a
+    process group killed whole on a timeout; returns results.json."""
+    cmd = [sys.executable, "-m", "ddl_jax.cli", "compare", "--devices", "2", "--out", str(out),
+           "--workload", "digits-mlp", "--steps", "40", "--eval-every", "4", "--target", "0.8",
+           *args]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, stderr[-2000:]
+    return json.loads((out / "results.json").read_text()), stdout
+
+
+def _check_measured(results, stdout):
+    m = results["measured"]
+    assert m["processes"] == 2
+    assert m["fitted_network"]["bandwidth"] > 0 and m["fitted_network"]["latency"] >= 0
+    assert m["compute_scale"] > 0
+    for run in results["runs"]:
+        got = run["measured"]
+        # the processes trained the same model on the same batches as the simulated run:
+        # the metric after its steps to target is the simulated run's there
+        assert got["steps"] == run["steps_to_target"]
+        at = run["eval_steps"].index(got["steps"])
+        assert got["metric"] == pytest.approx(run["eval_values"][at], abs=2 / 360)
+        assert got["seconds"] > 0
+        for key in ("error", "calibrated_error"):
+            simulated = got["simulated_seconds" if key == "error" else "calibrated_seconds"]
+            assert got[key] == pytest.approx(simulated / got["seconds"] - 1)
+    assert "| strategy | steps | measured |" in stdout
+
+
+def test_measured_processes_train_what_the_simulator_priced(tmp_path):
+    results, stdout = _compare(tmp_path, "--strategies", "sync,local:4,async", "--measure")
+    _check_measured(
+        {**results, "runs": [r for r in results["runs"] if r["strategy"] != "async"]}, stdout
+    )
+    assert "loopback" in results["measured"]["cluster"]
+    (asynchronous,) = [r for r in results["runs"] if r["strategy"] == "async"]
+    assert asynchronous["measured"] == {
+        "skipped": "asynchronous: simulated as a parameter server, not run as one"
+    }
+    assert "not measured: asynchronous" in stdout
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
+    reason="network namespaces and tc need root",
+)
+def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
+    results, stdout = _compare(tmp_path, "--strategies", "sync", "--emulate", "100mbit")
+    _check_measured(results, stdout)
+    # tbf at 100 Mb/s: the sweep across the link fits about 12.5 MB/s (93% measured here)
+    assert results["measured"]["fitted_network"]["bandwidth"] == pytest.approx(12.5e6, rel=0.2)
+    assert "each in a network namespace, 100mbit" in stdout
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not re.search(r"^d\d+(n\d+|br)\b", names, re.M), names  # all removed
