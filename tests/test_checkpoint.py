@@ -60,6 +60,21 @@ def test_resumed_fit_ends_bitwise_where_an_uninterrupted_one_does(name, tmp_path
     chex.assert_trees_all_equal(again, whole)
 
 
+def test_a_save_cut_off_by_kill_9_is_cleaned_and_resume_takes_the_last_complete_one(tmp_path):
+    strategy = strategy_for("data_parallel")
+    batches = make_batches(6, 32)
+    whole, _ = train(strategy, batches, 6)
+    train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    # what a process killed while writing step 6 leaves: orbax's temporary folder
+    partial = tmp_path / "6.orbax-checkpoint-tmp-1764160000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "d").write_bytes(b"half")
+    state, history = train(strategy, batches, 6, tmp_path, checkpoint_every=2)
+    assert [r["step"] for r in history] == [5, 6]
+    chex.assert_trees_all_equal(state, whole)
+    assert steps_in(tmp_path) == ["2", "4", "6"]
+
+
 def test_keep_bounds_the_steps_on_disk(tmp_path):
     train(
         strategy_for("data_parallel"), make_batches(5, 32), 5, tmp_path, checkpoint_every=1, keep=2

@@ -135,6 +135,10 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys):
     second = _tiny(tmp_path / "b", tmp_path / "c.toml")
     printed = capsys.readouterr().out
     assert "| sync |" in printed and "| local:4 |" in printed
+    # Not a terminal (a notebook, a pipe): one line per finished run, no step-by-step ones.
+    assert "step 4" not in printed and "loss=" not in printed
+    assert printed.count("[1/2] sync: test accuracy ") == 2
+    assert printed.count("[2/2] local:4: test accuracy ") == 2
     # Times are priced from the compiled programs, not timed: the same in both runs, and
     # so the ranking.
     exact = ("final", "eval_values", "eval_steps", "eval_bytes", "bytes_per_device_per_step")

@@ -125,3 +125,18 @@ def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
     assert "each in a network namespace, 100mbit" in stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not re.search(r"^d\d+(n\d+|br)\b", names, re.M), names  # all removed
+
+
+def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most_of_it(capsys):
+    from ddl_jax import sim
+    from ddl_jax.compare import measured
+
+    probe = {"seconds": 1e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2,
+             "busy_bytes": 4.0}  # fmt: skip
+    modeled = sim.estimate_compute_time(sim.ComputeStats(1e6, 1e5), sim.CPU_CORE)
+    net = sim.Network(bandwidth=1e8, latency=100e-6)  # 0.2 ms of the 1 ms
+    scale = measured._compute_scale(probe, net, sim.CPU_CORE, per_buffer=True)
+    assert scale == pytest.approx((1e-3 - 2e-4 - 4e-8) / modeled)
+    slow = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms: not believed
+    assert measured._compute_scale(probe, slow, sim.CPU_CORE, True) == pytest.approx(1e-3 / modeled)
+    assert "is the machine busy?" in capsys.readouterr().err

@@ -375,3 +375,11 @@ def test_float_inside_the_loss_is_one_line_naming_the_loss():
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4))
     with pytest.raises(TypeError, match=r"loss_fn made a traced value concrete \(float\(\)"):
         strategy.step(strategy.init(params), {"x": np.ones((8, 3), np.float32)})
+
+
+def test_float_labels_are_named_with_the_batchs_dtypes(mlp):
+    loss_fn, params = mlp  # optax's cross-entropy with integer labels on batch["y"]
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4))
+    batch = {"x": np.zeros((8, 12), np.float32), "y": np.zeros(8, np.float32)}
+    with pytest.raises(TypeError, match=r"expected integers .*'y': float32.*astype\(jnp.int32\)"):
+        strategy.step(strategy.init(params), batch)

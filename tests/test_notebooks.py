@@ -48,6 +48,16 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nb = execute(path)
+    streams = [
+        (output.get("name"), output.get("text", ""))
+        for cell in nb.cells
+        for output in cell.get("outputs", [])
+    ]
+    # no warning in the outputs (tqdm's "IProgress not found" without ipywidgets, say)
+    warnings = [text for name, text in streams if name == "stderr" and "Warning" in text]
+    assert not warnings, warnings
+    # a comparison prints a line per strategy, not one per logged step
+    assert max(text.count("\n") for _, text in streams) < 60, path
     if path.stem.startswith("02_"):
         texts, images = [], 0
         for cell in nb.cells:
@@ -65,3 +75,11 @@ def test_notebooks_use_only_the_public_api(path):
     nb = nbformat.read(path, as_version=4)
     code = "\n".join(cell.source for cell in nb.cells if cell.cell_type == "code")
     assert "ddl_jax._src" not in code
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_first_cell_installs_from_a_source_the_user_names(path):
+    nb = nbformat.read(path, as_version=4)
+    first = next(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert "%pip install ddl-jax" not in first  # not on PyPI: it could never succeed
+    assert "%pip install {source}" in first and "DDL_JAX_SOURCE" in first

@@ -66,7 +66,18 @@ def _compute_scale(
     rounds = probe["calls"] if per_buffer else probe["rounds"]
     comm = rounds * fitted.latency + probe["busy_bytes"] / fitted.bandwidth
     modeled = sim.estimate_compute_time(sim.ComputeStats(probe["flops"], probe["bytes"]), device)
-    return max(probe["seconds"] - comm, 0.0) / modeled
+    if comm > probe["seconds"] / 2:
+        # the fit prices the probe's one scalar all-reduce at half its step or more: a
+        # loaded machine, or a coarse fit; the whole step is a better bound than the rest
+        print(
+            f"measure: warning: the fitted network prices the probe step's collectives at "
+            f"{1e3 * comm:.3g} ms of its {1e3 * probe['seconds']:.3g} ms; the device model is "
+            "scaled to the whole step (is the machine busy?)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return probe["seconds"] / modeled
+    return (probe["seconds"] - comm) / modeled
 
 
 def _measurable(run: dict[str, Any]) -> str | None:

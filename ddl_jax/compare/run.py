@@ -256,6 +256,8 @@ def run_one(
             log_every=min(10, eval_every),
             log_file=log_path(config.out, spec),
             tensorboard_dir=_tensorboard_dir(config, spec),
+            # a bar on a terminal; elsewhere (a notebook, a pipe) only the line below
+            progress=sys.stdout.isatty(),
         )
     for w in caught:
         print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
@@ -325,7 +327,21 @@ def run_one(
         record["events_to_target"] = curves["events_by_step"][at]
         before = curves["seconds"][evals[reached - 1][0]] if reached else 0.0
         record["simulated_seconds_before_target"] = before
+    print(f"{label} {spec.text}: {_summary(record, workload)}", flush=True)
     return record
+
+
+def _summary(record: dict[str, Any], workload: Workload) -> str:
+    """One line on a finished run: its final metric, when it reached the target."""
+    text = f"{workload.metric} {record['final']:.4g}"
+    if record["diverged"]:
+        return f"{text}, diverged (the loss grew 100x or went non-finite)"
+    if record["steps_to_target"] is None:
+        return f"{text}, target not reached"
+    return (
+        f"{text}, target reached by step {record['steps_to_target']} (simulated "
+        f"{record['simulated_seconds_to_target']:.3g} s)"
+    )
 
 
 def ranks(runs: list[dict[str, Any]]) -> list[int | None]:

@@ -283,8 +283,8 @@ def is_spec(x: Any) -> bool:
 
 
 def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(params, model_state, batch, key)``, its two commonest mistakes named: a batch
-    key it does not hold, and a traced value made concrete inside it."""
+    """``fn(params, model_state, batch, key)``, its commonest mistakes named: a batch key
+    it does not hold, a traced value made concrete inside it, float labels."""
     batch = args[2]
     try:
         return fn(*args)
@@ -301,6 +301,16 @@ def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
             "loss_fn made a traced value concrete (float(), int(), bool(), .item(), or a "
             "Python if on an array): the loss runs traced under jit. Keep it in jnp "
             "(jnp.where, jax.lax.cond) and return an array."
+        ) from e
+    except TypeError as e:
+        if "subdtype of <class 'numpy.integer'>" not in str(e) or not isinstance(batch, dict):
+            raise
+        dtypes = ", ".join(f"{k!r}: {getattr(v, 'dtype', type(v).__name__)}" for k, v in
+                           sorted(batch.items()))  # fmt: skip
+        raise TypeError(
+            f"loss_fn passed floats where a function in it expected integers (class labels, "
+            f"e.g. optax's *_with_integer_labels); the batch holds {{{dtypes}}}. Give the "
+            "labels as integers: labels.astype(jnp.int32) in the loss or in the data."
         ) from e
 
 

@@ -3,6 +3,7 @@ TensorBoard, callbacks, the loss-growth warning, and the straggler report."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -14,8 +15,7 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm import autonotebook, std
-from tqdm.auto import tqdm
+from tqdm import std
 
 from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Metrics
@@ -50,9 +50,27 @@ def _examples(batch: Any) -> int:
     return int(np.shape(jax.tree.leaves(batch)[0])[0])
 
 
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (as tqdm.autonotebook decides)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def _bar() -> type:
+    """The progress bar class: tqdm's notebook widget in a Jupyter kernel with ipywidgets,
+    else the plain bar (tqdm.auto would import its widget and warn "IProgress not found"
+    without ipywidgets)."""
+    if _in_notebook() and importlib.util.find_spec("ipywidgets") is not None:
+        from tqdm.notebook import tqdm as notebook_bar
+
+        return notebook_bar
+    return std.tqdm
+
+
 def _interactive() -> bool:
     """Whether a progress bar can redraw in place: stdout is a terminal, or a notebook."""
-    if autonotebook.tqdm is not std.tqdm:  # tqdm.auto chose its notebook widget
+    if _in_notebook():
         return True
     isatty = getattr(sys.stdout, "isatty", None)
     return bool(isatty is not None and isatty())
@@ -211,7 +229,7 @@ class TrainingLog:
                 filename_suffix=f".{time.time_ns()}",
             )
         # A bar redraws in place; elsewhere (a launcher, a file) flush prints plain lines.
-        self.bar = tqdm(
+        self.bar = _bar()(
             total=self.steps,
             initial=min(self.start, self.steps),
             unit="step",
