@@ -254,6 +254,12 @@ def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
     ``ddl.delayed_nesterov(lr, momentum, delay=N)``; ``optax.sgd(1.0)`` is parameter
     averaging. Events are plain async's; a task takes H times the per-gradient time.
 
+    **Batch size.** A step's batch holds every worker's H inner micro-batches: for ``b``
+    examples per inner step on N workers, give batches of ``N * H * b`` rows (the paper's
+    per-inner-step batch is ``b``); a batch whose rows do not split so is refused with the
+    arithmetic. The paper's dynamic local updates (each worker's H scaled to its speed) are
+    not offered: every worker takes the same H.
+
     References:
       Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous
       Local-SGD Training for Language Modeling", 2024, arXiv:2401.09135.
