@@ -80,9 +80,14 @@ def local_sgd(
 
     **DES-LOC.** ``state_periods={"mu": K_u, "nu": K_v}`` averages each named field of the
     inner optimizer's state (Adam's moments, ``optax.ScaleByAdamState.mu`` / ``.nu``) on
-    its own period, counted as ``period`` is; the paper recommends K_u = 3H, K_v = 6H.
-    (Averaging mu without nu spikes the loss where a worker's nu is ~0 and others' mu is
-    not, e.g. inputs always 0 in its shard: ``ddl-jax compare`` shows it on digits.)
+    its own period, counted as ``period`` is; the paper recommends K_u = 3H, K_v = 6H. As
+    the authors' code (Iacob-Alexandru-Andrei/torchtitan,
+    ``torchtitan/experiments/fl/optimizers/desloc.py``): after each optimizer step, every
+    quantity whose own step counter reached its period is replaced by its mean over the
+    workers and its counter restarts; there is no other safeguard. (Averaging mu without
+    nu spikes the loss where a worker's nu is ~0 and others' mu is not, e.g. inputs always
+    0 in its shard: ``ddl-jax compare`` marks ``desloc:16`` diverged on digits, loss 2.3 to
+    3e4 just after the first moment average at step 48, recovering to 0.94 accuracy.)
 
     **Hierarchy.** ``hierarchy=((H_1, G_1), ..., (H_L, N))`` (or a dict, as PyTorch's
     ``HierarchicalModelAverager``) replaces ``period``: after a step, the largest period
