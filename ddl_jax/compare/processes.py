@@ -192,6 +192,8 @@ def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
         **os.environ,
         # the processes import the user's workload module as this one did
         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+        # several processes on one host's accelerators: each takes memory as it needs it
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         # one device each, whatever this process simulates
         "XLA_FLAGS": re.sub(
             r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")

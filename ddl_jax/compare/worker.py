@@ -46,13 +46,15 @@ PROBE_REPEATS = 5
 
 
 def _mesh() -> Any:
-    """A ``data`` mesh of one device per process (each process's first)."""
+    """A ``data`` mesh of one device per process: process p's local device p (mod its
+    count), so that processes sharing a host of several accelerators use different ones."""
     import jax
 
-    first = {}
+    local: dict[int, list] = {}
     for d in jax.devices():
-        first.setdefault(d.process_index, d)
-    return ddl.make_mesh(data=len(first), devices=[first[i] for i in sorted(first)])
+        local.setdefault(d.process_index, []).append(d)
+    chosen = [local[p][p % len(local[p])] for p in sorted(local)]
+    return ddl.make_mesh(data=len(chosen), devices=chosen)
 
 
 def _median_seconds(fn: Callable, *args: Any, repeats: int = 7) -> float:
