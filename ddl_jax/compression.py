@@ -3,6 +3,7 @@
 
 from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.reduce.lowrank import PowerSGDState, power_sgd
+from ddl_jax._src.reduce.onebit import OnebitAdamState, onebit_adam
 from ddl_jax._src.reduce.outer import DeMoState, SparseLoCoState, demo, sparse_loco
 from ddl_jax._src.reduce.quantise import CastState, QSGDState, SignState, cast, qsgd, sign
 from ddl_jax._src.reduce.scatter import (
@@ -18,6 +19,7 @@ from ddl_jax._src.reduce.sparse import ThresholdState, TopKState, threshold, top
 __all__ = [
     "CastState",
     "DeMoState",
+    "OnebitAdamState",
     "PowerSGDState",
     "QSGDState",
     "ScatterReducer",
@@ -29,6 +31,7 @@ __all__ = [
     "TopKState",
     "cast",
     "demo",
+    "onebit_adam",
     "power_sgd",
     "qsgd",
     "reducer_metrics",

@@ -17,8 +17,10 @@ import optax
 
 
 class PermuteReducer(optax.GradientTransformation):
-    """A reducer whose output JAX types as varying over the axis: the explicit ring, tree
-    and parameter-server all-reduces, built from ``ppermute``.
+    """A reducer whose output JAX types as varying over the axis though it agrees across
+    workers: the explicit ring, tree and parameter-server all-reduces (built from
+    ``ppermute``), and 1-bit Adam (its frozen variance is each worker's own copy, equal on
+    all, which JAX cannot prove).
 
     Its output agrees across workers, but there is no cast from varying to invariant, so a
     strategy runs it in a ``shard_map`` with ``check_vma=False`` (see ``checks_vma``). Pass

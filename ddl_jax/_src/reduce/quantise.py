@@ -125,17 +125,109 @@ def _signs(bits: jax.Array) -> jax.Array:
     return jnp.where(bits, 1.0, -1.0).astype(jnp.float32)
 
 
-def sign(*, axis: str = "data") -> optax.GradientTransformation:
+SCALES = ("l2", "l1")
+
+
+def check_scale(fn: str, scale: Any) -> str:
+    """Raises ``ValueError`` unless ``scale`` names a sign scale (``"l2"`` or ``"l1"``)."""
+    if scale not in SCALES:
+        raise ValueError(f"{fn}: scale must be 'l2' or 'l1', got {scale!r}.")
+    return scale
+
+
+def _scale_of(x: jax.Array, count: jax.Array | int, scale: str) -> jax.Array:
+    """``||x||_2 / sqrt(count)`` (``"l2"``) or ``||x||_1 / count`` (``"l1"``)."""
+    if scale == "l2":
+        return jnp.sqrt(jnp.sum(x * x)) / jnp.sqrt(jnp.maximum(count, 1).astype(jnp.float32))
+    return jnp.abs(x).sum() / jnp.maximum(count, 1)
+
+
+def compressed_allreduce(
+    leaves: list[jax.Array],
+    residuals: list[jax.Array],
+    owner_residuals: list[jax.Array],
+    axis: str,
+    scale: str = "l2",
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], float]:
+    """The two-phase 1-bit all-reduce with error feedback of :func:`sign`, tensor by tensor.
+
+    Worker side: ``x = g + e``, sent as ``C(x) = s(x) sign(x)``, ``e <- x - C(x)``; each
+    chunk's owner averages the N compressed chunks, adds its ``e'`` and sends
+    ``C(y)``, ``e' <- y - C(y)``. ``s`` is ``||x||_2 / sqrt(d)`` (``"l2"``) or
+    ``||x||_1 / d`` (``"l1"``), d the entries of the tensor (the owner: of its chunk).
+
+    Args:
+      leaves: this worker's tensors (any float dtype).
+      residuals: its residuals ``e``, float32, shaped like ``leaves``.
+      owner_residuals: its owner residuals ``e'``, float32, shaped like ``leaves``, of which
+        only the chunk it owns is used.
+      axis: the mesh axis the workers live on (in scope).
+      scale: ``"l2"`` or ``"l1"``.
+
+    Returns:
+      The agreed outputs (typed invariant over ``axis``, in the leaves' dtypes), the new
+      residuals, the new owner residuals, and the bytes each device sends.
+    """
+    n = check_axis_in_scope(axis)
+    owner = lax.axis_index(axis)
+    packed, scales, new_residuals = [], [], []
+    for g, e in zip(leaves, residuals, strict=True):
+        x = g.astype(jnp.float32) + e
+        s = _scale_of(x, x.size, scale)
+        new_residuals.append(x - s * _signs(x >= 0))
+        packed.append(wire.pack_bits(pad_to(x >= 0, 8 * n).reshape(n, -1)))
+        scales.append(s)
+    received = wire.scatter_to_owners(jnp.concatenate(packed, axis=1), axis)
+    worker_scales = wire.gather_from_owners(jnp.stack(scales), axis)  # [N, tensors]
+
+    start, packed2, scales2, new_owner_residuals = 0, [], [], []
+    for t, (g, e2) in enumerate(zip(leaves, owner_residuals, strict=True)):
+        width = packed[t].shape[1]
+        chunk = 8 * width
+        bits = wire.unpack_bits(received[:, start : start + width])
+        start += width
+        mean = (worker_scales[:, t, None] * _signs(bits)).mean(axis=0)
+        # Padding past the tensor's end is no data: keep it out of y, e' and the scale.
+        valid = owner * chunk + jnp.arange(chunk) < g.size
+        full_e2 = pad_to(e2, 8 * n)
+        y = jnp.where(valid, mean + wire.owner_slice(full_e2, owner, chunk), 0.0)
+        s2 = _scale_of(y, valid.sum(), scale)
+        e2_chunk = jnp.where(valid, y - s2 * _signs(y >= 0), 0.0)
+        full_e2 = wire.owner_update(full_e2, owner, e2_chunk)
+        new_owner_residuals.append(full_e2[: g.size].reshape(g.shape))
+        packed2.append(wire.pack_bits(y >= 0))
+        scales2.append(s2)
+    gathered = wire.gather_from_owners(jnp.concatenate(packed2), axis)  # [N, bytes]
+    owner_scales = wire.gather_from_owners(jnp.stack(scales2), axis)  # [N, tensors]
+
+    start, out = 0, []
+    for t, g in enumerate(leaves):
+        width = packed2[t].shape[0]
+        values = owner_scales[:, t, None] * _signs(
+            wire.unpack_bits(gathered[:, start : start + width])
+        )
+        start += width
+        out.append(values.reshape(-1)[: g.size].reshape(g.shape).astype(g.dtype))
+    payload = sum(p.size for p in packed) + 4 * n * len(leaves)
+    return out, new_residuals, new_owner_residuals, 2 * (n - 1) / n * payload
+
+
+def sign(*, scale: str = "l2", axis: str = "data") -> optax.GradientTransformation:
     """1-bit SGD with error feedback: one bit per entry and one float32 scale per tensor.
 
-    Every tensor ``x`` is sent as ``C(x) = (||x||_1 / d) sign(x)`` (``sign(0) = +1``, d its
-    size), its signs packed 8 per byte. The all-reduce is that of 1-bit Adam: worker i
-    compresses ``x_i = g_i + e_i`` and keeps ``e_i <- x_i - C(x_i)``; each chunk's owner
-    receives the N compressed chunks (``all_to_all``), averages them,
-    ``y = (1/N) sum_i C(x_i) + e'``, re-compresses with its own scale and keeps
-    ``e' <- y - C(y)``; the owners' ``C(y)`` are all-gathered. Every worker returns the
-    same ``g = C(y)``. No transmitted mass is lost: over T steps,
-    ``sum_t g_t + mean_i e_i + e' = mean_i sum_t g_{i,t}``.
+    Every tensor ``x`` is sent as ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` (``sign(0) = +1``,
+    d its size), its signs packed 8 per byte. The all-reduce is that of 1-bit Adam
+    (DeepSpeed's ``compressed_allreduce``): worker i compresses ``x_i = g_i + e_i`` and
+    keeps ``e_i <- x_i - C(x_i)``; each chunk's owner receives the N compressed chunks
+    (``all_to_all``), averages them, ``y = (1/N) sum_i C(x_i) + e'``, re-compresses with
+    its own scale ``||y||_2 / sqrt(d_chunk)`` and keeps ``e' <- y - C(y)``; the owners'
+    ``C(y)`` are all-gathered. Every worker returns the same ``g = C(y)``. No transmitted
+    mass is lost: over T steps, ``sum_t g_t + mean_i e_i + e' = mean_i sum_t g_{i,t}``.
+
+    Matches ``deepspeed/runtime/comm/nccl.py`` (``NcclBackend.compressed_allreduce``,
+    github.com/deepspeedai/DeepSpeed) on tensors whose size divides by ``N * lcm(N, 8)``.
+    Otherwise DeepSpeed zero-pads the tensor to that multiple and counts the padding in
+    the scales (and error-feeds it); here padding is left out of the scales and residuals.
 
     Each device sends ``2 (N-1)/N * D/8`` bytes of signs (plus 8 bytes per tensor and
     worker of scales), against ``2 (N-1)/N * 4 D`` for a float32 ring: 32x less.
@@ -143,18 +235,26 @@ def sign(*, axis: str = "data") -> optax.GradientTransformation:
     References:
       Seide et al., "1-bit stochastic gradient descent and its application to
       data-parallel distributed training of speech DNNs", Interspeech 2014.
+      Tang et al., "1-bit Adam: communication efficient large-scale training with Adam's
+      convergence speed", ICML 2021, arXiv:2102.02888 (the compressed all-reduce and its
+      scale ``||x||_2 / sqrt(d)``).
       Karimireddy et al., "Error feedback fixes SignSGD and other gradient compression
       schemes", ICML 2019, arXiv:1901.09847 (the scale ``||x||_1 / d``).
-      Tang et al., "1-bit Adam: communication efficient large-scale training with Adam's
-      convergence speed", ICML 2021, arXiv:2102.02888 (the compressed all-reduce).
 
     Args:
+      scale: ``"l2"``, DeepSpeed's ``||x||_2 / sqrt(d)``, or ``"l1"``, Karimireddy et
+        al.'s ``||x||_1 / d`` (which minimises ``||x - s sign(x)||_2`` over s), at the
+        workers and the owners alike.
       axis: the mesh axis the workers live on.
 
     Returns:
       A reducer whose per-worker state is a ``SignState``.
+
+    Raises:
+      ValueError: ``scale`` is neither ``"l2"`` nor ``"l1"``.
     """
     check_axis_name("sign", axis)
+    scale = check_scale("sign", scale)
 
     def init(params) -> SignState:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -163,50 +263,14 @@ def sign(*, axis: str = "data") -> optax.GradientTransformation:
     def update(updates, state: SignState, params=None):
         del params
         n = check_axis_in_scope(axis)
-        owner = lax.axis_index(axis)
         leaves, treedef = jax.tree.flatten(updates)
-        residuals = treedef.flatten_up_to(state.residual)
-        owner_residuals = treedef.flatten_up_to(state.owner_residual)
-        packed, scales, new_residuals = [], [], []
-        for g, e in zip(leaves, residuals, strict=True):
-            x = g.astype(jnp.float32) + e
-            scale = jnp.abs(x).mean()
-            new_residuals.append(x - scale * _signs(x >= 0))
-            packed.append(wire.pack_bits(pad_to(x >= 0, 8 * n).reshape(n, -1)))
-            scales.append(scale)
-        received = wire.scatter_to_owners(jnp.concatenate(packed, axis=1), axis)
-        worker_scales = wire.gather_from_owners(jnp.stack(scales), axis)  # [N, tensors]
-
-        start, packed2, scales2, new_owner_residuals = 0, [], [], []
-        for t, (g, e2) in enumerate(zip(leaves, owner_residuals, strict=True)):
-            width = packed[t].shape[1]
-            chunk = 8 * width
-            bits = wire.unpack_bits(received[:, start : start + width])
-            start += width
-            mean = (worker_scales[:, t, None] * _signs(bits)).mean(axis=0)
-            # Padding past the tensor's end is no data: keep it out of y, e' and the scale.
-            valid = owner * chunk + jnp.arange(chunk) < g.size
-            full_e2 = pad_to(e2, 8 * n)
-            y = jnp.where(valid, mean + wire.owner_slice(full_e2, owner, chunk), 0.0)
-            scale2 = jnp.abs(y).sum() / jnp.maximum(valid.sum(), 1)
-            e2_chunk = jnp.where(valid, y - scale2 * _signs(y >= 0), 0.0)
-            full_e2 = wire.owner_update(full_e2, owner, e2_chunk)
-            new_owner_residuals.append(full_e2[: g.size].reshape(g.shape))
-            packed2.append(wire.pack_bits(y >= 0))
-            scales2.append(scale2)
-        gathered = wire.gather_from_owners(jnp.concatenate(packed2), axis)  # [N, bytes]
-        owner_scales = wire.gather_from_owners(jnp.stack(scales2), axis)  # [N, tensors]
-
-        start, out = 0, []
-        for t, g in enumerate(leaves):
-            width = packed2[t].shape[0]
-            values = owner_scales[:, t, None] * _signs(
-                wire.unpack_bits(gathered[:, start : start + width])
-            )
-            start += width
-            out.append(values.reshape(-1)[: g.size].reshape(g.shape).astype(g.dtype))
-        payload = sum(p.size for p in packed) + 4 * n * len(leaves)
-        wire_bytes = 2 * (n - 1) / n * payload
+        out, new_residuals, new_owner_residuals, wire_bytes = compressed_allreduce(
+            leaves,
+            treedef.flatten_up_to(state.residual),
+            treedef.flatten_up_to(state.owner_residual),
+            axis,
+            scale,
+        )
         dense = sum(g.size for g in leaves)
         new_state = SignState(
             treedef.unflatten(new_residuals),

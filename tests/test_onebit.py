@@ -1,0 +1,309 @@
+"""1-bit compression and 1-bit Adam against NumPy transcriptions of DeepSpeed's code
+(github.com/deepspeedai/DeepSpeed: deepspeed/runtime/comm/nccl.py, compressed_allreduce;
+deepspeed/runtime/fp16/onebit/adam.py, OnebitAdam.step)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ddl_jax as ddl
+from ddl_jax._src.core import kit
+from ddl_jax._src.core.reducer import checks_vma, reducer_metrics
+from ddl_jax._src.reduce.onebit import onebit_adam
+from ddl_jax._src.reduce.quantise import sign
+
+# Sizes dividing by N * lcm(N, 8) for N in 1, 2, 4: DeepSpeed pads nothing.
+SHAPES = {"w": (8, 16), "b": (64,)}
+
+
+def random_grads(steps: int, n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def run(reducer, grads: dict, n: int):
+    """Worker i fed ``grads[:, i]`` for T steps: every step's outputs and states,
+    ``[T, N, ...]`` (numpy)."""
+    mesh = ddl.make_mesh(data=n)
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
+    state = jax.device_put(
+        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), reducer.init(params)),
+        NamedSharding(mesh, P("data")),
+    )
+
+    def worker(state, grads):
+        def one(state, g):
+            out, state = reducer.update(g, state)
+            return state, (out, kit.restack(state))
+
+        mine = jax.tree.map(lambda g: g[:, 0], grads)
+        _, (outs, states) = jax.lax.scan(one, kit.unstack(state), mine)
+        return jax.tree.map(lambda x: x[:, None], outs), states
+
+    specs = P(None, "data")
+    program = jax.shard_map(
+        worker,
+        mesh=mesh,
+        in_specs=(P("data"), specs),
+        out_specs=(specs, specs),
+        check_vma=checks_vma(reducer),
+    )
+    grads = jax.device_put(grads, NamedSharding(mesh, specs))
+    outs, states = jax.jit(program)(state, grads)
+    return jax.tree.map(np.asarray, outs), jax.tree.map(np.asarray, states)
+
+
+# -- DeepSpeed, transcribed -----------------------------------------------------------------
+
+
+def ds_signs(x: np.ndarray) -> np.ndarray:
+    """``x.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)``: +1 where x >= 0, else -1."""
+    return (np.sign(x) + 1).astype(bool).astype(np.float64) * 2 - 1
+
+
+def ds_compressed_allreduce(buffers, worker_errors, server_errors):
+    """``NcclBackend.compressed_allreduce`` run by all N workers at once.
+
+    ``buffers[i]``: worker i's flat tensor; ``worker_errors[i]`` (padded size) and
+    ``server_errors[i]`` (its chunk) are updated in place. Returns the common result.
+    """
+    n = len(buffers)
+    size = buffers[0].size
+    padded = worker_errors[0].size
+    signs, scales = [], []
+    for i in range(n):
+        x = np.concatenate([buffers[i], np.zeros(padded - size)]) + worker_errors[i]
+        scale = np.linalg.norm(x) / np.sqrt(x.size)
+        worker_errors[i][:] = x - scale * ds_signs(x)
+        signs.append(ds_signs(x).reshape(n, -1))  # packbits, split into n chunks
+        scales.append(scale)
+    out = []
+    for j in range(n):  # server j: all_to_all of the signs, all_gather of the scales
+        m = sum(signs[i][j] * (scales[i] / n) for i in range(n)) + server_errors[j]
+        scale = np.linalg.norm(m) / np.sqrt(m.size)
+        server_errors[j][:] = m - scale * ds_signs(m)
+        out.append(scale * ds_signs(m))
+    return np.concatenate(out)[:size]
+
+
+def ds_padded_size(size: int, n: int) -> int:
+    divider = n * 8 // math.gcd(n, 8)
+    return size + (-size) % (n * divider)
+
+
+class DSOnebitAdam:
+    """``OnebitAdam.step`` for N workers, one parameter group; ``grads[i]`` is worker i's
+    gradient as the engine hands it over (the engine averages it while
+    ``enable_backward_allreduce``, i.e. until the freeze)."""
+
+    def __init__(self, params, n, lr, freeze_step, betas, eps, weight_decay):
+        self.params = [np.asarray(p, np.float64).copy() for p in params]
+        self.n, self.lr, self.freeze_step = n, lr, freeze_step
+        self.betas, self.eps, self.wd = betas, eps, weight_decay
+        self.initialize, self.adam_freeze_key = False, False
+        self.state = [{} for _ in params]
+        self.updates = []
+
+    def step(self, grads):  # grads[i][k]: worker i, parameter k
+        n, (beta1, beta2) = self.n, self.betas
+        if not self.adam_freeze_key:  # the engine's all-reduce
+            mean = [np.mean([g[k] for g in grads], axis=0) for k in range(len(self.params))]
+            grads = [mean] * n
+        updates = []
+        for k, p in enumerate(self.params):
+            state = self.state[k]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = [np.zeros(p.shape) for _ in range(n)]
+                state["exp_avg_sq"] = [np.zeros(p.shape) for _ in range(n)]
+            if not self.initialize or (self.adam_freeze_key and "worker_error" not in state):
+                padded = ds_padded_size(p.size, n)
+                state["worker_error"] = [np.zeros(padded) for _ in range(n)]
+                state["server_error"] = [np.zeros(padded // n) for _ in range(n)]
+                self.adam_freeze_key = True
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            update = None
+            if self.adam_freeze_key is False:
+                for i in range(n):
+                    exp_avg[i] = beta1 * exp_avg[i] + (1 - beta1) * grads[i][k]
+                    exp_avg_sq[i] = beta2 * exp_avg_sq[i] + (1 - beta2) * grads[i][k] ** 2
+            else:
+                if self.initialize:
+                    for i in range(n):
+                        exp_avg[i] = beta1 * exp_avg[i] + (1 - beta1) * grads[i][k]
+                if n > 1:
+                    flat = ds_compressed_allreduce(
+                        [m.ravel() for m in exp_avg], state["worker_error"], state["server_error"]
+                    )
+                    for i in range(n):
+                        exp_avg[i] = flat.reshape(p.shape)
+            if self.initialize:
+                update = exp_avg[0] / (np.sqrt(exp_avg_sq[0]) + self.eps)
+                updates.append(update)
+                self.params[k] = p - self.lr * (update + self.wd * p)
+        if not self.initialize:  # pops the last parameter's buffers only, as DeepSpeed does
+            state.pop("worker_error")
+            state.pop("server_error")
+            self.adam_freeze_key, self.initialize = False, True
+            return
+        self.updates.append(updates)
+        if self.adam_freeze_key is False and state["step"] >= self.freeze_step:
+            self.adam_freeze_key = True
+
+
+# -- sign: DeepSpeed's compressed_allreduce ------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sign_is_deepspeeds_compressed_allreduce(n):
+    steps = 4
+    grads = random_grads(steps, n, seed=1)
+    outs, states = run(sign(), grads, n)
+    for k in SHAPES:
+        size = grads[k][0, 0].size
+        assert ds_padded_size(size, n) == size
+        worker_errors = [np.zeros(size) for _ in range(n)]
+        server_errors = [np.zeros(size // n) for _ in range(n)]
+        for t in range(steps):
+            expected = ds_compressed_allreduce(
+                [grads[k][t, i].ravel().astype(np.float64) for i in range(n)],
+                worker_errors,
+                server_errors,
+            )
+            for i in range(n):
+                np.testing.assert_allclose(outs[k][t, i].ravel(), expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                states.residual[k][t].reshape(n, -1), np.stack(worker_errors), atol=1e-5
+            )
+            # Each worker's owner_residual is zero outside its chunk: summing assembles e'.
+            np.testing.assert_allclose(
+                states.owner_residual[k][t].sum(0).ravel(),
+                np.concatenate(server_errors),
+                atol=1e-5,
+            )
+
+
+def test_sign_l1_scale_is_the_mean_magnitude():
+    grads = random_grads(1, 1, seed=2)
+    outs, _ = run(sign(scale="l1"), grads, 1)
+    x = grads["w"][0, 0]
+    scale = np.abs(x).mean()  # one worker: C(C(x)) = C(x)
+    np.testing.assert_allclose(outs["w"][0, 0], scale * np.where(x >= 0, 1, -1), rtol=1e-6)
+
+
+def test_sign_rejects_an_unknown_scale():
+    with pytest.raises(ValueError, match="scale"):
+        sign(scale="l3")
+
+
+# -- 1-bit Adam -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_onebit_adam_is_deepspeeds(n):
+    """DeepSpeed's OnebitAdam(freeze_step=F) on g_1..g_T, whose first step only allocates
+    buffers, against onebit_adam(F - 1) on g_2..g_T: directions, moments and residuals."""
+    steps, freeze = 8, 4
+    betas, eps = (0.9, 0.999), 1e-8
+    grads = random_grads(steps, n, seed=3)
+    names = sorted(SHAPES)  # the reducer's leaves, in tree order
+    ds = DSOnebitAdam(
+        [np.zeros(SHAPES[k]) for k in names], n, 0.1, freeze, betas, eps, weight_decay=0.0
+    )
+    moments = []
+    for t in range(steps):
+        ds.step([[grads[k][t, i].astype(np.float64) for k in names] for i in range(n)])
+        moments.append([(s["exp_avg"][0].copy(), s["exp_avg_sq"][0].copy()) for s in ds.state])
+
+    reducer = onebit_adam(freeze - 1, b1=betas[0], b2=betas[1], eps=eps)
+    outs, states = run(reducer, jax.tree.map(lambda g: g[1:], grads), n)
+    assert len(ds.updates) == steps - 1
+    for t in range(steps - 1):
+        for j, k in enumerate(names):
+            for i in range(n):
+                np.testing.assert_allclose(
+                    outs[k][t, i], ds.updates[t][j], rtol=1e-4, atol=1e-5, err_msg=f"{k} {t}"
+                )
+                np.testing.assert_allclose(states.mu[k][t, i], moments[t + 1][j][0], atol=1e-6)
+                np.testing.assert_allclose(states.nu[k][t, i], moments[t + 1][j][1], atol=1e-7)
+    # The variance is frozen after step freeze_step - 1 (DeepSpeed's step freeze_step) ...
+    for k in names:
+        for t in range(freeze - 1, steps - 1):
+            np.testing.assert_array_equal(states.nu[k][t], states.nu[k][freeze - 2])
+        assert not np.allclose(states.nu[k][freeze - 2], states.nu[k][freeze - 3])
+    # ... and from then on the momentum is compressed (with several workers).
+    ratio = states.compression_ratio
+    np.testing.assert_array_equal(ratio[: freeze - 1], 1.0)
+    if n > 1:
+        assert (ratio[freeze - 1 :] > 10).all()  # small tensors: the scales weigh
+        w = states.residual["w"]
+        assert not np.allclose(w[freeze - 1], 0) and np.allclose(w[freeze - 2], 0)
+
+
+def test_onebit_adam_trains_as_deepspeed_with_weight_decay():
+    """data_parallel with onebit_adam and add_decayed_weights + sgd: DeepSpeed's params."""
+    n, steps, freeze, lr, wd = 4, 7, 3, 0.05, 0.1
+    rng = np.random.default_rng(4)
+    params = {"w": rng.normal(size=(8, 16)).astype(np.float32)}
+    batches = [{"x": rng.normal(size=(2 * n, 8, 16)).astype(np.float32)} for _ in range(steps)]
+
+    def loss_fn(p, batch):  # linear: worker i's gradient is the mean of its rows
+        return jnp.sum(p["w"] * batch["x"].mean(0))
+
+    strategy = ddl.data_parallel(
+        loss_fn,
+        optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr)),
+        ddl.make_mesh(data=n),
+        reducer=onebit_adam(freeze - 1),
+    )
+    step = jax.jit(strategy.step, donate_argnums=0)
+    state = strategy.init(params)
+    for batch in batches[1:]:
+        state, metrics = step(state, batch)
+    assert float(metrics["compression_ratio"]) > 10
+
+    ds = DSOnebitAdam([params["w"]], n, lr, freeze, (0.9, 0.999), 1e-8, wd)
+    for batch in batches:
+        ds.step([[x.mean(0).astype(np.float64)] for x in np.split(batch["x"], n)])
+    np.testing.assert_allclose(strategy.params(state)["w"], ds.params[0], rtol=1e-4, atol=1e-5)
+
+
+def test_onebit_adam_reports_compression_and_rejects_bad_arguments():
+    params = {"w": jnp.zeros((3,))}
+    assert reducer_metrics(onebit_adam(2).init(params)) == {"compression_ratio": 1.0}
+    assert not checks_vma(onebit_adam(2))
+    for kwargs, name in [
+        ({"freeze_step": 0}, "freeze_step"),
+        ({"freeze_step": 1.5}, "freeze_step"),
+        ({"freeze_step": 2, "b1": 1.0}, "b1"),
+        ({"freeze_step": 2, "b2": -0.1}, "b2"),
+        ({"freeze_step": 2, "eps": 0.0}, "eps"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            onebit_adam(**kwargs)
+    with pytest.raises(TypeError, match="axis"):
+        onebit_adam(2, axis=0)
+
+
+def test_onebit_adam_sends_a_float32_ring_then_one_bit_per_entry():
+    n, d = 4, 64 * 64
+
+    def loss_fn(p, batch):
+        return jnp.sum(p["w"] * batch["x"].mean(0))
+
+    strategy = ddl.data_parallel(
+        loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), reducer=onebit_adam(2)
+    )
+    params = {"w": np.ones((64, 64), np.float32)}
+    batch = {"x": np.ones((2 * n, 64, 64), np.float32)}
+    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    ring = 2 * (n - 1) / n
+    # The phases are the branches of one cond: warm-up all-reduces, then signs and scales.
+    assert sorted(stats.branches.values()) == [ring * (d / 8 + 4 * n), ring * 4 * d]
