@@ -83,7 +83,10 @@ STRATEGIES = {
     "streaming_diloco": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=2, fragments=2
     ),
-    "noloco": lambda loss_fn, opt, mesh: ddl.noloco(loss_fn, opt, mesh, period=2),
+    # averaging the pair at outer lr 1 (the authors' default, 0.7 with momentum, is not)
+    "noloco": lambda loss_fn, opt, mesh: ddl.noloco(
+        loss_fn, opt, mesh, period=2, outer_optimizer=optax.sgd(1.0)
+    ),
     "gossip_ring": lambda loss_fn, opt, mesh: ddl.gossip(loss_fn, opt, mesh, topology="ring"),
     # compression at its identity settings
     "data_parallel_cast_float32": lambda loss_fn, opt, mesh: ddl.data_parallel(

@@ -10,7 +10,7 @@ import pytest
 from conftest import bn_dropout_pair, make_batches, train_steps, worker_shards
 
 import ddl_jax as ddl
-from ddl_jax._src.strategies.streaming_diloco import fragment_bounds
+from ddl_jax._src.strategies.streaming_diloco import fragment_indices
 
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
@@ -46,12 +46,13 @@ def quadratic_loss(params, batch):
     return 0.5 * jnp.mean(residual**2)
 
 
-def reference_streaming_diloco(params, batches, *, n, period, fragments, overlap, mix):
-    """Streaming DiLoCo on ``quadratic_loss`` in numpy, one fragment per leaf ("a", then
-    "b"): inner SGD with momentum 0.5 (lr 0.1) per worker on its rows; fragment p sent
+def reference_streaming_diloco(
+    params, batches, *, n, period, fragments, overlap, mix, names=("a", "b")
+):
+    """Streaming DiLoCo on ``quadratic_loss`` in numpy, one fragment per leaf (fragment p
+    is ``names[p]``): inner SGD with momentum 0.5 (lr 0.1) per worker on its rows; fragment p sent
     after the local steps s = p H/P (mod H); its mean outer gradient lands ``overlap``
     steps later through Nesterov SGD (0.7, 0.9) and is mixed into every replica."""
-    names = ["a", "b"]
     assert fragments == len(names)
     replicas = [{k: np.array(v, np.float64) for k, v in params.items()} for _ in range(n)]
     momenta = [{k: np.zeros_like(v) for k, v in r.items()} for r in replicas]
@@ -93,9 +94,16 @@ def quadratic_batches(count, size, seed=0):
     ]
 
 
-@pytest.mark.parametrize(("overlap", "mix"), [(1, 0.5), (0, 0.0)])
-def test_matches_its_definition_written_out_in_numpy(overlap, mix):
-    n, period, fragments = 4, 4, 2
+@pytest.mark.parametrize(
+    ("overlap", "mix", "fragments", "names"),
+    [
+        (1, 0.5, 2, ("a", "b")),
+        (0, 0.0, 2, ("a", "b")),
+        (1, 0.5, [["b"], ["a"]], ("b", "a")),  # an explicit list: "b" is fragment 0
+    ],
+)
+def test_matches_its_definition_written_out_in_numpy(overlap, mix, fragments, names):
+    n, period = 4, 4
     params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
     batches = quadratic_batches(13, 8)  # 3 periods and one step: a fragment in flight
     strategy = ddl.streaming_diloco(
@@ -110,7 +118,7 @@ def test_matches_its_definition_written_out_in_numpy(overlap, mix):
     )
     state, history = train_steps(strategy, params, batches)
     replicas, anchor, sent = reference_streaming_diloco(
-        params, batches, n=n, period=period, fragments=fragments, overlap=overlap, mix=mix
+        params, batches, n=n, period=period, fragments=2, overlap=overlap, mix=mix, names=names
     )
     assert [int(m["fragment"]) for m in history] == sent == [-1, 1, -1, 0] * 3 + [-1]
     assert [float(m["synchronised"]) for m in history] == [float(p >= 0) for p in sent]
@@ -200,23 +208,123 @@ def test_a_compressing_reducer_quantizes_the_outer_gradients():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
 
+def paths(params, fragments, order="depth"):
+    """Each fragment's leaves, as ``/``-joined key paths."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in flat]
+    return [[names[i] for i in group] for group in fragment_indices(params, fragments, order)]
+
+
 def test_fragments_are_contiguous_groups_of_about_equal_bytes():
     leaves = [jnp.zeros(10), jnp.zeros(1), jnp.zeros(1), jnp.zeros(10)]
-    assert fragment_bounds(leaves, 1) == ((0, 4),)
-    assert fragment_bounds(leaves, 2) == ((0, 2), (2, 4))
-    assert fragment_bounds(leaves, 3) == ((0, 1), (1, 3), (3, 4))
-    assert fragment_bounds(leaves, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert fragment_indices(leaves, 1) == ((0, 1, 2, 3),)
+    assert fragment_indices(leaves, 2) == ((0, 1), (2, 3))
+    assert fragment_indices(leaves, 3) == ((0,), (1, 2), (3,))
+    assert fragment_indices(leaves, 4) == ((0,), (1,), (2,), (3,))
     mixed = [jnp.zeros(4, jnp.bfloat16), jnp.zeros(2, jnp.float32), jnp.zeros(8, jnp.float16)]
-    assert fragment_bounds(mixed, 2) == ((0, 2), (2, 3))  # 8 + 8 bytes, then 16
+    assert fragment_indices(mixed, 2) == ((0, 1), (2,))  # 8 + 8 bytes, then 16
     with pytest.raises(ValueError, match="fragments must be at most the parameters' number of"):
-        fragment_bounds(leaves, 5)
+        fragment_indices(leaves, 5)
 
 
-def test_init_refuses_more_fragments_than_leaves():
+def layered(count):
+    """A transformer-like tree: embeddings, ``layers_0`` .. ``layers_{count-1}`` (kernel and
+    bias each), a final norm; every block 8 floats."""
+    layers = {f"layers_{i}": {"kernel": jnp.zeros(6), "bias": jnp.zeros(2)} for i in range(count)}
+    return {"embed": jnp.zeros(8), **layers, "norm": {"scale": jnp.zeros(8)}}
+
+
+def test_depth_fragments_follow_the_natural_order_of_the_key_paths():
+    """layers_2 before layers_10 (the sorted key order jax flattens in puts layers_10 after
+    layers_1)."""
+    params = layered(12)
+    layers = [f"layers_{i}/{k}" for i in range(12) for k in ("bias", "kernel")]
+    assert paths(params, 1) == [["embed", *layers, "norm/scale"]]
+    assert paths(params, 2) == [
+        ["embed", *(f"layers_{i}/{k}" for i in range(6) for k in ("bias", "kernel"))],
+        [*(f"layers_{i}/{k}" for i in range(6, 12) for k in ("bias", "kernel")), "norm/scale"],
+    ]
+    # A list's blocks are its items, also in natural (numeric) order.
+    listed = {"layers": [{"w": jnp.zeros(4)} for _ in range(12)]}
+    assert paths(listed, 3) == [[f"layers/{i}/w" for i in range(j, j + 4)] for j in (0, 4, 8)]
+
+
+def test_strided_fragments_take_every_p_th_block():
+    params = layered(4)  # blocks: embed, layers_0 .. layers_3, norm
+    assert paths(params, 2, "strided") == [
+        ["embed", "layers_1/bias", "layers_1/kernel", "layers_3/bias", "layers_3/kernel"],
+        ["layers_0/bias", "layers_0/kernel", "layers_2/bias", "layers_2/kernel", "norm/scale"],
+    ]
+    blocks = ["embed", *(f"layers_{i}" for i in range(4)), "norm"]
+    assert [{p.split("/")[0] for p in f} for f in paths(params, 6, "strided")] == [
+        {b} for b in blocks
+    ]  # one block each, kernel and bias together
+    with pytest.raises(ValueError, match="number of blocks, 6, got 7"):
+        fragment_indices(params, 7, "strided")
+
+
+def test_an_explicit_list_names_each_fragment_s_blocks():
+    params = layered(3)
+    fragments = [["embed", "layers_2"], ["layers_0", "norm"], ["layers_1"]]
+    assert paths(params, fragments) == [
+        ["embed", "layers_2/bias", "layers_2/kernel"],
+        ["layers_0/bias", "layers_0/kernel", "norm/scale"],
+        ["layers_1/bias", "layers_1/kernel"],
+    ]
+    assert paths(
+        params, [["layers_0/kernel", "layers_1"], ["layers_0/bias", "layers_2"], ["embed", "norm"]]
+    ) == [
+        ["layers_0/kernel", "layers_1/bias", "layers_1/kernel"],
+        ["layers_0/bias", "layers_2/bias", "layers_2/kernel"],
+        ["embed", "norm/scale"],
+    ]
+    with pytest.raises(ValueError, match="fragments leaves out .*norm/scale"):
+        fragment_indices(params, [["embed", "layers_0", "layers_1", "layers_2"]])
+    with pytest.raises(ValueError, match="fragments puts .*layers_0/bias.* in fragments 0 and 1"):
+        fragment_indices(
+            params, [["embed", "layers_0", "layers_1"], ["layers_0", "layers_2", "norm"]]
+        )
+    with pytest.raises(ValueError, match="fragments names 'layers_9', which matches no"):
+        fragment_indices(
+            params, [["embed", "layers_0", "layers_1", "layers_2", "norm", "layers_9"]]
+        )
+    with pytest.raises(ValueError, match="fragments must hold at least one fragment"):
+        fragment_indices(params, [])
+    with pytest.raises(ValueError, match="fragments' 1 is empty"):
+        fragment_indices(params, [["embed", "layers_0", "layers_1", "layers_2", "norm"], []])
+
+
+def test_strided_and_listed_fragments_train_as_the_same_list():
+    """order="strided" is the explicit list of every P-th block, step for step; the
+    default (depth) order differs on this tree."""
+    n, params = 4, {f"w{i}": jnp.full((8, 8), 0.1 * i) for i in range(4)}
+    batches = [
+        {"x": np.random.default_rng(t).normal(size=(n, 8)).astype(np.float32)} for t in range(4)
+    ]
+
+    def run(**kwargs):
+        strategy = ddl.streaming_diloco(
+            toy_loss,
+            optax.sgd(0.1),
+            ddl.make_mesh(data=n),
+            period=4,
+            outer_optimizer=NESTEROV,
+            **kwargs,
+        )
+        return train_steps(strategy, params, batches)[0].params
+
+    strided = run(fragments=2, fragment_order="strided")
+    chex.assert_trees_all_equal(strided, run(fragments=[["w0", "w2"], ["w1", "w3"]]))
+    depth = run(fragments=2)
+    chex.assert_trees_all_equal(depth, run(fragments=[["w0", "w1"], ["w2", "w3"]]))
+    assert not np.allclose(depth["w1"], strided["w1"])
+
+
+def test_init_refuses_more_fragments_than_blocks():
     strategy = ddl.streaming_diloco(
         toy_loss, optax.sgd(0.1), ddl.make_mesh(data=2), period=3, fragments=3
     )
-    with pytest.raises(ValueError, match=r"fragments must be at most .* 2, got fragments=3"):
+    with pytest.raises(ValueError, match=r"fragments must be at most .* leaves, 2, got 3"):
         strategy.init({"a": jnp.zeros((2, 2)), "b": jnp.zeros((2, 2))})
 
 
@@ -237,6 +345,27 @@ def test_init_refuses_more_fragments_than_leaves():
         ),
         ({"period": 4, "fragments": 2, "reducer": "psum"}, TypeError, "reducer must be an optax"),
         ({"period": 4, "fragments": 2, "accumulate": 0}, ValueError, "accumulate must be"),
+        (
+            {"period": 4, "fragments": 2, "fragment_order": "random"},
+            ValueError,
+            "fragment_order must be 'depth' or 'strided'",
+        ),
+        (
+            {"period": 4, "fragments": [["a"], ["b"]], "fragment_order": "strided"},
+            ValueError,
+            "fragment_order applies to a number of fragments",
+        ),
+        (
+            {"period": 4, "fragments": [["a"], ["b"], ["c"]]},
+            ValueError,
+            "period must be a multiple",
+        ),
+        ({"period": 4, "fragments": "ab"}, ValueError, "fragments must be an int >= 1 or a list"),
+        (
+            {"period": 4, "fragments": [["a"], "b"]},
+            ValueError,
+            "fragments must be an int >= 1 or a list",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

@@ -21,16 +21,21 @@ from ddl_jax._src.reduce.allreduce import in_buckets
 # The stream of the shared pairing draw: fold_in(fold_in(key, step), _PAIR_STREAM); worker
 # keys fold in w < N, gossip's link draws 2**32 - 1.
 _PAIR_STREAM = 0xFFFFFFFE
+# pairing="uniform" switches over every matching: (N - 1)!! of them, 105 at N = 7 and 8, 945
+# at 9 and 10; it is allowed up to this many workers.
+_MAX_UNIFORM = 8
+_PAIRINGS = ("uniform", "rounds")
 
 
 def pairing_rounds(n: int) -> list[tuple[int, ...]]:
-    """The matchings a NoLoCo outer step draws from: ``rounds[r][i]`` is worker i's peer.
+    """The matchings ``pairing="rounds"`` draws from: ``rounds[r][i]`` is worker i's peer.
 
     The circle method's rounds of a round-robin tournament on n workers (one phantom worker
     added when n is odd): n - 1 perfect matchings for even n, n matchings each leaving one
     worker alone (its own peer) for odd n. Together they hold every pair exactly once, so
     under a uniformly drawn round each pair meets with probability 1/(n - 1) (n even), as
-    under a uniformly random perfect matching.
+    under a uniformly random perfect matching; for n > 4 the rounds are n - 1 of the
+    (n - 1)!! perfect matchings, so the joint law of a step's pairs differs.
     """
     n = check_int("n", n, minimum=1)
     m = n + n % 2
@@ -44,9 +49,55 @@ def pairing_rounds(n: int) -> list[tuple[int, ...]]:
     return rounds
 
 
+def perfect_matchings(n: int) -> list[tuple[int, ...]]:
+    """Every matching a uniform NoLoCo outer step may draw: ``matchings[r][i]`` is worker i's
+    peer. All (n - 1)!! perfect matchings for even n; for odd n the n!! matchings that
+    leave one worker alone (its own peer). In the lexicographic order of the peer tuples.
+    """
+    n = check_int("n", n, minimum=1)
+    found = []
+
+    def extend(peer: list[int]) -> None:
+        free = [i for i, p in enumerate(peer) if p < 0]
+        if len(free) <= 1:
+            found.append(tuple(i if p < 0 else p for i, p in enumerate(peer)))
+            return
+        first, rest = free[0], free[1:]
+        if len(free) % 2:  # odd n: the first free worker may be the one left alone
+            peer[first] = first
+            extend(peer)
+        for other in rest:
+            peer[first], peer[other] = other, first
+            extend(peer)
+            peer[other] = -1
+        peer[first] = -1
+
+    extend([-1] * n)
+    return sorted(found)
+
+
 def draw_pairing(key: Any, step: Any, n: int) -> jax.Array:
-    """The index into ``pairing_rounds(n)`` of the outer step after step ``step``: uniform,
-    from the run's key data (``ModelVars.key``) and the step, the same on every worker."""
+    """The peers (``int32[n]``, worker i's at i) of the outer step after step ``step``: a
+    uniformly random perfect matching (one worker alone for odd n), the same on every
+    worker, from the run's key data (``ModelVars.key``) and the step.
+
+    As the authors draw it (jkolehm/noloco, ``src/noloco/sparse_optimizer_c.py``,
+    ``create_random_permutation`` then ``batched(ranks, 2)``): a uniform permutation
+    ``perm`` of the workers, and pairs ``(perm[j], perm[j + n // 2])``; for odd n the last,
+    ``perm[n - 1]``, stays alone. Every matching arises from equally many permutations.
+    """
+    base = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl="threefry2x32")
+    k = jax.random.fold_in(jax.random.fold_in(base, step), _PAIR_STREAM)
+    perm = jax.random.permutation(k, n)
+    half = n // 2
+    a, b = perm[:half], perm[half : 2 * half]
+    return jnp.arange(n, dtype=jnp.int32).at[a].set(b).at[b].set(a)
+
+
+def draw_round(key: Any, step: Any, n: int) -> jax.Array:
+    """The index into ``pairing_rounds(n)`` of the outer step after step ``step`` under
+    ``pairing="rounds"``: uniform, from the run's key data and the step, the same on every
+    worker."""
     base = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl="threefry2x32")
     k = jax.random.fold_in(jax.random.fold_in(base, step), _PAIR_STREAM)
     return jax.random.randint(k, (), 0, len(pairing_rounds(n)))
@@ -83,6 +134,7 @@ def noloco(
     period: int,
     outer_optimizer: optax.GradientTransformation | None = None,
     anchor_pull: float = 1.0,
+    pairing: str | None = None,
     consensus_every: int = 10,
     accumulate: int = 1,
     has_aux: bool = False,
@@ -91,28 +143,42 @@ def noloco(
     """NoLoCo: DiLoCo whose outer step is shared with one random peer instead of all workers.
 
     Each worker i takes ``period`` (H) steps of ``optimizer`` from its outer weights phi_i,
-    reaching theta_i. Then the workers pair up (a random matching, the same on every worker,
-    drawn from the run's key and the step: :func:`pairing_rounds`, :func:`draw_pairing`) and
-    worker i, paired with p, takes an outer step on the pair's averaged pseudo-gradient plus a
-    pull towards the pair's mean outer weights::
+    reaching theta_i. Then the workers pair up (a uniformly random perfect matching, the same
+    on every worker, drawn from the run's key and the step: :func:`draw_pairing`) and worker
+    i, paired with p, takes an outer step on the pair's averaged pseudo-gradient plus a pull
+    towards the pair's mean outer weights::
 
         Delta_j = phi_j - theta_j
         G_i = (Delta_i + Delta_p) / 2 + anchor_pull * (phi_i - (phi_i + phi_p) / 2)
         phi_i <- phi_i + outer_optimizer(G_i);   theta_i <- phi_i
 
-    With ``outer_optimizer=optax.sgd(beta, momentum=alpha)`` the outer update ``delta_i``
-    follows NoLoCo's modified Nesterov rule ``delta_i <- alpha delta_i - beta mean_pair(Delta)
-    - gamma (phi_i - mean_pair(phi))`` with ``gamma = beta * anchor_pull`` (the authors'
-    public code takes gamma = beta, ``anchor_pull=1``). Inner and outer optimizer states stay
-    each worker's own; model state is averaged within the pair. The default outer step,
-    SGD at lr 1 with ``anchor_pull=1``, sets both workers to the mean of their two replicas.
-    With N = 2 there is one pairing and the anchors stay equal: NoLoCo is DiLoCo
-    (``local_sgd(period=H, outer_optimizer=...)``), and at H = 1 with the default outer step
-    synchronous SGD. An odd N leaves one worker alone per outer step (it steps on its own
-    pseudo-gradient). Each worker sends its pseudo-gradient and its outer weights to its
-    peer by one ``ppermute`` (2 x parameter bytes, one with ``anchor_pull=0``, plus model
-    state) every H steps, inside a ``lax.switch`` over the N - 1 matchings; nothing is
-    all-reduced but the loss (and ``consensus_distance`` when measured).
+    The default ``outer_optimizer=optax.sgd(0.7, momentum=0.5)`` (heavy-ball momentum, not
+    Nesterov) with ``anchor_pull=1`` is the authors' outer step (jkolehm/noloco,
+    ``src/noloco/sparse_optimizer_c.py``, ``outer_step``, with ``outer_lr: 0.7`` and
+    ``outer_momentum: 0.5`` as in every ``configs/no_reduce_exp/*/*noloco_mean_*.yaml``):
+    ``m_i <- alpha m_i - beta mean_pair(Delta) - gamma (phi_i - mean_pair(phi))``,
+    ``phi_i <- phi_i + m_i``, with ``alpha = 0.5``, ``beta = 0.7`` and ``gamma = beta *
+    anchor_pull``. ``outer_optimizer=optax.sgd(1.0)`` sets both workers to the mean of their
+    two replicas (plain pairwise averaging). Inner and outer optimizer states stay each
+    worker's own; model state is averaged within the pair. With N = 2 there is one pairing
+    and the anchors stay equal: NoLoCo is DiLoCo (``local_sgd(period=H,
+    outer_optimizer=...)``), and at H = 1 with ``optax.sgd(1.0)`` synchronous SGD. An odd N
+    (which the authors' code rejects) leaves one worker alone per outer step, uniformly
+    drawn (it steps on its own pseudo-gradient).
+
+    Communication: each worker sends its pseudo-gradient and its outer weights to its peer
+    by one ``ppermute`` (2 x parameter bytes, one with ``anchor_pull=0``, plus model state)
+    every H steps; nothing is all-reduced but the loss (and ``consensus_distance`` when
+    measured). A ``ppermute``'s pairs are fixed when it compiles, so the drawn matching
+    selects one branch of a ``lax.switch`` holding one ``ppermute`` per matching: with
+    ``pairing="uniform"`` all :func:`perfect_matchings` ((N - 1)!!: 3 at N = 4, 105 at N = 8,
+    945 at N = 10), allowed up to 8 workers; with ``pairing="rounds"`` only the N - 1
+    rounds of a round-robin tournament (:func:`pairing_rounds`, one drawn uniformly by
+    :func:`draw_round`): each pair still meets with probability 1/(N - 1) per outer step, and
+    as the pairwise mean W = (I + P)/2 is a symmetric projection, the expected squared
+    consensus distance after a pure averaging step, x^T (E[W] - J) x, is the same as under a
+    uniform matching; what differs is the joint law of one step's pairs. The default,
+    ``pairing=None``, is ``"uniform"`` up to 8 workers and ``"rounds"`` beyond.
 
     References:
       Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
@@ -123,8 +189,12 @@ def noloco(
       optimizer: the inner optax optimizer, one state per worker.
       mesh: a mesh with axis ``axis``.
       period: H, inner steps between outer steps, >= 1.
-      outer_optimizer: applied to G_i; default ``optax.sgd(1.0)``.
-      anchor_pull: the weight of the pull towards the pair's mean outer weights, >= 0.
+      outer_optimizer: applied to G_i; default ``optax.sgd(0.7, momentum=0.5)``, the authors'.
+      anchor_pull: the weight of the pull towards the pair's mean outer weights, >= 0;
+        the authors' 1.
+      pairing: ``"uniform"`` (a uniformly random perfect matching, as the authors draw
+        it; N <= 8), ``"rounds"`` (a uniformly drawn round-robin round) or None (``"uniform"``
+        for N <= 8, else ``"rounds"``).
       consensus_every: measure ``consensus_distance`` every this many steps; 0 never.
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
@@ -148,14 +218,23 @@ def noloco(
       >>> for _ in range(2):
       ...     state, metrics = step(state, batch)
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
-      (1.0, 0.36)
+      (1.0, 0.252)
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
     period = check_int("period", period, minimum=1)
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     anchor_pull = check_real("anchor_pull", anchor_pull, minimum=0.0)
     if outer_optimizer is None:
-        outer_optimizer = optax.sgd(1.0)
+        outer_optimizer = optax.sgd(0.7, momentum=0.5)
+    if pairing is None:
+        pairing = "uniform" if kit.n <= _MAX_UNIFORM else "rounds"
+    if pairing not in _PAIRINGS:
+        raise ValueError(f"pairing must be 'uniform', 'rounds' or None, got {pairing!r}")
+    if pairing == "uniform" and kit.n > _MAX_UNIFORM:
+        raise ValueError(
+            f"pairing='uniform' switches over all (N - 1)!! perfect matchings and allows at "
+            f"most 8 workers, got N = {kit.n}; use pairing='rounds'"
+        )
     check_transform("outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9)")
     specs = NoLoCoState(P(axis), P(axis), P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
@@ -169,7 +248,7 @@ def noloco(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    cfg = _Config(kit, optimizer, outer_optimizer, period, anchor_pull, consensus_every)
+    cfg = _Config(kit, optimizer, outer_optimizer, period, anchor_pull, consensus_every, pairing)
     return Strategy(
         kit.init(make_state, specs),
         kit.step(functools.partial(_worker_step, cfg), specs),
@@ -184,6 +263,7 @@ class _Config(NamedTuple):
     period: int
     anchor_pull: float
     consensus_every: int
+    pairing: str
 
 
 def _worker_step(
@@ -226,7 +306,7 @@ def _outer_step(cfg: _Config, key: jax.Array, step: jax.Array, carry: Any) -> An
     params, model_state, anchor, outer_opt_state = carry
     delta = jax.tree.map(jnp.subtract, anchor, params)
     mine = (delta, model_state, anchor if cfg.anchor_pull else None)
-    theirs = _from_peer(mine, cfg.kit.axis, cfg.kit.n, draw_pairing(key, step, cfg.kit.n))
+    theirs = _from_peer(mine, cfg.kit.axis, *_draw(cfg.pairing, key, step, cfg.kit.n))
     grad = jax.tree.map(lambda a, b: (a + b) / 2, delta, theirs[0])
     if cfg.anchor_pull:
         pull = cfg.anchor_pull
@@ -244,9 +324,19 @@ def _pair_mean(mine: jax.Array, theirs: jax.Array) -> jax.Array:
     return jnp.maximum(mine, theirs)
 
 
-def _from_peer(tree: Any, axis: str, n: int, pairing: jax.Array) -> Any:
-    """``tree`` of this worker's peer in round ``pairing`` of ``pairing_rounds(n)`` (its
-    own for a worker left alone): one ``ppermute`` in the branch ``lax.switch`` takes."""
+def _draw(pairing: str, key: jax.Array, step: jax.Array, n: int) -> tuple[list, jax.Array]:
+    """The matchings the exchange switches over, and the index of this step's one."""
+    if pairing == "rounds":
+        return pairing_rounds(n), draw_round(key, step, n)
+    matchings = perfect_matchings(n)
+    peer = draw_pairing(key, step, n)
+    hits = jnp.all(jnp.asarray(matchings, jnp.int32) == peer, axis=1)
+    return matchings, jnp.argmax(hits)
+
+
+def _from_peer(tree: Any, axis: str, matchings: list, index: jax.Array) -> Any:
+    """``tree`` of this worker's peer in ``matchings[index]`` (its own for a worker left
+    alone): one ``ppermute`` in the branch ``lax.switch`` takes."""
     me = lax.axis_index(axis)
 
     def exchange(peer: tuple[int, ...], y: Any) -> Any:
@@ -255,5 +345,5 @@ def _from_peer(tree: Any, axis: str, n: int, pairing: jax.Array) -> Any:
         alone = jnp.asarray([p == i for i, p in enumerate(peer)])[me]
         return jax.tree.map(lambda a, b: jnp.where(alone, a, b), y, arrived)
 
-    branches = [functools.partial(exchange, peer) for peer in pairing_rounds(n)]
-    return branches[0](tree) if len(branches) == 1 else lax.switch(pairing, branches, tree)
+    branches = [functools.partial(exchange, peer) for peer in matchings]
+    return branches[0](tree) if len(branches) == 1 else lax.switch(index, branches, tree)

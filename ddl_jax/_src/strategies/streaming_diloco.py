@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +22,8 @@ from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
 from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
+
+_ORDERS = ("depth", "strided")
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -54,7 +58,8 @@ def streaming_diloco(
     mesh: Mesh,
     *,
     period: int,
-    fragments: int,
+    fragments: int | Sequence[Sequence[str]],
+    fragment_order: str = "depth",
     overlap: int = 0,
     mix: float = 0.0,
     outer_optimizer: optax.GradientTransformation | None = None,
@@ -65,9 +70,14 @@ def streaming_diloco(
 ) -> Strategy:
     """Streaming DiLoCo: DiLoCo whose fragments synchronise in turn, overlapped with training.
 
-    The parameters' leaves (in tree-leaf order) are cut into ``fragments`` (P) contiguous
-    groups of roughly equal bytes: boundary k goes after the leaf where the running byte
-    count comes closest to k/P of the total, every fragment keeping at least one leaf.
+    The parameters are cut into ``fragments`` (P) fragments, their leaves in the natural
+    order of their key paths (``layers_2`` before ``layers_10``): by default by depth, P
+    contiguous runs of leaves of roughly equal bytes; ``fragment_order="strided"`` puts
+    block i (``layers_i``: a leaf's path up to its first name holding a digit) in fragment
+    i mod P, the paper's strided pattern; or ``fragments`` lists each fragment's key paths,
+    as torchft takes its ``model_fragments`` as given. :func:`fragment_indices` says which
+    leaves each fragment holds.
+
     Every worker i trains its replica theta_i with ``optimizer`` on its shard of the
     batches. Counting the local steps s = 1, 2, ... (s = t + 1 after step t), fragment p
     is *sent* after the steps with s = p H/P (mod H), s >= 1 (H = ``period``): p > 0 first
@@ -95,6 +105,13 @@ def streaming_diloco(
     (alpha between 0 and 1, e.g. 0.5) to keep part of the tau steps' local progress.
     ``Strategy.params`` is the replicas' mean.
 
+    The reference implementation, pytorch/torchft ``torchft/local_sgd.py`` (``DiLoCo``),
+    takes the fragments from the user (``model_fragments``); torchtitan's default
+    (pytorch/torchtitan ``torchtitan/components/ft/diloco/utils.py``, ``fragment_llm``) cuts
+    the layers into contiguous runs in depth order, which the default here follows
+    (balanced by bytes rather than by layer count). torchft syncs fragment 0 first, after
+    H/P steps; here fragment 1 is sent first and fragment 0 after H steps.
+
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
       Distributed Free Lunch", 2025, arXiv:2501.18512.
@@ -108,8 +125,12 @@ def streaming_diloco(
       mesh: a mesh with axis ``axis``.
       period: H, the local steps between two sends of a fragment, >= 1, a multiple of
         ``fragments``.
-      fragments: P, how many fragments, >= 1 and at most the parameters' leaf count
-        (checked by ``init``).
+      fragments: P, how many fragments, >= 1 and at most the parameters' number of leaves
+        (of blocks when strided; checked by ``init``); or a list of P lists of key
+        paths (``"layers_0"``, ``"params/Dense_0/kernel"``, ``/`` or ``.`` between
+        names), every parameter leaf under exactly one of them.
+      fragment_order: with an int ``fragments``, ``"depth"`` (contiguous runs of blocks
+        of about equal bytes) or ``"strided"`` (block i to fragment i mod P).
       overlap: tau, the steps an outer gradient is in flight, 0 <= tau < H/P (a fragment
         lands before the next one is sent).
       mix: alpha in [0, 1], the share of a replica's own fragment kept when it lands.
@@ -158,7 +179,9 @@ def streaming_diloco(
         reducer=reducer,
         default_reducer=allreduce_mean,
     )
-    cfg = _configure(kit, optimizer, outer_optimizer, period, fragments, overlap, mix)
+    cfg = _configure(
+        kit, optimizer, outer_optimizer, period, fragments, fragment_order, overlap, mix
+    )
     model = ModelVars(P(axis), P(), P())
     specs = StreamingDiLoCoState(P(axis), P(axis), P(), P(), P(axis), P(), model)
     return Strategy(
@@ -174,6 +197,8 @@ class _Config(NamedTuple):
     outer: optax.GradientTransformation | None
     period: int  # H
     fragments: int  # P
+    layout: int | tuple  # fragment_indices' fragments: P, or the explicit list
+    order: str  # fragment_order
     overlap: int  # tau
     mix: float  # alpha
 
@@ -183,13 +208,25 @@ def _configure(
     optimizer: optax.GradientTransformation,
     outer_optimizer: Any,
     period: Any,
-    fragments: Any,
+    layout: Any,
+    order: Any,
     overlap: Any,
     mix: Any,
 ) -> _Config:
     """``streaming_diloco``'s own arguments checked."""
     period = check_int("period", period, minimum=1)
-    fragments = check_int("fragments", fragments, minimum=1)
+    if isinstance(layout, (int, np.integer)) and not isinstance(layout, bool):
+        layout = fragments = check_int("fragments", layout, minimum=1)
+    else:
+        fragments = len(_check_list(layout))
+        layout = tuple(tuple(f) for f in layout)
+        if order != "depth":
+            raise ValueError(
+                f"fragment_order applies to a number of fragments; an explicit list of "
+                f"fragments is taken as given, got fragment_order={order!r}"
+            )
+    if order not in _ORDERS:
+        raise ValueError(f"fragment_order must be 'depth' or 'strided', got {order!r}")
     if period % fragments:
         raise ValueError(
             f"period must be a multiple of fragments (one fragment is sent every "
@@ -207,44 +244,160 @@ def _configure(
         check_transform(
             "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
-    return _Config(kit, optimizer, outer_optimizer, period, fragments, overlap, mix)
+    return _Config(kit, optimizer, outer_optimizer, period, fragments, layout, order, overlap, mix)
 
 
-def fragment_bounds(params: Any, fragments: int) -> tuple[tuple[int, int], ...]:
-    """``(start, stop)`` leaf indices of each fragment of ``params`` (tree-leaf order).
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
-    Contiguous groups of roughly equal bytes: boundary k goes after the leaf where the
-    running byte count comes closest to k/fragments of the total (the earliest on a tie),
-    every group keeping at least one leaf.
+
+def _natural(text: str) -> list[Any]:
+    """``text`` as alternating text and numbers, so that "layers_2" sorts before "layers_10"."""
+    runs: list[Any] = re.split(r"(\d+)", text)
+    runs[1::2] = [int(r) for r in runs[1::2]]
+    return runs
+
+
+def _leaf_paths(params: Any) -> list[tuple[str, ...]]:
+    """Each leaf's key path (in tree-leaf order) as a tuple of names."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [tuple(_key_name(k) for k in path) for path, _ in flat]
+
+
+def _block(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The block a leaf belongs to: its path up to the first name holding a digit (``layers_3``,
+    a list's ``3``), else its parent module (the leaf itself at the top level)."""
+    for i, name in enumerate(path):
+        if any(c.isdigit() for c in name):
+            return path[: i + 1]
+    return path[:-1] or path
+
+
+def fragment_indices(
+    params: Any, fragments: int | Sequence[Sequence[str]], order: str = "depth"
+) -> tuple[tuple[int, ...], ...]:
+    """The leaves (indices in tree-leaf order) of each fragment of ``params``.
+
+    The leaves are taken in the natural order of their key paths (numbers by value:
+    ``layers_2`` before ``layers_10``, not the sorted key order ``jax.tree.leaves`` flattens
+    in, which puts ``layers_10`` beside ``layers_1``). Names without numbers keep
+    alphabetical order (``embed``, ``head``, ``stem``): where that is not the model's
+    depth, list the fragments.
+
+    * ``fragments=P``, ``order="depth"``: P contiguous runs of leaves of roughly equal
+      bytes: boundary k goes after the leaf where the running byte count comes closest to
+      k/P of the total (the earliest on a tie), every run keeping at least one leaf. By
+      depth, as torchtitan cuts a model for torchft (pytorch/torchtitan,
+      ``torchtitan/components/ft/diloco/utils.py``, ``fragment_llm``: contiguous layers,
+      balanced by layer count rather than bytes, never splitting a layer; a layer's leaves
+      are adjacent here, but a boundary may fall between them).
+    * ``fragments=P``, ``order="strided"``: the leaves grouped in *blocks* (a leaf's key
+      path up to its first name holding a digit, ``layers_3`` or a list's ``3``, else its
+      parent module); block i (in natural order) goes to fragment i mod P, the Streaming
+      DiLoCo paper's strided pattern (arXiv:2501.18512, slightly better than sequential
+      in its ablation). At most as many fragments as blocks.
+    * ``fragments`` a list of lists of key paths (``"layers_0"``, ``"layers_0/kernel"``;
+      ``/`` or ``.`` between names): fragment p holds the leaves whose path starts with one
+      of ``fragments[p]``, as torchft's ``DiLoCo(model_fragments=...)`` takes the fragments
+      as given (pytorch/torchft, ``torchft/local_sgd.py``) and torchtitan names them
+      (``module_fqns_per_model_fragment``). Every leaf must be in exactly one fragment.
     """
-    leaves = jax.tree.leaves(params)
-    if fragments > len(leaves):
+    paths = _leaf_paths(params)
+    if not isinstance(fragments, int):
+        return _listed(paths, _check_list(fragments))
+    if order not in _ORDERS:
+        raise ValueError(f"fragment_order must be 'depth' or 'strided', got {order!r}")
+    natural = sorted(range(len(paths)), key=lambda i: [_natural(n) for n in paths[i]])
+    if order == "strided":
+        blocks: dict[tuple[str, ...], list[int]] = {}
+        for i in natural:
+            blocks.setdefault(_block(paths[i]), []).append(i)
+        members, unit = list(blocks.values()), "blocks"
+    else:
+        members, unit = [[i] for i in natural], "leaves"
+    if fragments > len(members):
         raise ValueError(
-            f"fragments must be at most the parameters' number of leaves, {len(leaves)}, "
-            f"got fragments={fragments}: a fragment is a group of whole leaves."
+            f"fragments must be at most the parameters' number of {unit}, {len(members)}, "
+            f"got {fragments}: a fragment is a group of whole {unit}."
         )
-    sizes = [int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves]
-    running = np.cumsum(sizes)  # running[i]: bytes of leaves 0..i
+    if order == "strided":
+        return tuple(tuple(i for b in members[p::fragments] for i in b) for p in range(fragments))
+    leaves = jax.tree.leaves(params)
+    nbytes = [int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves]
+    running = np.cumsum([sum(nbytes[i] for i in b) for b in members])  # units 0..j
     cuts = [0]
     for k in range(1, fragments):
         target = k * running[-1] / fragments
-        # A cut at c ends the group before leaf c; leave a leaf for each later group.
-        options = range(cuts[-1] + 1, len(leaves) - (fragments - k) + 1)
+        # A cut at c ends the run before unit c; leave a unit for each later run.
+        options = range(cuts[-1] + 1, len(members) - (fragments - k) + 1)
         cuts.append(min(options, key=lambda c: abs(running[c - 1] - target)))
-    cuts.append(len(leaves))
-    return tuple(itertools.pairwise(cuts))
+    cuts.append(len(members))
+    return tuple(tuple(i for b in members[lo:hi] for i in b) for lo, hi in itertools.pairwise(cuts))
 
 
-def _groups(tree: Any, bounds: tuple[tuple[int, int], ...]) -> list[list[Any]]:
+def _check_list(fragments: Any) -> list[list[tuple[str, ...]]]:
+    """An explicit list of fragments, each a list of key paths, as tuples of names."""
+    if (
+        isinstance(fragments, (str, bytes))
+        or not isinstance(fragments, Sequence)
+        or not all(
+            isinstance(f, Sequence)
+            and not isinstance(f, (str, bytes))
+            and all(isinstance(k, str) for k in f)
+            for f in fragments
+        )
+    ):
+        raise ValueError(
+            "fragments must be an int >= 1 or a list of lists of key paths (one list per "
+            f"fragment, e.g. [['embed', 'layers_0'], ['layers_1', 'norm']]), got {fragments!r}"
+        )
+    if not fragments:
+        raise ValueError("fragments must hold at least one fragment, got []")
+    for p, f in enumerate(fragments):
+        if not f:
+            raise ValueError(f"fragments' {p} is empty: every fragment names a key path")
+    return [[tuple(n for n in re.split(r"[/.]", k) if n) for k in f] for f in fragments]
+
+
+def _listed(
+    paths: list[tuple[str, ...]], fragments: list[list[tuple[str, ...]]]
+) -> tuple[tuple[int, ...], ...]:
+    owner: dict[int, int] = {}
+    for p, prefixes in enumerate(fragments):
+        for prefix in prefixes:
+            hits = [i for i, path in enumerate(paths) if path[: len(prefix)] == prefix]
+            if not hits:
+                raise ValueError(
+                    f"fragments names {'/'.join(prefix)!r}, which matches no parameter; "
+                    f"the parameters' paths: {sorted('/'.join(q) for q in paths)}"
+                )
+            for i in hits:
+                if owner.setdefault(i, p) != p:
+                    raise ValueError(
+                        f"fragments puts {'/'.join(paths[i])!r} in fragments {owner[i]} and "
+                        f"{p}: every parameter belongs to one fragment"
+                    )
+    missing = sorted("/".join(paths[i]) for i in range(len(paths)) if i not in owner)
+    if missing:
+        raise ValueError(f"fragments leaves out {missing}: every parameter belongs to one fragment")
+    natural = sorted(range(len(paths)), key=lambda i: [_natural(n) for n in paths[i]])
+    return tuple(tuple(i for i in natural if owner[i] == p) for p in range(len(fragments)))
+
+
+def _groups(tree: Any, indices: tuple[tuple[int, ...], ...]) -> list[list[Any]]:
     leaves = jax.tree.leaves(tree)
-    return [leaves[lo:hi] for lo, hi in bounds]
+    return [[leaves[i] for i in group] for group in indices]
 
 
-def _with_group(tree: Any, bounds: tuple[tuple[int, int], ...], p: int, group: list) -> Any:
+def _with_group(tree: Any, indices: tuple[tuple[int, ...], ...], p: int, group: list) -> Any:
     """``tree`` with fragment ``p``'s leaves replaced by ``group``."""
     leaves, treedef = jax.tree.flatten(tree)
-    lo, hi = bounds[p]
-    return jax.tree.unflatten(treedef, [*leaves[:lo], *group, *leaves[hi:]])
+    for i, leaf in zip(indices[p], group, strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _replace(items: tuple[Any, ...], p: int, item: Any) -> tuple[Any, ...]:
@@ -253,7 +406,7 @@ def _replace(items: tuple[Any, ...], p: int, item: Any) -> tuple[Any, ...]:
 
 def _make_state(cfg: _Config, params: Any, model: ModelVars) -> StreamingDiLoCoState:
     kit, outer = cfg.kit, cfg.outer
-    groups = _groups(params, fragment_bounds(params, cfg.fragments))
+    groups = _groups(params, fragment_indices(params, cfg.layout, cfg.order))
     outer_state = tuple(optax.EmptyState() if outer is None else outer.init(g) for g in groups)
     pending = () if cfg.overlap == 0 else tuple(jax.tree.map(jnp.zeros_like, groups))
     return StreamingDiLoCoState(
@@ -288,7 +441,7 @@ def _worker_step(
     # Branch 0: nothing; 1 + p: fragment p is sent (and lands, without overlap);
     # 1 + P + p (with overlap): fragment p's outer gradient lands. overlap < H/P keeps a
     # landing off the steps that send.
-    bounds = fragment_bounds(state.anchor, cfg.fragments)
+    bounds = fragment_indices(state.anchor, cfg.layout, cfg.order)
     spacing, count = cfg.period // cfg.fragments, cfg.fragments
     local_steps = step + 1
     sends = local_steps % spacing == 0
@@ -335,7 +488,7 @@ def _keep(carry: Carry) -> Carry:
     return carry
 
 
-def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: int) -> Carry:
+def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, ...], ...], p: int) -> Carry:
     """Fragment ``p``'s outer gradient reduced over the workers; the model state averaged."""
     params, anchor, outer_state, reducer_state, pending, model_state = carry
     local, glob = _groups(params, bounds)[p], _groups(anchor, bounds)[p]
@@ -350,7 +503,7 @@ def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: in
     return params, anchor, outer_state, reducer_state, pending, model_state
 
 
-def _land_pending(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, int], ...], p: int) -> Carry:
+def _land_pending(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, ...], ...], p: int) -> Carry:
     """Fragment ``p``'s reduced outer gradient, in flight since its send, lands."""
     params, anchor, outer_state, reducer_state, pending, model_state = carry
     params, anchor, outer_state = _land(params, anchor, outer_state, pending[p], cfg, bounds, p)
@@ -363,7 +516,7 @@ def _land(
     outer_state: tuple[Any, ...],
     delta: list[Any],
     cfg: _Config,
-    bounds: tuple[tuple[int, int], ...],
+    bounds: tuple[tuple[int, ...], ...],
     p: int,
 ) -> tuple[Any, Any, tuple[Any, ...]]:
     """The outer step of fragment ``p``, then each replica's fragment mixed with it."""
