@@ -58,6 +58,7 @@ DEFAULT_STRATEGIES = (
     "topk:0.01",
     "demo:0.0625",
     "sign",
+    "onebitadam:50",
     "powersgd:4",
     "adasum",
     "async",
@@ -81,6 +82,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "noloco:16",
         "demo:0.0625",
         "topk:0.01",
+        "onebitadam:50",
         "powersgd:4",
         "asynclocal:4",
     ),
@@ -324,7 +326,7 @@ FAMILIES: dict[str, Family] = {
         _sparse_loco,
         _ratio,
         "0.01",
-        "the ratio of entries sent, a number in (0, 1] (e.g. sparseloco:0.01)",
+        "the ratio of entries sent per 64x64 tile, a number in (0, 1] (e.g. sparseloco:0.01)",
         "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
     ),
     "noloco": Family(
@@ -333,13 +335,12 @@ FAMILIES: dict[str, Family] = {
             optax.adamw(LEARNING_RATE),
             ctx.mesh,
             period=h,
-            outer_optimizer=_nesterov(),
             consensus_every=0,
         ),
         _int(1),
         "16",
         "the period H, an integer >= 1 (e.g. noloco:16)",
-        "NoLoCo: every H steps an outer step with one random peer, no all-reduce",
+        "NoLoCo: every H steps an outer step (lr 0.7, momentum 0.5) with one random peer",
     ),
     "demo": Family(
         lambda ratio, ctx: ddl.data_parallel(
@@ -350,7 +351,7 @@ FAMILIES: dict[str, Family] = {
         ),
         _ratio,
         "0.0625",
-        "the ratio of DCT coefficients sent per chunk of 64, in (0, 1] (e.g. demo:0.0625)",
+        "the ratio of DCT coefficients sent per 64x64 tile, in (0, 1] (e.g. demo:0.0625)",
         "DeMo: top DCT coefficients of each worker's momentum, sign descent",
     ),
     "topk": Family(
@@ -365,7 +366,20 @@ FAMILIES: dict[str, Family] = {
         _none,
         None,
         "",
-        "1-bit sign compression with error feedback",
+        "1-bit sign compression with error feedback, then Adam (the naive scheme)",
+    ),
+    "onebitadam": Family(
+        lambda freeze, ctx: ddl.data_parallel(
+            ctx.loss_fn,
+            optax.sgd(LEARNING_RATE),
+            ctx.mesh,
+            reducer=compression.onebit_adam(freeze),
+        ),
+        _int(1),
+        "50",
+        "the full-precision Adam steps before the variance freezes, an integer >= 1 (e.g. "
+        "onebitadam:50)",
+        "1-bit Adam: Adam, then the variance frozen and the momentum sent in 1 bit",
     ),
     "powersgd": Family(
         _reduced(compression.power_sgd),
