@@ -14,10 +14,18 @@ from ddl_jax._src.reduce.scatter import (
     scatter_qsgd,
     scatter_top_k,
 )
-from ddl_jax._src.reduce.sparse import ThresholdState, TopKState, threshold, top_k
+from ddl_jax._src.reduce.sparse import (
+    DGCWeightDecayState,
+    ThresholdState,
+    TopKState,
+    dgc_weight_decay,
+    threshold,
+    top_k,
+)
 
 __all__ = [
     "CastState",
+    "DGCWeightDecayState",
     "DeMoState",
     "OnebitAdamState",
     "PowerSGDState",
@@ -31,6 +39,7 @@ __all__ = [
     "TopKState",
     "cast",
     "demo",
+    "dgc_weight_decay",
     "onebit_adam",
     "power_sgd",
     "qsgd",

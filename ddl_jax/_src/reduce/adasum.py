@@ -30,18 +30,24 @@ from jax import lax
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
 
+# Horovod's adasum.h (FusedPairwiseReduceWithComm): a vector whose squared norm is under
+# 1e-8 keeps coefficient 1 (``if (anormsq >= 1e-8) acoeff = 1.0 - dotProduct / anormsq * 0.5``).
+NEAR_ZERO = 1e-8
+
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
-    """``dot / (2 norm_sq)``, and 0 where ``norm_sq`` is 0 (then the vector is 0 too)."""
-    positive = norm_sq > 0
-    return jnp.where(positive, dot / (2 * jnp.where(positive, norm_sq, 1)), 0)
+    """``dot / (2 norm_sq)``, and 0 where ``norm_sq < 1e-8`` (Horovod's near-zero rule)."""
+    large = norm_sq >= NEAR_ZERO
+    return jnp.where(large, dot / (2 * jnp.where(large, norm_sq, 1)), 0)
 
 
 def combine(a: jax.Array, b: jax.Array) -> jax.Array:
     """Adasum of the rows of ``a`` and ``b`` (``[..., D]`` each), pair by pair.
 
-    ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b``, dot products over the last axis.
-    A zero vector contributes nothing and leaves the other unchanged (no 0/0).
+    ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b``, dot products over the last axis,
+    except that a vector of squared norm under ``1e-8`` keeps coefficient 1, as in
+    Horovod: a zero vector contributes nothing and leaves the other unchanged (no 0/0), and
+    a tiny one is added rather than divided by its tiny norm.
     """
     dot = jnp.sum(a * b, axis=-1, keepdims=True)
     a_sq = jnp.sum(a * a, axis=-1, keepdims=True)
@@ -93,8 +99,24 @@ def adasum(axis: str = "data") -> optax.GradientTransformation:
     each tensor of a fused buffer and as the paper does per layer: two leaves combine
     independently, so a layer whose workers agree is averaged while another, whose
     workers' gradients are orthogonal, is summed. They are computed in float32 (or the
-    leaf's dtype if wider) and the result is cast back to the leaf's dtype. A zero
-    gradient leaves the other unchanged, so N zero gradients give zero (no 0/0).
+    leaf's dtype if wider; Horovod uses float64) and the result is cast back to the leaf's
+    dtype. As in Horovod's ``adasum.h``, a vector whose squared norm is under ``1e-8``
+    counts as zero: its coefficient is 1, not ``1 - a.b / (2 |a|^2)``. So a zero gradient
+    leaves the other unchanged, N zero gradients give zero (no 0/0), and a leaf of tiny
+    gradients (``|a| < 1e-4``) is added to its partner instead of being scaled by a huge
+    ``1 / |a|^2``. The threshold is absolute, so it depends on the gradients' scale.
+
+    **Horovod's ``DistributedOptimizer(op=hvd.Adasum)``** (``horovod/torch/optimizer.py``,
+    ``_DistributedAdasumOptimizer``) combines each worker's optimizer *delta*, not its
+    gradient: every worker steps its own optimizer (its own momentum or Adam moments) from
+    the shared parameters, and ``p <- p + adasum_i(p_i - p)``. That is exactly
+    ``ddl.local_sgd(loss_fn, optimizer, mesh, period=1, reducer=ddl.adasum())``: local SGD
+    keeps one inner optimizer state per worker, reduces ``anchor - p_i`` (Adasum is odd,
+    ``adasum(-a, -b) = -adasum(a, b)``, so the signs agree exactly) and sets
+    ``anchor <- anchor - Delta`` (tests/test_adasum_reference.py checks it against a NumPy
+    transcription). ``ddl.data_parallel(..., reducer=ddl.adasum())`` is the gradient form
+    (Horovod's ``hvd.allreduce(g, op=hvd.Adasum)``), which equals the delta form only for
+    plain SGD with a constant learning rate.
 
     The result is a *combined* gradient, not a mean. Adasum of N equal gradients is that
     gradient (as the mean is); of N mutually orthogonal gradients, their sum (N times the
@@ -119,7 +141,10 @@ def adasum(axis: str = "data") -> optax.GradientTransformation:
 
     References:
       Maleki et al., "Scaling distributed training with adaptive summation", MLSys 2021,
-      arXiv:2006.02924. Sergeev & Del Balso, "Horovod", 2018, arXiv:1802.05799.
+      arXiv:2006.02924. Sergeev & Del Balso, "Horovod", 2018, arXiv:1802.05799; the code,
+      github.com/horovod/horovod: ``horovod/common/ops/adasum/adasum.h`` (the pairwise
+      combination and its near-zero rule) and ``horovod/torch/optimizer.py`` (the delta
+      form of ``DistributedOptimizer(op=Adasum)``).
 
     Args:
       axis: mesh axis the workers live on.
