@@ -2,6 +2,7 @@
 ``scatter_*`` ones to ``ddl.fsdp``, which reduce-scatters)."""
 
 from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.reduce.lowbit import E3M0State, cast_e3m0
 from ddl_jax._src.reduce.lowrank import PowerSGDState, power_sgd
 from ddl_jax._src.reduce.onebit import OnebitAdamState, onebit_adam
 from ddl_jax._src.reduce.outer import DeMoState, SparseLoCoState, demo, sparse_loco
@@ -27,6 +28,7 @@ __all__ = [
     "CastState",
     "DGCWeightDecayState",
     "DeMoState",
+    "E3M0State",
     "OnebitAdamState",
     "PowerSGDState",
     "QSGDState",
@@ -38,6 +40,7 @@ __all__ = [
     "ThresholdState",
     "TopKState",
     "cast",
+    "cast_e3m0",
     "demo",
     "dgc_weight_decay",
     "onebit_adam",

@@ -8,11 +8,10 @@ import optax
 import pytest
 from conftest import make_batches, mlp_loss, reference_sgd, train
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reducers import reducer_program, run_steps
 
 import ddl_jax as ddl
-from ddl_jax._src.core import kit
 from ddl_jax._src.core.reducer import PermuteReducer, checks_vma, reducer_metrics
 from ddl_jax._src.measure.comm import collectives
 from ddl_jax._src.reduce import wire
@@ -29,43 +28,14 @@ def random_grads(steps: int, n: int, seed: int = 0) -> dict:
     return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def reducer_program(reducer, grads: dict, n: int):
-    """The jitted program feeding worker i its gradients ``grads[:, i]`` for T steps.
-
-    Returns the program and its arguments: the workers' stacked initial reducer states and
-    the gradients, placed on the mesh.
-    """
-    mesh = ddl.make_mesh(data=n)
-    params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
-    state = jax.device_put(
-        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), reducer.init(params)),
-        NamedSharding(mesh, P("data")),
-    )
-
-    def worker(state, grads):
-        def one(state, g):
-            out, state = reducer.update(g, state)
-            return state, out
-
-        mine = jax.tree.map(lambda g: g[:, 0], grads)
-        state, outs = jax.lax.scan(one, kit.unstack(state), mine)
-        return kit.restack(state), jax.tree.map(lambda x: x[:, None], outs)
-
-    # check_vma: the outputs must be typed as agreeing across workers, as a strategy needs.
-    specs = (P("data"), P(None, "data"))
-    program = jax.shard_map(worker, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=True)
-    grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P(None, "data")))
-    return jax.jit(program), state, grads
-
-
 def run_reducer(reducer, grads: dict, n: int):
-    """Runs :func:`reducer_program`.
+    """Runs ``reducer`` on ``n`` workers (``reducers.run_steps``).
 
     Returns each worker's sum of the reducer's outputs ``[N, ...]``, its outputs
     ``[T, N, ...]`` and its final state ``[N, ...]``.
     """
-    program, state, grads = reducer_program(reducer, grads, n)
-    state, outs = jax.tree.map(np.asarray, program(state, grads))
+    assert jax.tree.leaves(grads)[0].shape[1] == n
+    outs, state = run_steps(reducer, grads)
     return jax.tree.map(lambda o: o.sum(0), outs), outs, state
 
 
@@ -367,7 +337,7 @@ def test_power_sgd_views_a_conv_kernel_as_its_inputs_by_its_outputs():
         "kernel": rng.normal(size=(1, n, h, w, c_in, c_out)).astype(np.float32),
         "bias": rng.normal(size=(1, n, c_out)).astype(np.float32),
     }
-    program, state, placed = reducer_program(power_sgd(rank), grads, n)
+    program, state, placed = reducer_program(power_sgd(rank), grads)
     rows, cols = h * w * c_in, c_out
     # P [rows, r] and Q [cols, r] travel instead of the kernel; the bias travels dense.
     sent = rank * (rows + cols) + c_out
@@ -524,8 +494,8 @@ def test_numpy_scalars_are_arguments_like_python_numbers():
         (numpy_qsgd, qsgd(4, bucket_size=16, seed=2)),
     ]
     for numpy_args, python_args in pairs:  # the same program, constants included
-        program, state, placed = reducer_program(numpy_args, grads, 2)
-        expected, state_py, _ = reducer_program(python_args, grads, 2)
+        program, state, placed = reducer_program(numpy_args, grads)
+        expected, state_py, _ = reducer_program(python_args, grads)
         chex.assert_trees_all_equal(state, state_py)
         assert program.lower(state, placed).as_text() == expected.lower(state, placed).as_text()
 
@@ -576,7 +546,7 @@ def test_power_sgd_start_iter_sends_the_plain_mean_first():
     np.testing.assert_array_equal(state.step, steps)
     np.testing.assert_allclose(state.residual[0], fresh_state.residual[0], atol=1e-6)
     # One program holds both exchanges, each charged as a branch (per step of the scan).
-    program, init, placed = reducer_program(power_sgd(1, start_iter=start), grads, n)
+    program, init, placed = reducer_program(power_sgd(1, start_iter=start), grads)
     branches = ddl.comm_stats(program, init, placed).branches
     sent = 1 * sum(SHAPES["w"]) + SHAPES["b"][0]
     dense = sum(int(np.prod(s)) for s in SHAPES.values())
@@ -604,7 +574,7 @@ def test_power_sgd_min_compression_rate_sends_a_matrix_dense_unless_its_factors_
     grads = {"w": rng.normal(size=(1, n, 10, 32)).astype(np.float32)}
 
     def sent(reducer):
-        program, state, placed = reducer_program(reducer, grads, n)
+        program, state, placed = reducer_program(reducer, grads)
         return ddl.comm_stats(program, state, placed).bytes_per_device
 
     assert sent(power_sgd(8)) == pytest.approx(ring_bytes(320, n))  # PyTorch's default, 2
@@ -638,7 +608,7 @@ def test_power_sgd_never_sends_more_than_dense_for_small_layers():
         return entries
 
     for rank in (1, 2):
-        program, state, placed = reducer_program(power_sgd(rank), grads, n)
+        program, state, placed = reducer_program(power_sgd(rank), grads)
         sent = ddl.comm_stats(program, state, placed).bytes_per_device
         assert sent == pytest.approx(ring_bytes(expected(rank), n))
         assert sent <= ring_bytes(dense, n)
@@ -701,7 +671,7 @@ def test_power_sgd_batches_matrices_of_one_view():
     )
     results = []
     for batch in (True, False):
-        program, state, placed = reducer_program(_power_sgd(2, **options, batch=batch), grads, n)
+        program, state, placed = reducer_program(_power_sgd(2, **options, batch=batch), grads)
         compiled = program.lower(state, placed).compile()  # once: run and read
         ops = collectives(compiled.as_text())
         sent = sum(max(op.sent) * op.count for op in ops)
@@ -721,7 +691,7 @@ def test_power_sgd_full_rank_compressing_every_matrix_is_the_mean():
         _, outs, _ = run_reducer(reducer, grads, n)
         for k in SHAPES:
             np.testing.assert_allclose(outs[k][:, 0], grads[k].mean(1), atol=1e-5)
-        program, state, placed = reducer_program(reducer, grads, n)
+        program, state, placed = reducer_program(reducer, grads)
         sent = ddl.comm_stats(program, state, placed).bytes_per_device
         assert sent == pytest.approx(2 * ring_bytes(entries + 13, n))  # two steps
 

@@ -7,11 +7,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_batches, mlp_pair, reference_sgd, train
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reducers import run_steps
 
 import ddl_jax as ddl
-from ddl_jax._src.core import kit
 from ddl_jax._src.measure.comm import collectives
 from ddl_jax._src.reduce.outer import demo, sparse_loco
 
@@ -29,28 +28,8 @@ def run_reducer(reducer, grads: np.ndarray):
 
     Returns the outputs ``[T, N, D]`` (flat) and the final states ``[N, ...]``, as numpy.
     """
-    steps, n = grads.shape[:2]
-    mesh = ddl.make_mesh(data=n)
-    init = reducer.init(jnp.zeros(grads.shape[2:]))
-    state = jax.device_put(
-        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), init),
-        NamedSharding(mesh, P("data")),
-    )
-
-    def worker(state, grads):
-        def one(state, g):
-            out, state = reducer.update(g, state)
-            return state, out
-
-        state, outs = jax.lax.scan(one, kit.unstack(state), grads[:, 0])
-        return kit.restack(state), outs[:, None]
-
-    # check_vma: the outputs must be typed as agreeing across workers, as a strategy needs.
-    specs = (P("data"), P(None, "data"))
-    program = jax.shard_map(worker, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=True)
-    placed = jax.device_put(grads, NamedSharding(mesh, P(None, "data")))
-    state, outs = jax.tree.map(np.asarray, jax.jit(program)(state, placed))
-    return outs.reshape(steps, n, -1), state
+    outs, state = run_steps(reducer, grads)
+    return outs.reshape(*grads.shape[:2], -1), state
 
 
 def random_grads(steps: int, n: int, seed: int, shape=SHAPE) -> np.ndarray:

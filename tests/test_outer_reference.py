@@ -12,45 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from reducers import run_steps
 
 import ddl_jax as ddl
-from ddl_jax._src.core import kit
 from ddl_jax._src.reduce.outer import demo, sparse_loco
 
 # A matrix cut into 64 x 48 tiles, a vector and a matrix smaller than a tile, a 3-D tensor
 # (read as 2 x 12), a scalar (one entry: SparseLoCo's quantiser sees one value, std 0/0).
 SHAPES = {"a": (128, 96), "b": (10,), "c": (3, 5), "d": (2, 3, 4), "e": ()}
-
-
-def run_tree(reducer, grads: dict) -> tuple[dict, object]:
-    """Feeds worker i the gradients ``grads[name][:, i]`` (``[T, N, *shape]``) for T steps.
-
-    Returns the outputs ``{name: [T, N, *shape]}`` and the final states ``[N, ...]``.
-    """
-    n = next(iter(grads.values())).shape[1]
-    mesh = ddl.make_mesh(data=n)
-    init = reducer.init({k: jnp.zeros(v.shape[2:]) for k, v in grads.items()})
-    state = jax.device_put(
-        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), init),
-        NamedSharding(mesh, P("data")),
-    )
-
-    def worker(state, grads):
-        def one(state, g):
-            out, state = reducer.update(g, state)
-            return state, out
-
-        grads = jax.tree.map(lambda g: g[:, 0], grads)
-        state, outs = jax.lax.scan(one, kit.unstack(state), grads)
-        return kit.restack(state), jax.tree.map(lambda o: o[:, None], outs)
-
-    specs = (P("data"), P(None, "data"))
-    program = jax.shard_map(worker, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=True)
-    placed = jax.device_put(grads, NamedSharding(mesh, P(None, "data")))
-    state, outs = jax.tree.map(np.asarray, jax.jit(program)(state, placed))
-    return outs, state
 
 
 def random_grads(steps: int, n: int, seed: int, shapes=SHAPES) -> dict:
@@ -228,7 +197,7 @@ def test_sparse_loco_matches_the_authors_code(kwargs):
     grads = random_grads(steps, n, seed=1)
     ours = {k.replace("clip", "clip_norm").replace("lr", "alpha"): v for k, v in kwargs.items()}
     ours = {("aggregate" if k == "agg" else k): v for k, v in ours.items()}
-    outs, state = run_tree(sparse_loco(ratio, **ours), grads)
+    outs, state = run_steps(sparse_loco(ratio, **ours), grads)
     expected, errors = sparse_loco_reference(grads, ratio, **kwargs)
     check_outputs(outs, expected, atol=1e-5)
     np.testing.assert_allclose(state.error, flat(errors), atol=1e-5)
@@ -247,7 +216,7 @@ def test_sparse_loco_a_coordinate_with_one_sender_moves_by_its_value():
     grads["a"][0, 0, 0, 0] = 5.0
     for aggregate, expected in (("senders", 5.0), ("workers", 5.0 / n)):
         reducer = sparse_loco(1 / 64, bits=None, clip_norm=False, aggregate=aggregate)
-        outs, _ = run_tree(reducer, grads)
+        outs, _ = run_steps(reducer, grads)
         assert outs["a"][0, 0, 0, 0] == pytest.approx(expected)
         reference, _ = sparse_loco_reference(grads, 1 / 64, bits=None, clip=False, agg=aggregate)
         check_outputs(outs, reference, atol=1e-6)
@@ -317,7 +286,7 @@ class DemoReference:
 def test_demo_matches_the_authors_code(agg, lr):
     n, steps = 4, 3
     grads = random_grads(steps, n, seed=2)
-    outs, state = run_tree(demo(32 / 4096, beta=0.9, lr=lr, aggregate=agg), grads)
+    outs, state = run_steps(demo(32 / 4096, beta=0.9, lr=lr, aggregate=agg), grads)
     reference = DemoReference(SHAPES, n, topk=32, decay=0.9)
     for t in range(steps):
         expected = reference.grads_to_directions({k: g[t] for k, g in grads.items()}, lr, agg)
@@ -334,7 +303,7 @@ def test_demo_with_a_schedule_scales_each_gradient_by_its_rate():
     n, steps = 2, 3
     grads = random_grads(steps, n, seed=3, shapes={"b": (10,)})
     schedule = optax.linear_schedule(1.0, 0.25, steps)
-    outs, _ = run_tree(demo(1.0, beta=0.5, lr=schedule), grads)
+    outs, _ = run_steps(demo(1.0, beta=0.5, lr=schedule), grads)
     reference = DemoReference({"b": (10,)}, n, topk=4096, decay=0.5)
     for t in range(steps):
         expected = reference.grads_to_directions({"b": grads["b"][t]}, float(schedule(t)))
