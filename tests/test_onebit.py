@@ -307,3 +307,23 @@ def test_onebit_adam_sends_a_float32_ring_then_one_bit_per_entry():
     ring = 2 * (n - 1) / n
     # The phases are the branches of one cond: warm-up all-reduces, then signs and scales.
     assert sorted(stats.branches.values()) == [ring * (d / 8 + 4 * n), ring * 4 * d]
+
+
+def test_the_momentum_mask_keeps_always_zero_entries_at_zero():
+    """DeepSpeed: 1-bit compression cannot send an exact zero, so an entry whose gradient is
+    always 0 needs ``exp_avg_mask``."""
+    n, steps = 4, 6
+    grads = random_grads(steps, n, seed=3)
+    grads["w"][:, :, 0] = 0.0  # the first row never gets a gradient (an input never seen)
+    outs, _ = run(onebit_adam(2), grads, n)
+    dead = np.abs(outs["w"][-1][:, 0])
+    assert dead.min() > 1e3  # +-scale / eps: what blows the parameters up
+    mask = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    mask["w"][0] = 0.0
+    masked_outs, masked_states = run(onebit_adam(2, exp_avg_mask=mask), grads, n)
+    np.testing.assert_array_equal(masked_states.mu["w"][-1][:, 0], 0.0)
+    np.testing.assert_array_equal(masked_outs["w"][-1][:, 0], 0.0)
+    # the others move as Adam's steps do (the mask also changes the tensor's scale)
+    assert np.abs(masked_outs["w"][-1]).max() < 1e3
+    with pytest.raises(ValueError, match="exp_avg_mask must be None"):
+        onebit_adam(2, exp_avg_mask="zeros")

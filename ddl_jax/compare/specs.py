@@ -44,7 +44,8 @@ DEVICES: dict[str, sim.Device] = {
 #: Workloads by name (built in ``workloads``).
 WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
 
-#: The strategies ``ddl-jax compare`` runs by default: one of every family.
+#: The strategies ``ddl-jax compare`` runs by default: one of every family but those of
+#: ``NOT_BY_DEFAULT``.
 DEFAULT_STRATEGIES = (
     "sync",
     "ring",
@@ -58,7 +59,6 @@ DEFAULT_STRATEGIES = (
     "topk:0.01",
     "demo:0.0625",
     "sign",
-    "onebitadam:50",
     "powersgd:4",
     "adasum",
     "async",
@@ -67,6 +67,13 @@ DEFAULT_STRATEGIES = (
     "ssp:2",
     "gossip:ring",
 )
+
+
+#: Families left out of the default list, and why.
+NOT_BY_DEFAULT = {
+    "onebitadam": "1-bit Adam diverges on the bundled workloads a few steps after its freeze "
+    "(inputs seen rarely keep a tiny variance; see ddl.compression.onebit_adam)",
+}
 
 
 #: Named strategy lists for ``--preset`` (``default`` is ``DEFAULT_STRATEGIES``).
@@ -82,7 +89,6 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "noloco:16",
         "demo:0.0625",
         "topk:0.01",
-        "onebitadam:50",
         "powersgd:4",
         "asynclocal:4",
     ),

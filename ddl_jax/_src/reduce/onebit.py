@@ -50,6 +50,7 @@ def onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    exp_avg_mask: Any = None,
     axis: str = "data",
 ) -> optax.GradientTransformation:
     """1-bit Adam (Tang et al.): full-precision Adam, then the variance frozen and the
@@ -89,8 +90,18 @@ def onebit_adam(
       the padding in the scales and error feedback; here padding is left out (identical on
       tensors whose size divides).
     * DeepSpeed's ``bias_correction``, ``eps_inside_sqrt`` and ``max_grad_norm`` are
-      accepted there but unused, so they are absent here; ``exp_avg_mask`` (zeroing
-      momentum entries after the all-reduce) and ``non_freeze`` groups are not supported.
+      accepted there but unused, so they are absent here; ``non_freeze`` groups are not
+      supported.
+
+    **Momentum mask.** 1-bit compression cannot send an exact zero, so an entry whose
+    gradient is always 0 (an input never seen, a position never used) gets a momentum of
+    +-scale that error feedback keeps alive, divided by a variance of 0 plus ``eps``: the
+    parameters blow up within steps. DeepSpeed requires the user to pass such entries'
+    mask, ``exp_avg_mask``, multiplied into the momentum after each compressed all-reduce;
+    so does this reducer. Entries with a tiny but non-zero frozen variance (inputs seen
+    rarely) take steps of the tensor's average momentum over that tiny root, which no mask
+    helps: 1-bit Adam wants gradients of similar scale across a tensor (on the digits MLP,
+    whose input pixels are mostly blank, it diverges a few steps after the freeze).
 
     The variance is worker state that JAX cannot prove agrees across workers (it does), so
     the output is typed varying: the reducer carries the ``PermuteReducer`` mark, and a
@@ -106,6 +117,8 @@ def onebit_adam(
       b1: the momentum's decay, in [0, 1).
       b2: the variance's decay, in [0, 1).
       eps: added to ``sqrt(v)``, > 0.
+      exp_avg_mask: ``None`` (no mask) or a pytree of 0/1 arrays like the parameters
+        (DeepSpeed's ``exp_avg_mask``, above).
       axis: the mesh axis the workers live on.
 
     Returns:
@@ -121,6 +134,11 @@ def onebit_adam(
         check_real(f"onebit_adam: {name}", beta, maximum=1, exclusive=True)
     b1, b2 = float(b1), float(b2)
     eps = check_real("onebit_adam: eps", eps, minimum=0, exclusive=True)
+    if isinstance(exp_avg_mask, str):
+        raise ValueError(
+            "onebit_adam: exp_avg_mask must be None or a pytree of 0/1 arrays like the "
+            f"parameters, got {exp_avg_mask!r}."
+        )
 
     def init(params) -> OnebitAdamState:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -146,9 +164,17 @@ def onebit_adam(
         def compressed(mu, nu, e, e2):
             local = [b1 * m + (1 - b1) * g for m, g in zip(mu, grads, strict=True)]
             if n == 1:
-                return local, nu, e, e2, jnp.ones((), jnp.float32)
+                return masked(local), nu, e, e2, jnp.ones((), jnp.float32)
             mu, e, e2, wire_bytes = compressed_allreduce(local, e, e2, axis, "l2")
-            return mu, nu, e, e2, wire.ratio(sum(g.size for g in grads), wire_bytes, n)
+            ratio = wire.ratio(sum(g.size for g in grads), wire_bytes, n)
+            return masked(mu), nu, e, e2, ratio
+
+        def masked(mu):
+            """The momentum times ``exp_avg_mask`` (after the all-reduce, as DeepSpeed)."""
+            if exp_avg_mask is None:
+                return mu
+            masks = treedef.flatten_up_to(exp_avg_mask)
+            return [m * jnp.asarray(k, m.dtype) for m, k in zip(mu, masks, strict=True)]
 
         mu, nu, e, e2, ratio = lax.cond(state.count < freeze_step, warm, compressed, *flat)
         out = [
