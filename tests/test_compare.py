@@ -42,11 +42,8 @@ def test_parse_spec(text, spec):
     assert parse_spec(text) == spec
 
 
-def test_defaults_cover_every_family_but_those_left_out_with_a_reason():
-    assert {parse_spec(s).family for s in DEFAULT_STRATEGIES} == set(FAMILIES) - set(
-        specs.NOT_BY_DEFAULT
-    )
-    assert all(reason for reason in specs.NOT_BY_DEFAULT.values())
+def test_defaults_cover_every_family():
+    assert {parse_spec(s).family for s in DEFAULT_STRATEGIES} == set(FAMILIES)
 
 
 BAD = [

@@ -44,8 +44,7 @@ DEVICES: dict[str, sim.Device] = {
 #: Workloads by name (built in ``workloads``).
 WORKLOADS = ("digits-mlp", "digits-cnn", "digits-resnet", "text-gpt")
 
-#: The strategies ``ddl-jax compare`` runs by default: one of every family but those of
-#: ``NOT_BY_DEFAULT``.
+#: The strategies ``ddl-jax compare`` runs by default: one of every family.
 DEFAULT_STRATEGIES = (
     "sync",
     "ring",
@@ -67,13 +66,6 @@ DEFAULT_STRATEGIES = (
     "ssp:2",
     "gossip:ring",
 )
-
-
-#: Families left out of the default list, and why.
-NOT_BY_DEFAULT = {
-    "onebitadam": "1-bit Adam diverges on the bundled workloads a few steps after its freeze "
-    "(inputs seen rarely keep a tiny variance; see ddl.compression.onebit_adam)",
-}
 
 
 #: Named strategy lists for ``--preset`` (``default`` is ``DEFAULT_STRATEGIES``).
@@ -373,19 +365,6 @@ FAMILIES: dict[str, Family] = {
         None,
         "",
         "1-bit sign compression with error feedback, then Adam (the naive scheme)",
-    ),
-    "onebitadam": Family(
-        lambda freeze, ctx: ddl.data_parallel(
-            ctx.loss_fn,
-            optax.sgd(LEARNING_RATE),
-            ctx.mesh,
-            reducer=compression.onebit_adam(freeze),
-        ),
-        _int(1),
-        "50",
-        "the full-precision Adam steps before the variance freezes, an integer >= 1 (e.g. "
-        "onebitadam:50)",
-        "1-bit Adam: Adam, then the variance frozen and the momentum sent in 1 bit",
     ),
     "powersgd": Family(
         _reduced(compression.power_sgd),
