@@ -8,7 +8,8 @@ whole schedule of one ``Strategy.step`` is a pure function of a small :class:`Cl
 
 Event model: worker i's k-th gradient takes ``d(i, k)`` simulated time units
 (``staleness.duration``; under ``async_local(H)`` a task is H gradients and the
-strategy hands the clock H times the per-gradient times, ``staleness.task_time``); it
+strategy hands the clock H times the per-gradient times, ``staleness.task_time``; under
+DyLU, worker i's H_i times its own); it
 starts when the worker fetches (or is released) at time t and arrives at ``t + d(i, k)``.
 Arrivals are taken in time order, ties broken by the lower worker index. One step:
 

@@ -174,6 +174,7 @@ def local_steps(
     batch: st.Batch,
     key: jax.Array,
     opt_state: Any,
+    count: jax.Array | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """One ``async_local`` task on one worker: H inner steps from the fetched ``params``.
 
@@ -182,6 +183,10 @@ def local_steps(
     the model state threaded through, and applies ``inner``. Returns ``((loss, aux), the
     pseudo-gradient params - local params, the new model state, the inner state)``; loss
     and aux are the means over the H steps.
+
+    ``count`` (DyLU, an int32 scalar in [1, H], this worker's H_i): only steps h < count
+    are taken (a ``lax.cond`` skips the others, their slices unused); loss and aux are
+    the means over those. ``None``: all H.
     """
     steps = protocol.steps
     if protocol.reset:  # a fresh inner state at every task (= at every fetch)
@@ -198,9 +203,24 @@ def local_steps(
         return (optax.apply_updates(local, updates), state, opt), out
 
     carry = (params, model_state, opt_state)
-    (local, model_state, opt_state), out = lax.scan(one, carry, (jnp.arange(steps), micro))
+    if count is None:
+        (local, model_state, opt_state), out = lax.scan(one, carry, (jnp.arange(steps), micro))
+        out = _mean0(out)
+    else:
+        shape = jax.eval_shape(one, carry, (jnp.zeros((), jnp.int32), _first(micro)))[1]
+        skipped = vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shape), (axis,))
+
+        def maybe(carry: Any, xs: Any) -> tuple[Any, Any]:
+            return lax.cond(xs[0] < count, one, lambda c, _: (c, skipped), carry, xs)
+
+        (local, model_state, opt_state), out = lax.scan(maybe, carry, (jnp.arange(steps), micro))
+        out = jax.tree.map(lambda x: jnp.sum(x, axis=0) / count, out)
     pseudo = jax.tree.map(lambda a, b: (a - b).astype(a.dtype), params, local)
-    return _mean0(out), pseudo, model_state, opt_state
+    return out, pseudo, model_state, opt_state
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def _check_inner(
@@ -233,6 +253,7 @@ class _Program(NamedTuple):
     downpour: bool
     local: sl.AsyncLocal | None = None
     inner: optax.GradientTransformation | None = None
+    counts: tuple[int, ...] | None = None
 
     @classmethod
     def build(
@@ -253,8 +274,12 @@ class _Program(NamedTuple):
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
         server_opt = optax.with_extra_args_support(optimizer)
+        counts = None  # DyLU's H_i, where they are not all H
+        if local is not None and local.dynamic:
+            counts = sl.dynamic_steps(times, local, kit.n)
+            counts = None if set(counts) == {local.steps} else counts
         times = sl.task_time(times, protocol)
-        program = cls(kit, rules, times, server_opt, downpour, local, inner_optimizer)
+        program = cls(kit, rules, times, server_opt, downpour, local, inner_optimizer, counts)
         specs = program.specs()
         params = kit.replicated(program.variables) if downpour else program.variables
         divisor, why = None, None
@@ -310,6 +335,9 @@ class _Program(NamedTuple):
         if self.local is None:
             return (*self.kit.value_and_grad(params, model_state, batch, key), inner)
         kit = self.kit
+        count = None
+        if self.counts is not None:  # DyLU: this worker's H_i
+            count = jnp.asarray(self.counts, jnp.int32)[lax.axis_index(kit.axis)]
         return local_steps(
             kit.value_and_grad,
             self.inner,
@@ -320,6 +348,7 @@ class _Program(NamedTuple):
             batch,
             key,
             inner,
+            count,
         )
 
     def compute(
@@ -504,6 +533,9 @@ def async_sgd(
       is the outer one (``ddl.delayed_nesterov``; ``optax.sgd(1.0)`` averages). Events are
       plain async's; a task takes H times ``compute_time``. Each worker's inner state
       (``P(axis)``) is kept across tasks, or reset at each fetch with ``reset=True``.
+      ``async_local(H, dynamic=True)`` (DyLU): worker i takes ``H_i = max(1, floor(H *
+      v_i / max v))`` steps, v its speed (expected, under random times), on the first
+      H_i of its H slices (the others unused), and its task takes H_i times its time.
 
     Model state and dropout (a ``ddl.ModelLoss``): the server holds the model state
     (batch statistics) with its parameters; a worker fetches both, its k-th task computes
@@ -554,7 +586,8 @@ def async_sgd(
       compute_time: simulated seconds per gradient: one number for all workers, one per
         worker, or ``ddl.compute_times(base, spread=, seed=)`` for random times.
       protocol: ``"async"``, ``ddl.softsync(n)`` (1 <= n <= N), ``ddl.ssp(bound)``,
-        ``ddl.downpour(n_fetch, n_push)`` or ``ddl.async_local(steps)``.
+        ``ddl.downpour(n_fetch, n_push)`` or ``ddl.async_local(steps, reset=,
+        dynamic=)``.
       drop: p in [0, 1), the probability that a push is lost; churn: ``None`` or
         ``ddl.churn(leave=q, away=T)``, workers that leave and rejoin (see above).
       inner_optimizer: the workers' optimizer, required by ``async_local`` and only there.

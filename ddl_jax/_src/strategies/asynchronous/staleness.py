@@ -5,7 +5,8 @@ them. A protocol decides what waits in the simulated parameter server: plain asy
 (apply each gradient on arrival), n-softsync (apply the average of every n arrivals),
 stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits),
 Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``) and asynchronous local
-SGD (each task is ``steps`` inner optimizer steps; the push is their pseudo-gradient).
+SGD (each task is ``steps`` inner optimizer steps, or a number scaled to the worker's
+speed with dynamic local updates; the push is their pseudo-gradient).
 """
 
 from __future__ import annotations
@@ -152,10 +153,13 @@ class AsyncLocal(NamedTuple):
     Attributes:
       steps: H, inner optimizer steps per task, >= 1.
       reset: whether a worker's inner optimizer state restarts from ``init`` at each task.
+      dynamic: dynamic local updates (DyLU): worker i takes H_i <= H steps, scaled to its
+        speed (see :func:`dynamic_steps`).
     """
 
     steps: int
     reset: bool
+    dynamic: bool = False
 
 
 Protocol = Async | SoftSync | SSP | Downpour | AsyncLocal
@@ -244,7 +248,7 @@ def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
     )
 
 
-def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
+def async_local(steps: int, *, reset: bool = False, dynamic: bool = False) -> AsyncLocal:
     """Asynchronous local SGD: a worker takes ``steps`` inner optimizer steps per task.
 
     A worker that fetched the server's parameters theta takes H = ``steps`` steps of
@@ -257,8 +261,19 @@ def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
     **Batch size.** A step's batch holds every worker's H inner micro-batches: for ``b``
     examples per inner step on N workers, give batches of ``N * H * b`` rows (the paper's
     per-inner-step batch is ``b``); a batch whose rows do not split so is refused with the
-    arithmetic. The paper's dynamic local updates (each worker's H scaled to its speed) are
-    not offered: every worker takes the same H.
+    arithmetic.
+
+    **Dynamic local updates** (Liu et al.'s DyLU, ``dynamic=True``): worker i takes
+    ``H_i = max(1, floor(H * v_i / max_j v_j))`` inner steps per task, ``v_i`` its speed
+    in ``async_sgd``'s compute-time model (see :func:`dynamic_steps`), so a task of a
+    slow worker takes about as long as a fast one's: ``H_i`` times its per-gradient time.
+    The batch still holds H micro-batches per worker: worker i uses the first ``H_i`` of
+    its H and leaves the other ``H - H_i`` unused. Everything else (events, keys: inner
+    step h draws ``fold_in(key, h)`` for H > 1, inner state, resume) is as without DyLU;
+    with equal speeds every ``H_i`` is H and the run is the same, bit for bit. The rule
+    is the one of jdinalt/forgather's DiLoCo server (``src/forgather/ml/diloco/server.py``,
+    ``_compute_dylu_sync_every``), a public implementation of the paper's DyLU; the
+    paper's own text was not at hand to check its exact rounding.
 
     References:
       Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato, "Asynchronous
@@ -270,18 +285,55 @@ def async_local(steps: int, *, reset: bool = False) -> AsyncLocal:
         step count) from task to task, as DiLoCo's workers do; ``True``: the state is
         ``inner_optimizer.init`` of the fetched parameters at the start of every task
         (every task starts with a fetch: a reset at each fetch).
+      dynamic: ``False`` (default): every worker takes H steps per task; ``True``:
+        dynamic local updates, worker i takes ``H_i`` (above).
     """
     if not isinstance(reset, bool):
         raise ValueError(f"async_local reset must be a bool, got {reset!r}.")
-    return AsyncLocal(check_int("async_local steps", steps, minimum=1), reset)
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"async_local dynamic must be a bool, got {dynamic!r}.")
+    return AsyncLocal(check_int("async_local steps", steps, minimum=1), reset, dynamic)
+
+
+# Relative slack of DyLU's floor: H * v_i / max v computed in floating point may land just
+# below an integer it equals exactly (e.g. 3 * 0.1 / 0.3), which must not lose a step.
+_DYLU_SLACK = 1e-9
+
+
+def dynamic_steps(times: ComputeTime, protocol: AsyncLocal, n: int) -> tuple[int, ...]:
+    """Each of the N workers' inner steps per task under ``protocol``: H_i.
+
+    Without ``dynamic``, H for all. With it, Liu et al.'s (2024) dynamic local updates
+    (DyLU): ``H_i = max(1, floor(H * v_i / max_j v_j))``, with ``v_i = 1 /
+    base[i]`` worker i's speed (gradients per simulated time unit; a worker of time 0 is
+    the fastest, ``v_i / max v = 1``, and the others then take 1 step). Under random times
+    (``spread > 0``) the speed is the expected one: the log-normal noise multiplies every
+    worker's expected time by the same ``exp(spread**2 / 2)`` (its expected speed by the
+    same ``exp(spread**2 / 2)`` too), so ``v_i / max v = min_j base[j] / base[i]``, the
+    ratio of the median times, fixed for the whole run (one H_i per worker, not per task).
+    The floor forgives a relative rounding error of 1e-9.
+    """
+    base = np.broadcast_to(np.asarray(times.base, np.float64), (n,))
+    if not protocol.dynamic:
+        return (protocol.steps,) * n
+    fastest = base.min()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(base == fastest, 1.0, fastest / base)
+    steps = np.floor(protocol.steps * ratio * (1 + _DYLU_SLACK))
+    return tuple(int(max(1, h)) for h in steps)
 
 
 def task_time(times: ComputeTime, protocol: Protocol) -> ComputeTime:
     """The compute-time model of one task: under ``async_local(H)`` H gradients, so H
-    times the per-gradient ``base`` (the noise, one draw per task, scales with it)."""
+    times the per-gradient ``base`` (the noise, one draw per task, scales with it); under
+    ``async_local(H, dynamic=True)`` worker i's H_i (:func:`dynamic_steps`) times its own
+    (with one ``base`` shared by all workers every H_i is H)."""
     if not isinstance(protocol, AsyncLocal):
         return times
     base = times.base
+    if protocol.dynamic and isinstance(base, tuple):
+        steps = dynamic_steps(times, protocol, len(base))
+        return times._replace(base=tuple(b * h for b, h in zip(base, steps, strict=True)))
     scaled = tuple(b * protocol.steps for b in base) if isinstance(base, tuple) else None
     return times._replace(base=base * protocol.steps if scaled is None else scaled)
 
@@ -313,7 +365,7 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
     if isinstance(protocol, Downpour):
         protocol = downpour(protocol.n_fetch, protocol.n_push)
     if isinstance(protocol, AsyncLocal):
-        protocol = async_local(protocol.steps, reset=protocol.reset)
+        protocol = async_local(protocol.steps, reset=protocol.reset, dynamic=protocol.dynamic)
     return protocol
 
 
