@@ -374,7 +374,9 @@ class _Program(NamedTuple):
         metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
         return workers, protocol, {k: v / count for k, v in metrics.items()}
 
-    def replay(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
+    def replay(
+        self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event
+    ) -> tuple[_Local, None]:
         """One event on the parameters: accrue (Downpour), push, apply, fetch."""
         if self.downpour:  # a lost push empties the sum as a received one does
             mine = me == event.worker
@@ -382,21 +384,34 @@ class _Program(NamedTuple):
             total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
             total = _select(accrue, total, local.protocol.gradient)
             local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
-        local = lax.cond(event.push, functools.partial(self.push, me), _keep, local, event)
+        push = functools.partial(self.push, me, pushed)
+        local = lax.cond(event.push, push, _keep, local, event)
         return self.fetch(me, local, event.fetch), None
 
-    def push(self, me: jax.Array, local: _Local, event: ev.Event) -> _Local:
+    def gather_pushes(self, local: _Local) -> Any:
+        """Every worker's gradient and new model state, ``[N, ...]``, all-gathered once per
+        step: a push reads its worker's (``None`` under Downpour, whose pushes are sums
+        accrued during the events)."""
+        if self.downpour:
+            return None
+        workers = local.workers
+        # typed invariant: the same on every worker, as the server's state is
+        gather = functools.partial(lax.all_gather, axis_name=self.kit.axis, to="invarying")
+        return jax.tree.map(gather, (workers.gradient, workers.new_model_state))
+
+    def push(self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event) -> _Local:
         """The arriving worker sends its gradient (Downpour: its accrued sum) and its new
-        model state: a masked all-reduce (Downpour: a reduce-scatter to the shards)."""
+        model state: read from the step's gathered pushes (Downpour: a reduce-scatter of
+        the accrued sum to the server's shards)."""
+        if not self.downpour:
+            gradient, model_state = jax.tree.map(lambda x: x[event.worker], pushed)
+            return self.receive(local, gradient, model_state, event)
         kit, mine = self.kit, me == event.worker
-        sent = local.protocol.gradient if self.downpour else local.workers.gradient
-        gradient = _masked(sent, mine)
         model_state = lax.psum(_masked(local.workers.new_model_state, mine), kit.axis)
-        if self.downpour:  # each server shard receives its slice of the push
-            gradient = lax.psum_scatter(_blocks(gradient, kit.n), kit.axis, scatter_dimension=0)
-            local = local._replace(protocol=Accrued(_masked(local.protocol.gradient, ~mine)))
-        else:
-            gradient = lax.psum(gradient, kit.axis)
+        gradient = _masked(local.protocol.gradient, mine)
+        # each server shard receives its slice of the push
+        gradient = lax.psum_scatter(_blocks(gradient, kit.n), kit.axis, scatter_dimension=0)
+        local = local._replace(protocol=Accrued(_masked(local.protocol.gradient, ~mine)))
         return self.receive(local, gradient, model_state, event)
 
     def receive(self, local: _Local, gradient: Any, model_state: Any, event: ev.Event) -> _Local:
@@ -463,7 +478,8 @@ class _Program(NamedTuple):
                 opt_state=unstack(local.opt_state),
                 protocol=unstack(local.protocol),
             )
-        local, _ = lax.scan(functools.partial(self.replay, me), local, events)
+        replay = functools.partial(self.replay, me, self.gather_pushes(local))
+        local, _ = lax.scan(replay, local, events)
         server, protocol = (local.params, local.opt_state), local.protocol
         if self.downpour:
             server, protocol = restack(server), restack(protocol)
