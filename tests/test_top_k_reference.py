@@ -195,7 +195,7 @@ def test_scope_model_is_one_selection_over_the_flattened_model():
     grads, params = make_data(1, n, seed=3)
     reducer = ddl.compression.top_k(ratio, scope="model", compress_1d=True)
     ours, _ = run_ours(reducer, grads, params, n, lr)
-    assert np.sum(ours[0]["small"] != params["small"]) == 0  # starved, as issue 36 found
+    assert np.sum(ours[0]["small"] != params["small"]) == 0  # starved: the whole-model selection
     assert np.sum(ours[0]["bias"] != params["bias"]) < SHAPES["bias"][0]
 
 

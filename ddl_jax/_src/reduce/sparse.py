@@ -229,7 +229,7 @@ def top_k(
     density falls 25%, 6.25%, 1.56%, 0.39% over four W/4-step phases before reaching
     ``ratio`` (each phase is a branch of its own payload size in the compiled program).
 
-    ``scope="model", compress_1d=True`` is this reducer before issue 36: one top-k over
+    ``scope="model", compress_1d=True`` is this reducer's earlier default: one top-k over
     the flattened model (``k = ceil(ratio * D)``), every tensor sparsified; it starves
     layers whose gradients are small next to others'.
 
