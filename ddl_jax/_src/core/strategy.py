@@ -139,6 +139,13 @@ def check_batch(batch: Batch, divisor: int, *, why: str) -> int:
     return size
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Returns ``value``; raises ``ValueError`` unless it is a Python ``bool``."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
 def check_int(
     name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:

@@ -31,7 +31,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView
-from ddl_jax._src.core.strategy import check_int, check_real
+from ddl_jax._src.core.strategy import check_bool, check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
@@ -266,8 +266,7 @@ def sparse_loco(
     sigmas = check_real("sparse_loco: sigmas", sigmas, minimum=0, exclusive=True)
     decay = check_real("sparse_loco: decay", decay, minimum=0, maximum=1)
     alpha = check_real("sparse_loco: alpha", alpha, minimum=0, exclusive=True)
-    if not isinstance(clip_norm, bool):
-        raise ValueError(f"sparse_loco: clip_norm must be a bool, got {clip_norm!r}")
+    clip_norm = check_bool("sparse_loco: clip_norm", clip_norm)
     aggregate = _check_aggregate("sparse_loco", aggregate)
     k_target = entries_kept(ratio, chunk * chunk)
 

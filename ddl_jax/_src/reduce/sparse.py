@@ -19,7 +19,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView
-from ddl_jax._src.core.strategy import check_int, check_real
+from ddl_jax._src.core.strategy import check_bool, check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
@@ -141,12 +141,6 @@ class TopKState(NamedTuple):
 
 
 SCOPES = ("tensor", "model")
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def _layout(

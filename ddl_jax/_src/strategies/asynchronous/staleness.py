@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ddl_jax._src.core.strategy import check_int, check_real
+from ddl_jax._src.core.strategy import check_bool, check_int, check_real
 
 
 class ComputeTime(NamedTuple):
@@ -288,10 +288,8 @@ def async_local(steps: int, *, reset: bool = False, dynamic: bool = False) -> As
       dynamic: ``False`` (default): every worker takes H steps per task; ``True``:
         dynamic local updates, worker i takes ``H_i`` (above).
     """
-    if not isinstance(reset, bool):
-        raise ValueError(f"async_local reset must be a bool, got {reset!r}.")
-    if not isinstance(dynamic, bool):
-        raise ValueError(f"async_local dynamic must be a bool, got {dynamic!r}.")
+    reset = check_bool("async_local reset", reset)
+    dynamic = check_bool("async_local dynamic", dynamic)
     return AsyncLocal(check_int("async_local steps", steps, minimum=1), reset, dynamic)
 
 
