@@ -8,12 +8,14 @@ from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
 from ddl_jax._src.core import kit
+from ddl_jax._src.core.reducer import checks_vma
 
 
-def reducer_program(reducer, grads):
+def reducer_program(reducer, grads, every_state=False):
     """The jitted program feeding worker i its gradients ``grads[..][:, i]`` (leaves
     ``[T, N, ...]``) for T steps, and its arguments: the workers' stacked initial reducer
-    states and the gradients, placed on the mesh."""
+    states and the gradients, placed on the mesh. The program returns the final states
+    ``[N, ...]`` (``every_state``: each step's, ``[T, N, ...]``) and the outputs."""
     n = jax.tree.leaves(grads)[0].shape[1]
     mesh = ddl.make_mesh(data=n)
     params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
@@ -25,22 +27,30 @@ def reducer_program(reducer, grads):
     def worker(state, grads):
         def one(state, g):
             out, state = reducer.update(g, state)
-            return state, out
+            return state, (out, kit.restack(state) if every_state else ())
 
         mine = jax.tree.map(lambda g: g[:, 0], grads)
-        state, outs = jax.lax.scan(one, kit.unstack(state), mine)
-        return kit.restack(state), jax.tree.map(lambda x: x[:, None], outs)
+        state, (outs, states) = jax.lax.scan(one, kit.unstack(state), mine)
+        outs = jax.tree.map(lambda x: x[:, None], outs)
+        return (states if every_state else kit.restack(state)), outs
 
-    # check_vma: the outputs must be typed as agreeing across workers, as a strategy needs.
-    specs = (P("data"), P(None, "data"))
-    program = jax.shard_map(worker, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=True)
+    # check_vma: the outputs must be typed as agreeing across workers, as a strategy needs
+    # (unless the reducer carries the mark of one whose agreement JAX cannot prove).
+    specs = (P(None, "data") if every_state else P("data"), P(None, "data"))
+    program = jax.shard_map(
+        worker,
+        mesh=mesh,
+        in_specs=(P("data"), P(None, "data")),
+        out_specs=specs,
+        check_vma=checks_vma(reducer),
+    )
     grads = jax.device_put(grads, NamedSharding(mesh, P(None, "data")))
     return jax.jit(program), state, grads
 
 
-def run_steps(reducer, grads):
+def run_steps(reducer, grads, every_state=False):
     """Runs :func:`reducer_program`; returns the outputs (leaves ``[T, N, ...]``) and the
-    final states ``[N, ...]``, as numpy."""
-    program, state, grads = reducer_program(reducer, grads)
+    final states ``[N, ...]`` (``every_state``: each step's, ``[T, N, ...]``), as numpy."""
+    program, state, grads = reducer_program(reducer, grads, every_state)
     state, outs = jax.tree.map(np.asarray, program(state, grads))
     return outs, state

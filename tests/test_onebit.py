@@ -9,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from reducers import run_steps
 
 import ddl_jax as ddl
-from ddl_jax._src.core import kit
 from ddl_jax._src.core.reducer import checks_vma, reducer_metrics
 from ddl_jax._src.reduce.onebit import onebit_adam
 from ddl_jax._src.reduce.quantise import sign
@@ -30,33 +28,8 @@ def random_grads(steps: int, n: int, seed: int = 0) -> dict:
 def run(reducer, grads: dict, n: int):
     """Worker i fed ``grads[:, i]`` for T steps: every step's outputs and states,
     ``[T, N, ...]`` (numpy)."""
-    mesh = ddl.make_mesh(data=n)
-    params = jax.tree.map(lambda g: jnp.zeros(g.shape[2:], jnp.float32), grads)
-    state = jax.device_put(
-        jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))), reducer.init(params)),
-        NamedSharding(mesh, P("data")),
-    )
-
-    def worker(state, grads):
-        def one(state, g):
-            out, state = reducer.update(g, state)
-            return state, (out, kit.restack(state))
-
-        mine = jax.tree.map(lambda g: g[:, 0], grads)
-        _, (outs, states) = jax.lax.scan(one, kit.unstack(state), mine)
-        return jax.tree.map(lambda x: x[:, None], outs), states
-
-    specs = P(None, "data")
-    program = jax.shard_map(
-        worker,
-        mesh=mesh,
-        in_specs=(P("data"), specs),
-        out_specs=(specs, specs),
-        check_vma=checks_vma(reducer),
-    )
-    grads = jax.device_put(grads, NamedSharding(mesh, specs))
-    outs, states = jax.jit(program)(state, grads)
-    return jax.tree.map(np.asarray, outs), jax.tree.map(np.asarray, states)
+    assert jax.tree.leaves(grads)[0].shape[1] == n
+    return run_steps(reducer, grads, every_state=True)
 
 
 # -- DeepSpeed, transcribed -----------------------------------------------------------------
