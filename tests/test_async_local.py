@@ -51,22 +51,25 @@ def test_one_inner_sgd_step_pushed_to_outer_sgd_one_is_plain_async(mlp):
     chex.assert_trees_all_close(local_history, plain_history, atol=1e-6, rtol=1e-6)
 
 
-def reference(loss_fn, inner, outer, params, batches, base, steps, reset):
+def reference(loss_fn, inner, outer, params, batches, base, steps, reset, counts=None):
     """Asynchronous local SGD, one event at a time in plain Python.
 
     Per step: every worker without a pseudo-gradient (all of them: under plain async a
     worker restarts at its arrival) takes H inner steps from what it fetched on the H
-    consecutive parts of its shard; then arrivals in (time, worker) order until one has
-    nothing computed: the server applies the pseudo-gradient with the outer optimizer and
-    the worker fetches at once, its next arrival H * base later. Returns per step the
-    server params and the metrics, and the workers' final inner states.
+    consecutive parts of its shard (``counts``, DyLU: worker i takes ``counts[i]`` steps on
+    the first ``counts[i]`` parts, the rest unused); then arrivals in (time, worker) order
+    until one has nothing computed: the server applies the pseudo-gradient with the outer
+    optimizer and the worker fetches at once, its next arrival ``counts[i] * base[i]``
+    later. Returns per step the server params, the metrics and the pushing workers in
+    order, and the workers' final inner states.
     """
     n = len(base)
+    counts = [steps] * n if counts is None else counts
     grad_fn = jax.jit(jax.value_and_grad(loss_fn))
     theta, outer_state, version = params, outer.init(params), 0
     fetched, fetched_version = [params] * n, [0] * n
     inner_state = [inner.init(params)] * n
-    arrival = [np.float32(steps * b) for b in base]
+    arrival = [np.float32(c * b) for c, b in zip(counts, base, strict=True)]
     pending, log = [None] * n, []
     for batch in batches:
         losses = []
@@ -74,30 +77,33 @@ def reference(loss_fn, inner, outer, params, batches, base, steps, reset):
             if pending[i] is None:
                 local = fetched[i]
                 state = inner.init(local) if reset else inner_state[i]
-                for part in worker_shards(shard, steps):
+                task_losses = []
+                for part in worker_shards(shard, steps)[: counts[i]]:
                     loss, grads = grad_fn(local, part)
-                    losses.append(loss / steps)
+                    task_losses.append(loss)
                     updates, state = inner.update(grads, state, local)
                     local = optax.apply_updates(local, updates)
+                losses.append(np.mean(task_losses))
                 inner_state[i] = state
                 pending[i] = jax.tree.map(jnp.subtract, fetched[i], local)
-        taus = []
+        taus, order = [], []
         while pending[w := min(range(n), key=lambda i: (arrival[i], i))] is not None:
             now = arrival[w]
             taus.append(version - fetched_version[w])
+            order.append(w)
             updates, outer_state = outer.update(pending[w], outer_state, theta)
             theta, version = optax.apply_updates(theta, updates), version + 1
             pending[w], fetched[w], fetched_version[w] = None, theta, version
-            arrival[w] = np.float32(now + np.float32(steps * base[w]))
+            arrival[w] = np.float32(now + np.float32(counts[w] * base[w]))
         metrics = {
-            "loss": sum(losses) / (len(losses) / steps),
+            "loss": np.mean(losses),
             "pushes": len(taus),
             "staleness_max": max(taus),
             "staleness_mean": np.mean(taus),
             "updates_applied": version,
             "wall_clock": now,
         }
-        log.append((theta, metrics))
+        log.append((theta, metrics, order))
     return log, inner_state
 
 
@@ -123,7 +129,7 @@ def test_three_unequal_workers_two_inner_steps_equal_a_plain_event_loop(mlp):
     state = strategy.init(params)
     expected, inner_states = reference(loss_fn, inner, outer, params, batches, base, 2, reset)
     taus = []
-    for batch, (theta, want) in zip(batches, expected, strict=True):
+    for batch, (theta, want, _) in zip(batches, expected, strict=True):
         state, got = step(state, batch)
         chex.assert_trees_all_close(strategy.params(state), theta, atol=2e-6, rtol=1e-5)
         for name, value in want.items():
@@ -268,54 +274,6 @@ def paper_local_steps(base, steps):
     return [max(1, int(np.floor(steps * v / max(speeds) + 1e-9))) for v in speeds]
 
 
-def dynamic_reference(loss_fn, inner, outer, params, batches, base, steps, reset):
-    """As :func:`reference`, with DyLU: worker i takes H_i = paper_local_steps(...)[i] inner
-    steps on the first H_i of the H parts of its shard (the rest unused), and its task
-    takes H_i * base[i]. Returns per step the server params and the metrics, and the
-    workers' final inner states."""
-    n, counts = len(base), paper_local_steps(base, steps)
-    grad_fn = jax.jit(jax.value_and_grad(loss_fn))
-    theta, outer_state, version = params, outer.init(params), 0
-    fetched, fetched_version = [params] * n, [0] * n
-    inner_state = [inner.init(params)] * n
-    arrival = [np.float32(c * b) for c, b in zip(counts, base, strict=True)]
-    pending, log = [None] * n, []
-    for batch in batches:
-        losses = []
-        for i, shard in enumerate(worker_shards(batch, n)):
-            if pending[i] is None:
-                local = fetched[i]
-                state = inner.init(local) if reset else inner_state[i]
-                task_losses = []
-                for part in worker_shards(shard, steps)[: counts[i]]:
-                    loss, grads = grad_fn(local, part)
-                    task_losses.append(loss)
-                    updates, state = inner.update(grads, state, local)
-                    local = optax.apply_updates(local, updates)
-                losses.append(np.mean(task_losses))
-                inner_state[i] = state
-                pending[i] = jax.tree.map(jnp.subtract, fetched[i], local)
-        taus, order = [], []
-        while pending[w := min(range(n), key=lambda i: (arrival[i], i))] is not None:
-            now = arrival[w]
-            taus.append(version - fetched_version[w])
-            order.append(w)
-            updates, outer_state = outer.update(pending[w], outer_state, theta)
-            theta, version = optax.apply_updates(theta, updates), version + 1
-            pending[w], fetched[w], fetched_version[w] = None, theta, version
-            arrival[w] = np.float32(now + np.float32(counts[w] * base[w]))
-        metrics = {
-            "loss": np.mean(losses),
-            "pushes": len(taus),
-            "staleness_max": max(taus),
-            "staleness_mean": np.mean(taus),
-            "updates_applied": version,
-            "wall_clock": now,
-        }
-        log.append((theta, metrics, order))
-    return log, inner_state
-
-
 @pytest.mark.parametrize("reset", [False, True])
 def test_dynamic_local_updates_equal_a_plain_event_loop(mlp, reset):
     """DyLU, N = 4 at 1, 2, 3, 1.5 per gradient, H = 4: H_i = 4, 2, 1, 2 (the paper's
@@ -339,8 +297,9 @@ def test_dynamic_local_updates_equal_a_plain_event_loop(mlp, reset):
     )
     step = jax.jit(strategy.step)
     state = strategy.init(params)
-    expected, inner_states = dynamic_reference(
-        loss_fn, inner, outer, params, batches, base, steps, reset
+    counts = paper_local_steps(base, steps)
+    expected, inner_states = reference(
+        loss_fn, inner, outer, params, batches, base, steps, reset, counts
     )
     taus, pushers = [], set()
     for batch, (theta, want, order) in zip(batches, expected, strict=True):
