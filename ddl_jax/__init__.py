@@ -34,7 +34,7 @@ from ddl_jax._src.strategies.asynchronous.staleness import (
 from ddl_jax._src.strategies.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.strategies.fsdp import FSDPState, fsdp
 from ddl_jax._src.strategies.gossip import GossipState, gossip, mixing_matrix
-from ddl_jax._src.strategies.local_sgd import LocalSGDState, local_sgd
+from ddl_jax._src.strategies.local_sgd import IslandsState, LocalSGDState, local_sgd
 from ddl_jax._src.strategies.noloco import NoLoCoState, noloco
 from ddl_jax._src.strategies.pipeline.builder import pipeline
 from ddl_jax._src.strategies.pipeline.stages import pipeline_stages
@@ -54,6 +54,7 @@ __all__ = [
     "DataParallelState",
     "FSDPState",
     "GossipState",
+    "IslandsState",
     "LocalSGDState",
     "ModelLoss",
     "ModelVars",

@@ -23,6 +23,9 @@ def test_conftest_simulates_eight_devices():
         ({}, {"data": 8}),
         ({"stage": 4}, {"data": 2, "stage": 4}),
         ({"data": 2, "model": 4}, {"data": 2, "model": 4}),
+        ({"island": 2}, {"island": 2, "data": 4}),
+        ({"island": 1, "data": 8}, {"island": 1, "data": 8}),
+        ({"island": 2, "model": 2}, {"island": 2, "data": 2, "model": 2}),
     ],
 )
 def test_make_mesh_axes(kwargs, shape):
@@ -34,6 +37,10 @@ def test_make_mesh_rejects_impossible_shapes():
         ddl.make_mesh(data=16)
     with pytest.raises(ValueError, match="do not split into stage=3"):
         ddl.make_mesh(stage=3)
+    with pytest.raises(ValueError, match="do not split into island=3 x stage=1"):
+        ddl.make_mesh(island=3)
+    with pytest.raises(ValueError, match="island=4 x data=4 x stage=1 x model=1 needs 16"):
+        ddl.make_mesh(island=4, data=4)
     with pytest.raises(ValueError, match=r"make_mesh: data \(or None\) must be an int >= 1"):
         ddl.make_mesh(data=0)
     with pytest.raises(ValueError, match="make_mesh: model must be an int >= 1, got 2.0"):

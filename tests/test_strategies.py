@@ -62,6 +62,13 @@ def replicated_tensor_parallel(loss_fn, opt, mesh):
     return ddl.tensor_parallel(loss_fn, opt, mesh, specs=P())
 
 
+def islands_of(mesh: Mesh) -> Mesh:
+    """``mesh``'s devices as islands of its ``data`` workers: two where they split evenly."""
+    devices = mesh.devices.reshape(-1)
+    islands = 2 if len(devices) % 2 == 0 else 1
+    return Mesh(devices.reshape(islands, -1), ("island", "data"))
+
+
 STRATEGIES = {
     "data_parallel": lambda loss_fn, opt, mesh: ddl.data_parallel(loss_fn, opt, mesh),
     "data_parallel_accumulate": lambda loss_fn, opt, mesh: ddl.data_parallel(
@@ -136,7 +143,18 @@ STRATEGIES = {
     "fsdp_scatter_top_k_ratio_1": lambda loss_fn, opt, mesh: ddl.fsdp(
         loss_fn, opt, mesh, reducer=ddl.compression.scatter_top_k(1.0)
     ),
+    # islands: an outer method over a sharded inner strategy (averaging at outer lr 1)
+    "local_sgd_over_fsdp": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        inner=ddl.fsdp(loss_fn, opt, islands_of(mesh), stage=3), period=2
+    ),
+    "diloco_over_data_parallel": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        inner=ddl.data_parallel(loss_fn, opt, islands_of(mesh)),
+        period=2,
+        outer_optimizer=optax.sgd(1.0),
+    ),
 }
+#: Stacked strategies build their own island mesh from the one they are given.
+STACKED = ("local_sgd_over_fsdp", "diloco_over_data_parallel")
 
 LOSSY = {
     f"data_parallel_{name}": lambda loss_fn, opt, mesh, r=reducer: ddl.data_parallel(
@@ -159,6 +177,12 @@ LOSSY = {
     ),
     "local_sgd_desloc_unreliable": lambda loss_fn, opt, mesh: ddl.local_sgd(
         loss_fn, opt, mesh, period=2, state_periods={"mu": 2, "nu": 4}, drop=0.3, churn=0.2
+    ),
+    "desloc_sparse_loco_over_fsdp": lambda loss_fn, opt, mesh: ddl.local_sgd(
+        inner=ddl.fsdp(loss_fn, opt, islands_of(mesh), stage=3),
+        period=2,
+        state_periods={"mu": 2, "nu": 4},
+        reducer=ddl.compression.sparse_loco(0.25, chunk=16, axis="island"),
     ),
     "streaming_diloco_overlap_mix": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=4, fragments=2, overlap=1, mix=0.5
@@ -271,7 +295,7 @@ def test_compiles_once_and_resumes_bitwise_from_a_checkpoint(name, tmp_path, cap
     assert not np.allclose(trained["batch_stats"]["norm"]["mean"], 0.0)
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGIES if n not in STACKED))
 def test_a_mesh_axis_the_strategy_does_not_use_is_refused(mlp, name):
     loss_fn, _ = mlp
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "extra"))

@@ -11,6 +11,14 @@ model contract), states its state's ``PartitionSpec``s once, and gets from the k
 * ``kit.value_and_grad``: one worker's loss and gradient, over micro-batches, with model
   state and a dropout key (see ``model_loss.py``);
 * ``kit.replicated(fn)``: ``fn`` jitted once, its output replicated, for ``Strategy.params``.
+
+**Islands.** A builder that accepts them (``prepare(..., islands=True)``: data parallelism,
+FSDP, tensor parallelism) on a mesh with an ``island`` axis of size I builds I independent
+copies of itself, one per island: every state leaf gets a leading axis of size I split over
+``island``, the batch is split over ``(island, data)``, and the worker step sees one
+island's state as before (its collectives stay on the island's own axes). Work outside the
+``shard_map`` runs per island through ``kit.per_island``; ``Strategy.params`` is the mean
+over islands. The islands never talk: an outer method (``ddl.local_sgd(inner=...)``) does.
 """
 
 from __future__ import annotations
@@ -99,6 +107,8 @@ class Kit(NamedTuple):
       loss_fn: the user's loss, plain or a ``ModelLoss``.
       has_aux: whether the loss returns ``(loss, aux)``.
       accumulate: micro-batches per worker per gradient.
+      islands: the size of the mesh's ``island`` axis (state stacked per island, see the
+        module's docstring), or 0 when it has none.
     """
 
     mesh: Mesh
@@ -108,6 +118,7 @@ class Kit(NamedTuple):
     loss_fn: Callable[..., Any]
     has_aux: bool
     accumulate: int
+    islands: int = 0
 
     @property
     def transposes_weight_gradients(self) -> bool:
@@ -145,7 +156,11 @@ class Kit(NamedTuple):
             st.check_params(params)
             _check_model_state(model_state)
             out = specs(jax.eval_shape(build, params, model_state)) if callable(specs) else specs
-            return jax.jit(build, out_shardings=self.shardings(out))(params, model_state)
+            make = build
+            if self.islands:
+                out = island_specs(out)
+                make = lambda *a: _stack(build(*a), self.islands)  # noqa: E731
+            return jax.jit(make, out_shardings=self.shardings(out))(params, model_state)
 
         return init
 
@@ -169,18 +184,27 @@ class Kit(NamedTuple):
             (``ddl.fsdp``'s gradient shards), its ``PartitionSpec``s, or a function of the
             abstract state returning them; the state's specs by default.
         """
+        islands = self.islands
         divisor = self.n * self.accumulate if divisor is None else divisor
         why = why or f"{self.n} workers on axis {self.axis!r} x accumulate={self.accumulate}"
+        if islands:
+            divisor, why = divisor * islands, f"{islands} islands x {why}"
         vma = self.reducer is None or checks_vma(self.reducer)
+        worker_axes = (st.ISLAND, self.axis) if islands else self.axis
 
         def step(state: st.State, batch: st.Batch) -> tuple[st.State, st.Metrics]:
             st.check_batch(batch, divisor, why=why)
-            state_specs = specs(abstract(state)) if callable(specs) else specs
+            one = self.one_island(abstract(state))
+            state_specs = specs(one) if callable(specs) else specs
             out = state_specs if out_specs is None else out_specs
-            out = out(abstract(state)) if callable(out) else out
+            out = out(one) if callable(out) else out
+            if islands:
+                state_specs, out = island_specs(state_specs), island_specs(out)
 
             def checked(state: st.State, batch: st.Batch) -> tuple[Any, st.Metrics]:
-                new, metrics = worker_step(state, batch)
+                new, metrics = worker_step(unstack(state) if islands else state, batch)
+                if islands:
+                    new, metrics = restack(new), lax.pmean(metrics, st.ISLAND)
                 if vma:
                     _check_agrees(new, out, "the new state")
                     _check_agrees(metrics, P(), "the metrics")
@@ -189,15 +213,37 @@ class Kit(NamedTuple):
             program = jax.shard_map(
                 checked,
                 mesh=self.mesh,
-                in_specs=(state_specs, P(self.axis)),
+                in_specs=(state_specs, P(worker_axes)),
                 out_specs=(out, P()),
                 check_vma=vma,
             )
-            sharding = NamedSharding(self.mesh, P(self.axis))
+            sharding = NamedSharding(self.mesh, P(worker_axes))
             batch = jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), batch)
             return program(state, batch)
 
         return step
+
+    def worker_index(self) -> jax.Array:
+        """Inside the step's ``shard_map``: this worker's index among all workers, the
+        islands' included (island i's worker w is ``i * n + w``): what keys fold in."""
+        return lax.axis_index((st.ISLAND, self.axis) if self.islands else self.axis)
+
+    def one_island(self, tree: Any) -> Any:
+        """Abstract shapes of one island's entry of an island-stacked state (``tree``
+        itself without islands)."""
+        return one_worker(tree) if self.islands else tree
+
+    def per_island(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` over one island's state, mapped over the islands (``fn`` itself without):
+        for a builder's work outside the ``shard_map``, such as ``ddl.fsdp``'s optimizer."""
+        return jax.vmap(fn, spmd_axis_name=st.ISLAND) if self.islands else fn
+
+    def over_islands(self, fn: Callable[[st.State], Any]) -> Callable[[st.State], Any]:
+        """``Strategy.params`` from one island's ``fn``: ``fn`` itself without islands, else
+        the mean of every island's ``fn`` (as ``local_sgd`` averages its replicas)."""
+        if not self.islands:
+            return fn
+        return lambda state: replica_mean(self.per_island(fn)(state))
 
     def replicated(self, fn: Callable[[st.State], Any]) -> Callable[[st.State], Any]:
         """``fn`` jitted once (not per call), its output replicated on the mesh."""
@@ -275,6 +321,16 @@ class Kit(NamedTuple):
     @property
     def stateful(self) -> bool:
         return isinstance(self.loss_fn, ml.ModelLoss)
+
+
+def island_specs(specs: Any) -> Any:
+    """A state's ``PartitionSpec`` prefix for its island-stacked form: each spec with a
+    leading ``island`` entry."""
+    return jax.tree.map(lambda s: P(st.ISLAND, *s), specs, is_leaf=is_spec)
+
+
+def _stack(tree: Any, islands: int) -> Any:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (islands, *jnp.shape(x))), tree)
 
 
 def is_spec(x: Any) -> bool:
@@ -359,6 +415,14 @@ def _check_returned_state(before: Any, after: Any) -> None:
 def _check_no_unused_axis(mesh: Mesh, used: tuple[str, ...]) -> None:
     """Refuses a mesh axis of size > 1 the strategy does not use: its devices would hold
     redundant copies doing the same work (a size-1 axis costs nothing and is accepted)."""
+    if st.ISLAND in mesh.axis_names and st.ISLAND not in used:
+        raise ValueError(
+            f"the mesh has an {st.ISLAND!r} axis, which this strategy does not take: islands "
+            "are for an outer method over an inner strategy, "
+            "ddl.local_sgd(inner=ddl.fsdp(loss_fn, optimizer, mesh), period=...), whose inner "
+            "strategy is ddl.data_parallel, ddl.fsdp or ddl.tensor_parallel. Build the mesh "
+            "without island= for this strategy."
+        )
     for name in mesh.axis_names:
         if name not in used and mesh.shape[name] > 1:
             raise ValueError(
@@ -379,6 +443,7 @@ def prepare(
     add_axes: tuple[str, ...] = (),
     reducer: optax.GradientTransformation | None = None,
     default_reducer: Callable[[str], optax.GradientTransformation] | None = None,
+    islands: bool = False,
 ) -> Kit:
     """The builder preamble: checks the shared arguments and prepares the mesh.
 
@@ -393,6 +458,8 @@ def prepare(
         of the axis; ``None`` for a builder that takes no reducer.
       accumulate: micro-batches per worker per gradient, >= 1.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
+      islands: whether the builder can run once per island on a mesh with an ``island``
+        axis (the module's docstring); others refuse such a mesh.
     """
     if not (callable(loss_fn) or isinstance(loss_fn, ml.ModelLoss)):
         raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
@@ -410,8 +477,10 @@ def prepare(
         )
     if axis not in add_axes:
         st.check_mesh_axis(mesh, axis)
-    _check_no_unused_axis(mesh, (axis, *add_axes))
+    on_islands = islands and st.ISLAND in mesh.axis_names
+    _check_no_unused_axis(mesh, (axis, *add_axes, *((st.ISLAND,) if on_islands else ())))
     mesh = explicit_mesh(mesh, add_axes)
     if reducer is None and default_reducer is not None:
         reducer = default_reducer(axis)
-    return Kit(mesh, axis, mesh.shape[axis], reducer, loss_fn, has_aux, accumulate)
+    islands = mesh.shape[st.ISLAND] if on_islands else 0
+    return Kit(mesh, axis, mesh.shape[axis], reducer, loss_fn, has_aux, accumulate, islands)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.core
 import optax
 
 
@@ -58,3 +59,24 @@ def reducer_metrics(reducer_state: Any) -> dict[str, jax.Array]:
             "which averages over the workers, per reducer."
         ) from None
     return {} if found is None else {"compression_ratio": found}
+
+
+def axes_communicated(jaxpr: Any) -> set[str]:
+    """The mesh axes named by the collectives (and axis queries) of a traced program,
+    inner jaxprs (``shard_map``, ``cond``, ``scan``) included.
+
+    Args:
+      jaxpr: a ``jax.make_jaxpr`` result (or its ``.jaxpr``).
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found: set[str] = set()
+    for eqn in jaxpr.eqns:
+        for key in ("axes", "axis_name"):
+            names = eqn.params.get(key, ())
+            names = names if isinstance(names, tuple | list) else (names,)
+            found.update(a for a in names if isinstance(a, str))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    found |= axes_communicated(sub)
+    return found

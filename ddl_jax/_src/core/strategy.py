@@ -19,9 +19,11 @@ Batch = Any
 Metrics = dict[str, jax.Array]
 LossFn = Callable[..., Any]
 
-#: Mesh axis names the strategies understand, in the order they are laid out.
-DATA, STAGE, MODEL = "data", "stage", "model"
-AXIS_NAMES = (DATA, STAGE, MODEL)
+#: Mesh axis names the strategies understand, in the order they are laid out: ``island``
+#: (the slow network between groups of devices: an outer method over an inner strategy),
+#: then the inner strategy's own.
+ISLAND, DATA, STAGE, MODEL = "island", "data", "stage", "model"
+AXIS_NAMES = (ISLAND, DATA, STAGE, MODEL)
 
 
 class Strategy(NamedTuple):

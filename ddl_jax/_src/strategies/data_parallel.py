@@ -96,6 +96,7 @@ def data_parallel(
         has_aux,
         reducer=reducer,
         default_reducer=allreduce_mean,
+        islands=True,
     )
     reducer = kit.reducer
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
@@ -111,7 +112,7 @@ def data_parallel(
         # Differentiate a worker-varying view of the replicated params: under check_vma the
         # gradient of an invariant input is already psum'd, and the reducer must see g_i.
         local_params = jax.lax.pcast(state.params, axis, to="varying")
-        key = worker_key(state.model, jax.lax.axis_index(axis))
+        key = worker_key(state.model, kit.worker_index())
         (loss, aux), grads, model_state = kit.value_and_grad(
             local_params, state.model.state, batch, key
         )
@@ -127,5 +128,5 @@ def data_parallel(
     return Strategy(
         kit.init(make_state, specs),
         kit.step(worker_step, specs),
-        lambda state: kit.variables(state.params, state.model),
+        kit.over_islands(lambda state: kit.variables(state.params, state.model)),
     )

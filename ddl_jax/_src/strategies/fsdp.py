@@ -177,6 +177,7 @@ def fsdp(
         has_aux,
         add_axes=(DATA, MODEL),
         default_reducer=allreduce_mean,
+        islands=True,
     )
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}.")
@@ -200,7 +201,7 @@ def fsdp(
             params = jax.tree.map(_gather, params, dims)
         # A data-varying view, so that each worker differentiates its own loss.
         local = vary(params, (DATA,))
-        key = worker_key(state.model, lax.axis_index(DATA))
+        key = worker_key(state.model, kit.worker_index())
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
         check_same_over_model({"loss": loss, **aux})
         grads, reducer_state, wire = _reduce(grads, dims, state.reducer_state, stage, reducer)
@@ -208,22 +209,26 @@ def fsdp(
         return (grads, reducer_state, model), lax.pmean({"loss": loss, **aux, **wire}, DATA)
 
     def step(state: FSDPState, batch: Any) -> tuple[FSDPState, dict]:
-        where = layout_of(abstract(state.params))
+        where = layout_of(kit.one_island(abstract(state.params)))
         out_specs = (where.sharded, P(DATA), ModelVars(P(), P(), P()))
         program = kit.step(
             functools.partial(worker_step, dims=where.dims), state_specs, out_specs=out_specs
         )
         (grads, reducer_state, model), metrics = program(state, batch)
-        shards = state.params if stage == 3 else _place(state.params, where.sharded, mesh)
-        updates, opt_state = optimizer.update(grads, state.opt_state, shards)
-        shards = optax.apply_updates(shards, updates)
-        params = shards if stage == 3 else _place(shards, where.whole, mesh)
+
+        def update(params: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+            shards = params if stage == 3 else _place(params, where.sharded, mesh)
+            updates, opt_state = optimizer.update(grads, opt_state, shards)
+            shards = optax.apply_updates(shards, updates)
+            return (shards if stage == 3 else _place(shards, where.whole, mesh)), opt_state
+
+        params, opt_state = kit.per_island(update)(state.params, grads, state.opt_state)
         return FSDPState(params, opt_state, reducer_state, model), metrics
 
     return st.Strategy(
         kit.init(make_state, state_specs),
         step,
-        kit.replicated(lambda state: kit.variables(state.params, state.model)),
+        kit.replicated(kit.over_islands(lambda state: kit.variables(state.params, state.model))),
     )
 
 

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.strategy import Strategy, check_int, check_transform
+from ddl_jax._src.core.reducer import axes_communicated, reducer_metrics
+from ddl_jax._src.core.strategy import DATA, ISLAND, Strategy, check_int, check_transform
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
 
@@ -44,10 +44,11 @@ class LocalSGDState(NamedTuple):
 
 
 def local_sgd(
-    loss_fn: AnyLoss,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    loss_fn: AnyLoss | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
     *,
+    inner: Strategy | None = None,
     period: int | None = None,
     hierarchy: Sequence[tuple[int, int]] | Mapping[int, int] | None = None,
     schedule: str = "ddl",
@@ -60,7 +61,7 @@ def local_sgd(
     reducer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
-    axis: str = "data",
+    axis: str | None = None,
 ) -> Strategy:
     """Local SGD: every worker trains its own replica and they synchronise every H steps.
 
@@ -96,6 +97,24 @@ def local_sgd(
     within contiguous blocks of G_l workers by G_l - 1 ``ppermute`` rounds; the top level
     is the synchronisation above.
 
+    **Islands.** ``local_sgd(inner=strategy, period=...)`` makes each worker an *island*:
+    ``strategy`` is ``ddl.data_parallel``, ``ddl.fsdp`` (stages 1 to 3) or
+    ``ddl.tensor_parallel`` built on a mesh with an ``island`` axis
+    (``ddl.make_mesh(island=2, data=4)``), so each island trains it on its own devices and
+    its share of the batch, and only the outer exchange crosses islands. The anchor, the
+    outer optimizer's state and the reducer's state (error feedback) are laid out like the
+    inner parameters: each device keeps those of its own shard, and the exchange runs
+    shard by shard over ``island`` (each device with its counterparts in the other islands),
+    so a synchronisation sends 1/(island size) of the model per device under FSDP stage 3.
+    The reducer must average over ``island`` (the default
+    ``ddl.allreduce_mean("island")``; e.g. ``ddl.compression.sparse_loco(0.01,
+    axis="island")``); a compressor then works on each device's shard (top-k, tiles and
+    error feedback per shard), and the outer optimizer acts shard by shard (element-wise
+    ones, as DiLoCo's SGD, act as on the whole model). Everything else above applies, the
+    unit being the island: DES-LOC averages the inner optimizer's fields over islands,
+    ``drop`` and ``churn`` lose islands, ``hierarchy`` groups islands. Not with
+    ``warmup_sync_steps`` (the inner strategy's gradients stay within its island).
+
     **Unreliable workers** (``ddl.consistency.arrivals`` draws from the run's key). With
     ``drop`` = p a worker misses each synchronisation with probability p: left out of the
     mean, it keeps its replica and states (moments too), and the replicas disagree after
@@ -109,9 +128,12 @@ def local_sgd(
       arXiv:2505.22549; Wang et al., arXiv:2010.12998 (hierarchical SGD).
 
     Args:
-      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
-      optimizer: the inner optax optimizer, one state per worker.
-      mesh: a mesh with axis ``axis``.
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); not with
+        ``inner``.
+      optimizer: the inner optax optimizer, one state per worker; not with ``inner``.
+      mesh: a mesh with axis ``axis``; not with ``inner`` (whose mesh it is).
+      inner: an island's strategy (Islands, above), instead of ``loss_fn``, ``optimizer``
+        and ``mesh``.
       period: H, local steps between synchronisations, >= 1; give it or ``hierarchy``.
       hierarchy: ``(period, group_size)`` pairs (or a dict), averaging nested groups of
         workers at nested periods (above); give it or ``period``.
@@ -126,16 +148,19 @@ def local_sgd(
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included.
-      accumulate: micro-batches per worker per step.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
-      axis: the mesh axis the workers live on.
+      accumulate: micro-batches per worker per step (with ``inner``: the inner's).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
+        inner's).
+      axis: the mesh axis the workers live on: ``"data"`` by default, ``"island"`` (the
+        only one) with ``inner``.
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
       (1.0 after a synchronisation, a group's included), the reducer's metrics, and
       ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
       (drop: the share of workers in this step's synchronisation, 0 without one).
-      ``params(state)``: the replicas' mean.
+      ``params(state)``: the replicas' mean. With ``inner``, an ``IslandsState``; metrics
+      the inner strategy's (averaged over islands) and the above.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
@@ -149,6 +174,20 @@ def local_sgd(
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.36)
     """
+    settings = (
+        outer_optimizer,
+        period,
+        hierarchy,
+        schedule,
+        warmup_sync_steps,
+        average_optimizer_state,
+        state_periods,
+        (drop, churn),
+    )
+    if inner is not None:
+        return _over_islands(inner, (loss_fn, optimizer, mesh, accumulate, has_aux, axis),
+                             reducer, settings)  # fmt: skip
+    axis = DATA if axis is None else axis
     kit = prepare(
         loss_fn,
         optimizer,
@@ -159,18 +198,7 @@ def local_sgd(
         reducer=reducer,
         default_reducer=allreduce_mean,
     )
-    cfg = _configure(
-        kit,
-        optimizer,
-        outer_optimizer,
-        period,
-        hierarchy,
-        schedule,
-        warmup_sync_steps,
-        average_optimizer_state,
-        state_periods,
-        (drop, churn),
-    )
+    cfg = _configure(kit, optimizer, *settings)
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
         kit.init(functools.partial(_make_state, cfg), specs),
@@ -329,9 +357,8 @@ class Carry(NamedTuple):
     model_state: Any
 
 
-def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
-    kit, outer = cfg.kit, cfg.outer
-    opt_state = cfg.optimizer.init(params)
+def _check_state_periods(cfg: _Config, opt_state: Any) -> None:
+    """Every field ``state_periods`` names is in the inner optimizer's state."""
     for name, _ in cfg.state_periods:
         nodes = jax.tree.leaves(opt_state, is_leaf=functools.partial(_has_field, name=name))
         if not any(_has_field(node, name) for node in nodes):
@@ -339,6 +366,12 @@ def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
                 f"state_periods names {name!r}, but the inner optimizer's state has no such "
                 f"field; its state: {jax.tree.map(jnp.shape, opt_state)}."
             )
+
+
+def _make_state(cfg: _Config, params: Any, model: ModelVars) -> LocalSGDState:
+    kit, outer = cfg.kit, cfg.outer
+    opt_state = cfg.optimizer.init(params)
+    _check_state_periods(cfg, opt_state)
     return LocalSGDState(
         params=kit.stack(params),
         opt_state=kit.stack(opt_state),
@@ -371,10 +404,39 @@ def _worker_step(
     if present is not None:  # an absent worker takes no step
         here = present[lax.axis_index(axis)]
         params, opt_state, model_state = _select(here, (params, opt_state, model_state), before)
+    carry = Carry(
+        params=params,
+        opt_state=opt_state,
+        anchor=state.anchor,
+        outer_opt_state=state.outer_opt_state,
+        reducer_state=unstack(state.reducer_state),
+        model_state=model_state,
+    )
+    carry, schedule = _exchange(cfg, carry, step, warm, arrived)
+    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(carry.reducer_state)}, axis)
+    model = ModelVars(restack(carry.model_state), state.model.key, step + 1)
+    new = LocalSGDState(
+        params=restack(carry.params),
+        opt_state=restack(carry.opt_state),
+        anchor=carry.anchor,
+        outer_opt_state=carry.outer_opt_state,
+        reducer_state=restack(carry.reducer_state),
+        model=model,
+    )
+    return new, {**metrics, **schedule}
+
+
+def _exchange(
+    cfg: _Config, carry: Carry, step: jax.Array, warm: jax.Array, arrived: jax.Array | None
+) -> tuple[Carry, dict[str, jax.Array]]:
+    """What follows a worker's local step ``step``: on schedule, the warm-up's end, a
+    synchronisation, a group's average, DES-LOC's state averages. Returns the carry and the
+    schedule's metrics."""
+    axis = cfg.kit.axis
     # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
     # 2: a synchronisation through the outer step; 3 + l: level l's group average. The
     # level with the largest period that fires wins.
-    branch = jnp.where(step == warmup - 1, 1, 0)
+    branch = jnp.where(step == cfg.warmup - 1, 1, 0)
     branches = [
         _keep,
         functools.partial(_catch_up, axis=axis),
@@ -387,38 +449,23 @@ def _worker_step(
         if size != cfg.kit.n:
             branches.append(functools.partial(_group_average, cfg=cfg, size=size))
             sizes.append(size)
-    carry = Carry(
-        params=params,
-        opt_state=opt_state,
-        anchor=state.anchor,
-        outer_opt_state=state.outer_opt_state,
-        reducer_state=unstack(state.reducer_state),
-        model_state=model_state,
-    )
     carry = lax.switch(branch, branches, carry)
-    opt_state = carry.opt_state
-    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(carry.reducer_state)}, axis)
-    metrics["synchronised"] = (branch >= 2).astype(jnp.float32)
+    metrics = {"synchronised": (branch >= 2).astype(jnp.float32)}
     if arrived is not None:
         share = jnp.mean(arrived.astype(jnp.float32))
         metrics["arrived"] = jnp.where(branch == 2, share, 0.0)
+    # DES-LOC's averages wait for the switch: XLA:CPU may otherwise run their collectives and
+    # the switch's in another order on each device, which crashed (islands, cores shared).
+    # The anchor's first entry is an output of the switch, and never unequal to itself.
+    first = jax.tree.leaves(carry.anchor)[0].reshape(-1)[0]
     for name, period in cfg.state_periods:
-        fires = ~warm & ((step + cfg.offset) % period == 0)
+        fires = ~warm & ((step + cfg.offset) % period == 0) | (first != first)
         average = functools.partial(_average_field, name=name, axis=axis, arrived=arrived)
-        opt_state = lax.cond(fires, average, _keep, opt_state)
+        carry = carry._replace(opt_state=lax.cond(fires, average, _keep, carry.opt_state))
         metrics[f"synchronised_{name}"] = fires.astype(jnp.float32)
     if cfg.hierarchical:
         metrics["sync_group_size"] = jnp.asarray(sizes, jnp.float32)[branch]
-    model = ModelVars(restack(carry.model_state), state.model.key, step + 1)
-    new = LocalSGDState(
-        params=restack(carry.params),
-        opt_state=restack(opt_state),
-        anchor=carry.anchor,
-        outer_opt_state=carry.outer_opt_state,
-        reducer_state=restack(carry.reducer_state),
-        model=model,
-    )
-    return new, metrics
+    return carry, metrics
 
 
 def _unreliable(cfg: _Config, model: ModelVars, warm: jax.Array) -> tuple[Any, Any]:
@@ -535,3 +582,182 @@ def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:
         return jnp.sum(by_member, axis=0) / size
 
     return jax.tree.map(one, tree)
+
+
+class IslandsState(NamedTuple):
+    """State of ``local_sgd(inner=...)``.
+
+    Attributes:
+      inner: the inner strategy's state, one per island (each leaf's leading axis, split
+        over ``island``).
+      anchor: the global model at the last synchronisation, each device's shard of it.
+      outer_opt_state: the outer optimizer's state (DiLoCo), each device's shard.
+      reducer_state: the outer exchange's reducer state, each device's (its island's
+        error feedback for its shard).
+
+    ``anchor``, ``outer_opt_state`` and ``reducer_state`` hold one entry per device: a
+    leading axis over every mesh axis, each entry shaped like the device's shard of the
+    inner parameters.
+    """
+
+    inner: Any
+    anchor: Any
+    outer_opt_state: Any
+    reducer_state: Any
+
+
+def _over_islands(
+    inner: Strategy, flat: tuple[Any, ...], reducer: Any, settings: tuple[Any, ...]
+) -> Strategy:
+    """``local_sgd(inner=...)``: the outer method over an island-stacked inner strategy."""
+    if not isinstance(inner, Strategy):
+        raise TypeError(
+            "inner must be a ddl strategy (ddl.data_parallel, ddl.fsdp or "
+            f"ddl.tensor_parallel on a mesh with an 'island' axis), got {type(inner).__name__}."
+        )
+    names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "axis")
+    for name, value, default in zip(names, flat, (None, None, None, 1, False, None), strict=True):
+        if value != default and not (name == "axis" and value == ISLAND):
+            raise ValueError(
+                f"local_sgd: {name}={value!r} is the inner strategy's to set; with inner=, "
+                "give local_sgd only the outer method's settings (period, outer_optimizer, "
+                "reducer, ...)."
+            )
+    if settings[4]:
+        raise ValueError(
+            "local_sgd: warmup_sync_steps needs gradients averaged across islands, which the "
+            "inner strategy keeps within its island; use warmup_sync_steps=0 with inner=."
+        )
+    if reducer is not None:
+        check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
+    reducer = allreduce_mean(ISLAND) if reducer is None else reducer
+
+    def configure(mesh: Any) -> _Config:
+        kit = Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
+        return _configure(kit, None, *settings)
+
+    def init(variables: Any) -> IslandsState:
+        inner_state = inner.init(variables)
+        mesh = _island_mesh(inner_state)
+        cfg = configure(mesh)
+        _check_state_periods(cfg, inner_state.opt_state)
+        parts = _inner_parts(inner_state)
+        specs = _specs_of(parts)
+        each = P(mesh.axis_names)
+
+        def start(params: Any) -> tuple[Any, Any, Any]:
+            anchor = unstack(params)
+            outer = optax.EmptyState() if cfg.outer is None else cfg.outer.init(anchor)
+            return restack((anchor, outer, reducer.init(anchor)))
+
+        program = jax.shard_map(start, mesh=mesh, in_specs=(specs[0],), out_specs=each,
+                                check_vma=False)  # fmt: skip
+        anchor, outer, reducer_state = jax.jit(program)(parts[0])
+        state = IslandsState(inner_state, anchor, outer, reducer_state)
+        _check_exchange_axes(cfg, mesh, state)
+        return state
+
+    def step(state: IslandsState, batch: Any) -> tuple[IslandsState, dict[str, jax.Array]]:
+        mesh = _island_mesh(state.inner)
+        cfg = configure(mesh)
+        before = state.inner
+        inner_state, metrics = inner.step(before, batch)
+        parts, outer, exchanged = _exchange_program(cfg, mesh, before)(
+            _inner_parts(inner_state),
+            _inner_parts(before) if cfg.churn else None,
+            (state.anchor, state.outer_opt_state, state.reducer_state),
+            (before.model.key, before.model.step),
+        )
+        params, opt_state, model_state, reducer_state = parts
+        inner_state = inner_state._replace(
+            params=params,
+            opt_state=opt_state,
+            reducer_state=reducer_state,
+            model=inner_state.model._replace(state=model_state),
+        )
+        return IslandsState(inner_state, *outer), {**metrics, **exchanged}
+
+    return Strategy(init, step, lambda state: inner.params(state.inner))
+
+
+def _island_mesh(inner_state: Any) -> Any:
+    """The mesh of an island-stacked inner state (its ``params``' leaves' mesh), checked."""
+    if not all(hasattr(inner_state, f) for f in ("params", "opt_state", "model")):
+        raise TypeError(
+            "inner must be ddl.data_parallel, ddl.fsdp or ddl.tensor_parallel (a state with "
+            f"params, opt_state and model); its state is {type(inner_state).__name__}."
+        )
+    sharding = jax.typeof(jax.tree.leaves(inner_state.params)[0]).sharding
+    if ISLAND not in sharding.mesh.axis_names:
+        raise ValueError(
+            f"inner must be built on a mesh with an {ISLAND!r} axis, e.g. "
+            f"ddl.make_mesh(island=2, data=4); its mesh has axes {list(sharding.mesh.axis_names)}."
+        )
+    return sharding.mesh
+
+
+def _inner_parts(inner_state: Any) -> tuple[Any, Any, Any, Any]:
+    """What the outer exchange reads and writes of an inner state (the inner reducer's
+    state only to keep an absent island's)."""
+    model_state = inner_state.model.state
+    return inner_state.params, inner_state.opt_state, model_state, inner_state.reducer_state
+
+
+def _specs_of(tree: Any) -> Any:
+    """Each leaf's ``PartitionSpec``, read from its type (its place on the mesh)."""
+    return jax.tree.map(lambda x: jax.typeof(x).sharding.spec, tree)
+
+
+def _exchange_program(cfg: _Config, mesh: Any, inner_state: Any) -> Any:
+    """The outer exchange as one ``shard_map`` over the whole mesh: each device runs
+    ``_exchange`` on its shard, with its counterparts in the other islands, reading its
+    island's step count and key (so nothing else crosses islands).
+
+    ``(parts, before, outer, (key, step)) -> (parts, outer, metrics)``: ``parts`` the inner
+    state's (``_inner_parts``) after its step, ``before`` those before it (kept by an absent
+    island; ``None`` without churn), ``outer`` the anchor, outer and reducer states.
+
+    It runs without replication checks: an entry stored per device holds the same value on
+    devices that share a shard, which JAX cannot type (it is exact: they compute alike).
+    """
+    each = P(mesh.axis_names)
+    specs = _specs_of(_inner_parts(inner_state))
+    clock = _specs_of((inner_state.model.key, inner_state.model.step))
+
+    def body(parts: Any, before: Any, outer: Any, clock: Any) -> Any:
+        key, step = unstack(clock)
+        present, arrived = _unreliable(cfg, ModelVars(None, key, step), jnp.asarray(False))
+        params, opt_state, model_state, inner_reducer_state = unstack(parts)
+        if present is not None:  # an absent island took no step
+            here = present[lax.axis_index(ISLAND)]
+            kept = _select(here, (params, opt_state, model_state, inner_reducer_state),
+                           unstack(before))  # fmt: skip
+            params, opt_state, model_state, inner_reducer_state = kept
+        anchor, outer_opt_state, reducer_state = unstack(outer)
+        carry = Carry(params, opt_state, anchor, outer_opt_state, reducer_state, model_state)
+        carry, metrics = _exchange(cfg, carry, step, jnp.asarray(False), arrived)
+        metrics |= lax.pmean(reducer_metrics(carry.reducer_state), ISLAND)
+        parts = restack((carry.params, carry.opt_state, carry.model_state, inner_reducer_state))
+        outer = restack((carry.anchor, carry.outer_opt_state, carry.reducer_state))
+        return parts, outer, metrics
+
+    before = specs if cfg.churn else None
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, before, each, clock),
+                         out_specs=(specs, each, P()), check_vma=False)  # fmt: skip
+
+
+def _check_exchange_axes(cfg: _Config, mesh: Any, state: IslandsState) -> None:
+    """The outer exchange talks over ``island`` only: a reducer built for another axis
+    (``axis="data"``, the default) would mix the shards of one island."""
+    parts = _inner_parts(state.inner)
+    outer = (state.anchor, state.outer_opt_state, state.reducer_state)
+    clock = (state.inner.model.key, state.inner.model.step)
+    program = _exchange_program(cfg, mesh, state.inner)
+    traced = jax.make_jaxpr(program)(parts, parts if cfg.churn else None, outer, clock)
+    others = sorted(axes_communicated(traced) - {ISLAND})
+    if others:
+        raise ValueError(
+            f"local_sgd(inner=...): the outer exchange communicates over {others}; it must "
+            f"run over {ISLAND!r} only. Build the reducer with axis={ISLAND!r}, e.g. "
+            f"ddl.compression.sparse_loco(0.01, axis={ISLAND!r})."
+        )

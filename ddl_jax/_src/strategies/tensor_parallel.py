@@ -111,6 +111,7 @@ def tensor_parallel(
         add_axes=axes,
         reducer=reducer,
         default_reducer=allreduce_mean,
+        islands=True,
     )
     reducer = kit.reducer
     probe = jax.eval_shape(reducer.init, {"w": jax.ShapeDtypeStruct((8, 8), "float32")})
@@ -135,7 +136,7 @@ def tensor_parallel(
     ) -> tuple[TensorParallelState, dict[str, jax.Array]]:
         # A data-varying view, so the reducer sees each data worker's own gradient.
         local = lax.pcast(state.params, DATA, to="varying")
-        key = worker_key(state.model, lax.axis_index(DATA))
+        key = worker_key(state.model, kit.worker_index())
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
         check_same_over_model({"loss": loss, **aux})
         reducer_state = unstack(state.reducer_state)
@@ -149,7 +150,7 @@ def tensor_parallel(
     return st.Strategy(
         kit.init(make_state, state_specs),
         kit.step(worker_step, state_specs),
-        kit.replicated(lambda state: kit.variables(state.params, state.model)),
+        kit.replicated(kit.over_islands(lambda state: kit.variables(state.params, state.model))),
     )
 
 

@@ -1,0 +1,268 @@
+"""Islands: an outer method (``local_sgd(inner=...)``) over a sharded inner strategy.
+
+The obviously right reference is the flat method: DiLoCo over islands of any inner
+strategy is DiLoCo whose workers each compute the gradient of their island's share of the
+batch, which the flat ``local_sgd`` on one device per island does.
+"""
+
+import re
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, replica_groups
+from flax import nnx
+
+import ddl_jax as ddl
+from ddl_jax.layers import ParallelMLP, param_specs
+
+OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+class Classifier(nnx.Module):
+    """A tensor-parallel MLP (ddl.layers) under a replicated head."""
+
+    def __init__(self, rngs):
+        self.mlp = ParallelMLP(12, 16, rngs=rngs)
+        self.head = nnx.Linear(12, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x + self.mlp(x))
+
+
+def classifier_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.fixture(scope="module")
+def model():
+    module = Classifier(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
+    return loss_fn, params, param_specs(module)
+
+
+def inner_strategy(name, loss_fn, optimizer, specs, islands=2):
+    if name == "tensor_parallel":
+        mesh = ddl.make_mesh(island=islands, data=2, model=2)
+        return ddl.tensor_parallel(loss_fn, optimizer, mesh, specs=specs)
+    mesh = ddl.make_mesh(island=islands, data=8 // islands)
+    if name == "data_parallel":
+        return ddl.data_parallel(loss_fn, optimizer, mesh)
+    stage = int(name[-1])
+    return ddl.fsdp(loss_fn, optimizer, mesh, stage=stage)
+
+
+INNER = ("data_parallel", "fsdp1", "fsdp2", "fsdp3", "tensor_parallel")
+
+
+def train(strategy, params, batches):
+    step = jax.jit(strategy.step)
+    state = strategy.init(params)
+    history = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+def flat(loss_fn, optimizer, workers=2, **options):
+    return ddl.local_sgd(loss_fn, optimizer, ddl.make_mesh(data=workers), **options)
+
+
+@pytest.mark.parametrize("name", INNER)
+def test_diloco_over_every_inner_strategy_is_flat_diloco_with_one_worker_per_island(model, name):
+    loss_fn, params, specs = model
+    batches = make_batches(6, 32)
+    options = {"period": 2, "outer_optimizer": OUTER}
+    inner = inner_strategy(name, loss_fn, optax.adam(1e-2), specs)
+    state, history = train(ddl.local_sgd(inner=inner, **options), params, batches)
+    ref_state, ref_history = train(flat(loss_fn, optax.adam(1e-2), **options), params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(ddl.local_sgd(inner=inner, **options).params(state)),
+        jax.device_get(flat(loss_fn, optax.adam(1e-2), **options).params(ref_state)),
+        atol=2e-5,
+    )
+    assert [m["synchronised"] for m in history] == [m["synchronised"] for m in ref_history]
+    np.testing.assert_allclose(
+        [m["loss"] for m in history], [m["loss"] for m in ref_history], rtol=1e-5
+    )
+
+
+def test_one_island_is_the_inner_strategy_alone(model):
+    loss_fn, params, _ = model
+    batches = make_batches(5, 32)
+    inner = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(island=1, data=8), stage=3)
+    state, _ = train(ddl.local_sgd(inner=inner, period=2), params, batches)
+    alone = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), stage=3)
+    ref, _ = train(alone, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(ddl.local_sgd(inner=inner, period=2).params(state)),
+        jax.device_get(alone.params(ref)),
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("name", ("fsdp3", "tensor_parallel"))
+def test_period_one_outer_sgd_at_rate_one_is_the_inner_strategy_over_every_device(model, name):
+    loss_fn, params, specs = model
+    batches = make_batches(4, 32)
+    inner = inner_strategy(name, loss_fn, optax.sgd(0.1), specs)
+    stacked = ddl.local_sgd(inner=inner, period=1, outer_optimizer=optax.sgd(1.0))
+    state, _ = train(stacked, params, batches)
+    if name == "tensor_parallel":
+        mesh = ddl.make_mesh(data=4, model=2)
+        whole = ddl.tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=specs)
+    else:
+        whole = ddl.fsdp(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), stage=3)
+    ref, _ = train(whole, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(whole.params(ref)), atol=1e-6
+    )
+
+
+def test_diloco_over_fsdp_equals_diloco_over_replicated_data_parallel(model):
+    loss_fn, params, specs = model
+    batches = make_batches(6, 32)
+    results = []
+    for name in ("fsdp3", "data_parallel"):
+        inner = inner_strategy(name, loss_fn, optax.adamw(1e-2), specs)
+        strategy = ddl.local_sgd(inner=inner, period=3, outer_optimizer=OUTER)
+        state, _ = train(strategy, params, batches)
+        results.append(jax.device_get(strategy.params(state)))
+    chex.assert_trees_all_close(*results, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"reducer": lambda axis: ddl.compression.sparse_loco(0.25, chunk=16, axis=axis)},
+        {"state_periods": {"mu": 2, "nu": 4}},
+        {"drop": 0.4, "churn": 0.2},
+        {"average_optimizer_state": True},
+    ],
+    ids=["sparse_loco", "desloc", "unreliable", "average_optimizer_state"],
+)
+def test_outer_options_over_replicated_islands_equal_the_flat_method(model, options):
+    """With data parallelism inside, each device's shard is the whole model: compression,
+    DES-LOC's moment averages and lost islands then act as on flat workers."""
+    loss_fn, params, specs = model
+    batches = make_batches(8, 32)
+    base = {"period": 2, "outer_optimizer": OUTER}
+
+    def built(axis):
+        return {k: v(axis) if callable(v) else v for k, v in options.items()}
+
+    inner = inner_strategy("data_parallel", loss_fn, optax.adam(1e-2), specs)
+    stacked = ddl.local_sgd(inner=inner, **base, **built("island"))
+    state, history = train(stacked, params, batches)
+    reference = flat(loss_fn, optax.adam(1e-2), **base, **built("data"))
+    ref, ref_history = train(reference, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    for key in ref_history[0]:
+        np.testing.assert_allclose(
+            [m[key] for m in history], [m[key] for m in ref_history], rtol=1e-5, err_msg=key
+        )
+
+
+def test_error_feedback_is_kept_per_shard_under_fsdp(model):
+    loss_fn, params, specs = model
+    inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)
+    reducer = ddl.compression.sparse_loco(0.25, chunk=16, axis="island")
+    strategy = ddl.local_sgd(inner=inner, period=2, outer_optimizer=OUTER, reducer=reducer)
+    state, history = train(strategy, params, make_batches(8, 32))
+    kernel = state.inner.params["mlp"]["up"]["kernel"]  # [island, 12, 16] over data
+    assert kernel.sharding.spec[0] == "island"
+    residual = jax.tree.leaves(state.reducer_state)
+    # one entry per device, each its island's residual of its shard
+    assert all(leaf.shape[0] == 8 for leaf in residual)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert history[-1]["compression_ratio"] > 1
+
+
+def per_device_bytes(compiled):
+    stats = compiled.memory_analysis()
+    return stats.argument_size_in_bytes
+
+
+def test_diloco_over_fsdp_holds_a_shard_of_everything_per_device(model):
+    """Memory from memory_analysis: DiLoCo over FSDP stage 3 keeps FSDP's state plus the
+    anchor and outer state of its shard; flat DiLoCo keeps a whole replica per device."""
+    loss_fn, params, specs = model
+    batch = make_batches(1, 32)[0]
+    fsdp_inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)
+    stacked = ddl.local_sgd(inner=fsdp_inner, period=2, outer_optimizer=OUTER)
+    alone = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=4), stage=3)
+    flat_diloco = flat(loss_fn, optax.adam(1e-2), workers=8, period=2, outer_optimizer=OUTER)
+
+    def arguments(strategy):
+        state = strategy.init(params)
+        return per_device_bytes(jax.jit(strategy.step).lower(state, batch).compile()), state
+
+    stacked_bytes, _ = arguments(stacked)
+    alone_bytes, _ = arguments(alone)
+    flat_bytes, _ = arguments(flat_diloco)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    outer = 2 * model_bytes / 4  # the anchor and the momentum, a quarter per device
+    assert stacked_bytes <= 1.1 * (alone_bytes + outer)
+    assert flat_bytes >= 4 * model_bytes  # params, Adam's two moments, anchor, momentum
+    assert stacked_bytes < flat_bytes / 2.5
+
+
+def crosses_islands(op_line):
+    """Whether an HLO collective's replica groups join devices of both islands (0-3, 4-7)."""
+    return any(len({d // 4 for d in group}) > 1 for group in replica_groups(op_line))
+
+
+def test_the_outer_exchange_sends_a_shard_over_island_and_inner_collectives_stay_inside(model):
+    """Bytes from the HLO: a synchronisation sends each device's quarter of the model to its
+    counterpart (flat DiLoCo between 2 workers: the whole model); between
+    synchronisations only the step's metrics (a few scalars) cross islands."""
+    loss_fn, params, specs = model
+    batch = make_batches(1, 32)[0]
+    inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)
+    stacked = ddl.local_sgd(inner=inner, period=2, outer_optimizer=OUTER)
+    flat_diloco = flat(loss_fn, optax.adam(1e-2), workers=2, period=2, outer_optimizer=OUTER)
+    stats = {}
+    for name, strategy in (("stacked", stacked), ("flat", flat_diloco)):
+        stats[name] = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert max(stats["flat"].branches.values()) == pytest.approx(model_bytes, rel=0.01)
+    assert max(stats["stacked"].branches.values()) == pytest.approx(model_bytes / 4, rel=0.01)
+    # unconditionally, each device sends what FSDP alone on its island sends, and the loss
+    alone = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=4), stage=3)
+    half = {k: v[:16] for k, v in batch.items()}
+    inside = ddl.comm_stats(jax.jit(alone.step), alone.init(params), half).bytes_per_device
+    assert inside < stats["stacked"].bytes_per_device <= inside + 8
+    hlo = jax.jit(stacked.step).lower(stacked.init(params), batch).compile().as_text()
+    crossing = {
+        re.search(r"= .*? ([a-z\-]+)\(", line)[1]
+        for line in hlo.splitlines()
+        if "replica_groups" in line and crosses_islands(line)
+    }
+    assert crossing == {"all-reduce"}
+
+
+def test_wrong_arguments_are_clear_errors(model):
+    loss_fn, params, _ = model
+    island_mesh = ddl.make_mesh(island=2, data=4)
+    inner = ddl.fsdp(loss_fn, optax.sgd(0.1), island_mesh)
+    with pytest.raises(ValueError, match=r"communicates over \['data'\].*axis='island'"):
+        ddl.local_sgd(inner=inner, period=2, reducer=ddl.compression.top_k(0.5)).init(params)
+    with pytest.raises(ValueError, match="loss_fn=.*inner strategy's to set"):
+        ddl.local_sgd(loss_fn, inner=inner, period=2)
+    with pytest.raises(ValueError, match="warmup_sync_steps"):
+        ddl.local_sgd(inner=inner, period=2, warmup_sync_steps=2)
+    with pytest.raises(TypeError, match="inner must be a ddl strategy"):
+        ddl.local_sgd(inner=optax.sgd(0.1), period=2)
+    no_islands = ddl.fsdp(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    with pytest.raises(ValueError, match="mesh with an 'island' axis"):
+        ddl.local_sgd(inner=no_islands, period=2).init(params)
+    with pytest.raises(ValueError, match=r"'island' axis.*local_sgd\(inner="):
+        ddl.gossip(loss_fn, optax.sgd(0.1), island_mesh)
+    with pytest.raises(ValueError, match="hierarchy's last group size must be the number"):
+        ddl.local_sgd(inner=inner, hierarchy=((1, 2), (2, 8))).init(params)
