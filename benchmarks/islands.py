@@ -6,7 +6,12 @@ worker's gradient computed by its island (``tests/test_islands.py`` checks that 
 a model without dropout), so the validation bits per byte should agree within the noise of
 dropout masks, which fold in each device's own index.
 
-    python benchmarks/islands.py --steps 300
+    python benchmarks/islands.py --steps 300 --island-devices 4
+
+On 8 simulated CPU devices sharing 2 cores, ``--island-devices 4`` has deadlocked inside
+XLA:CPU (one island's devices waiting in a collective across islands, three of the other's
+in an FSDP all-gather, the fourth never arriving: its collectives' threads exhausted);
+the unit tests' smaller models have not. Use real devices, or fewer per island.
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--period", type=int, default=16)
+    parser.add_argument("--island-devices", type=int, default=4)
     args = parser.parse_args()
-    workload = make_workload("text-gpt", seed=0, devices=8)
+    workload = make_workload("text-gpt", seed=0, devices=2 * args.island_devices)
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     inner_opt = optax.adamw(3e-3)
-    island_mesh = ddl.make_mesh(island=2, data=4)
+    island_mesh = ddl.make_mesh(island=2, data=args.island_devices)
     strategies = {
-        "DiLoCo over FSDP stage 3 (island=2, data=4)": ddl.local_sgd(
+        f"DiLoCo over FSDP stage 3 (island=2, data={args.island_devices})": ddl.local_sgd(
             inner=ddl.fsdp(workload.loss_fn, inner_opt, island_mesh, stage=3),
             period=args.period,
             outer_optimizer=outer,

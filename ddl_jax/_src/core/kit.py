@@ -203,8 +203,11 @@ class Kit(NamedTuple):
 
             def checked(state: st.State, batch: st.Batch) -> tuple[Any, st.Metrics]:
                 new, metrics = worker_step(unstack(state) if islands else state, batch)
-                if islands:
-                    new, metrics = restack(new), lax.pmean(metrics, st.ISLAND)
+                if islands:  # the islands' mean, after the step's other collectives
+                    # (over every axis: the token makes the metrics vary where the state does)
+                    axes = tuple(self.mesh.axis_names)
+                    metrics = lax.pmean(vary(after(metrics, new), axes), axes)
+                    new = restack(new)
                 if vma:
                     _check_agrees(new, out, "the new state")
                     _check_agrees(metrics, P(), "the metrics")
@@ -321,6 +324,20 @@ class Kit(NamedTuple):
     @property
     def stateful(self) -> bool:
         return isinstance(self.loss_fn, ml.ModelLoss)
+
+
+def after(x: Any, tree: Any) -> Any:
+    """``x`` made to wait for every leaf of ``tree`` (0 times a token read from
+    each leaf's first entry is added; XLA cannot fold it, as 0 times inf or NaN is not 0).
+
+    XLA:CPU runs independent operations of a device's program in any order, and a
+    collective waiting for its peers holds a thread: on shared cores, independent
+    collectives (an island's own and one across islands) deadlocked. Chaining them keeps
+    one order on every device.
+    """
+    firsts = [leaf.reshape(-1)[0] for leaf in jax.tree.leaves(tree) if leaf.size]
+    token = sum((v != v).astype(jnp.float32) for v in firsts)
+    return jax.tree.map(lambda a: a + (token * 0).astype(a.dtype), x)
 
 
 def island_specs(specs: Any) -> Any:

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.kit import Kit, after, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import axes_communicated, reducer_metrics
 from ddl_jax._src.core.strategy import DATA, ISLAND, Strategy, check_int, check_transform
@@ -666,7 +666,8 @@ def _over_islands(
             _inner_parts(inner_state),
             _inner_parts(before) if cfg.churn else None,
             (state.anchor, state.outer_opt_state, state.reducer_state),
-            (before.model.key, before.model.step),
+            # The exchange (its switch reads the step) waits for the metrics' collectives.
+            (before.model.key, after(before.model.step, metrics)),
         )
         params, opt_state, model_state, reducer_state = parts
         inner_state = inner_state._replace(
@@ -682,10 +683,11 @@ def _over_islands(
 
 def _island_mesh(inner_state: Any) -> Any:
     """The mesh of an island-stacked inner state (its ``params``' leaves' mesh), checked."""
-    if not all(hasattr(inner_state, f) for f in ("params", "opt_state", "model")):
+    if not all(hasattr(inner_state, f) for f in ("params", "opt_state", "reducer_state", "model")):
         raise TypeError(
             "inner must be ddl.data_parallel, ddl.fsdp or ddl.tensor_parallel (a state with "
-            f"params, opt_state and model); its state is {type(inner_state).__name__}."
+            f"params, opt_state, reducer_state and model); its state is "
+            f"{type(inner_state).__name__}."
         )
     sharding = jax.typeof(jax.tree.leaves(inner_state.params)[0]).sharding
     if ISLAND not in sharding.mesh.axis_names:
