@@ -1,6 +1,7 @@
 """Models for pricing a step on other hardware: an alpha-beta network model for its
 communication, a two-number device model for its computation."""
 
+from ddl_jax._src.measure.comm import CollectiveOp, split_islands, summarise
 from ddl_jax._src.measure.compute import (
     A100,
     CPU_CORE,
@@ -27,10 +28,13 @@ __all__ = [
     "INFINIBAND_100G",
     "TPU_V4",
     "TPU_V4_ICI",
+    "CollectiveOp",
     "ComputeStats",
     "Device",
     "Network",
     "compute_stats",
     "estimate_compute_time",
     "estimate_step_time",
+    "split_islands",
+    "summarise",
 ]

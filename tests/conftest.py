@@ -27,7 +27,6 @@ import ddl_jax as ddl  # noqa: E402
 
 ddl.simulate_cpu_devices(8)
 
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -36,6 +35,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from ddl_jax._src.measure import comm  # noqa: E402
 from ddl_jax._src.reduce import allreduce as reducers  # noqa: E402
 
 
@@ -176,16 +176,5 @@ def worker_shards(batch, n: int) -> list[dict]:
 
 
 def replica_groups(line: str) -> set[frozenset[int]]:
-    """The device groups of an HLO collective, in either of XLA's notations.
-
-    ``replica_groups={{0,2},{1,3}}`` lists them; ``replica_groups=[2,2]<=[2,2]T(1,0)`` is
-    ``iota(4).reshape(2, 2).transpose(1, 0).reshape(2, 2)``, one group per row.
-    """
-    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
-        dims = [int(d) for d in m[3].split(",")]
-        ids = np.arange(np.prod(dims)).reshape(dims)
-        if m[4]:
-            ids = ids.transpose([int(p) for p in m[4].split(",")])
-        return {frozenset(row) for row in ids.reshape(int(m[1]), int(m[2])).tolist()}
-    groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)[1]
-    return {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", groups)}
+    """The device groups of an HLO collective (``comm.replica_groups``), as sets."""
+    return {frozenset(group) for group in comm.replica_groups(line, 0)}

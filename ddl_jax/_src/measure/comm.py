@@ -26,6 +26,10 @@ import math
 import re
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from ddl_jax._src.core.strategy import check_int
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 # Bits per element of every array type of XLA's PrimitiveType (xla_data.proto), by width;
@@ -68,6 +72,8 @@ class CollectiveOp(NamedTuple):
       branch: ``""`` outside conditionals, else which conditional branch holds the op.
       buffers: arrays the op carries (XLA may combine several collectives into one op of
         tuple shape; XLA:CPU's gloo collectives still make one call per buffer).
+      groups: the devices of each replica group (a collective-permute: each source and
+        target pair), as the program numbers them (the mesh's device order).
     """
 
     kind: str
@@ -78,6 +84,7 @@ class CollectiveOp(NamedTuple):
     rounds: int
     branch: str
     buffers: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 class CommStats(NamedTuple):
@@ -132,21 +139,35 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _group_size(line: str, devices: int) -> int:
-    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line):
-        return int(m[2])
-    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-        return len(m[1].split(","))
-    return devices
+def replica_groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of an HLO collective, in either of XLA's notations.
+
+    ``replica_groups={{0,2},{1,3}}`` lists them; ``replica_groups=[2,2]<=[2,2]T(1,0)`` is
+    ``iota(4).reshape(2, 2).transpose(1, 0).reshape(2, 2)``, one group per row; none (or
+    ``{}``) is one group of all ``devices``. A collective-permute's groups are its
+    ``source_target_pairs``.
+    """
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):
+        return tuple((int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", m[1]))
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        dims = [int(d) for d in m[3].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m[4]:
+            ids = ids.transpose([int(p) for p in m[4].split(",")])
+        return tuple(tuple(row) for row in ids.reshape(int(m[1]), int(m[2])).tolist())
+    listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if listed:
+        return tuple(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", listed[1]))
+    return (tuple(range(devices)),)
 
 
 def _collective(kind: str, line: str, nbytes: int, devices: int, count: int, branch: str):
-    g = _group_size(line, devices)
+    groups = replica_groups(line, devices)
     if kind == "collective-permute":
-        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
-        sources = {int(s) for s, t in re.findall(r"\{(\d+),(\d+)\}", pairs[1]) if s != t}
+        sources = {s for s, t in groups if s != t}
         sent = tuple(float(nbytes) if d in sources else 0.0 for d in range(devices))
-        return CollectiveOp(kind, nbytes, count, g, sent, 1, branch)
+        return CollectiveOp(kind, nbytes, count, 2, sent, 1, branch, groups=groups)
+    g = len(groups[0])
     per_device = {
         "all-reduce": 2 * (g - 1) / g * nbytes,
         "all-gather": (g - 1) / g * nbytes,
@@ -154,7 +175,8 @@ def _collective(kind: str, line: str, nbytes: int, devices: int, count: int, bra
         "all-to-all": (g - 1) / g * nbytes,
     }[kind]
     rounds = 2 * (g - 1) if kind == "all-reduce" else g - 1
-    return CollectiveOp(kind, nbytes, count, g, (per_device,) * devices, rounds, branch)
+    op = CollectiveOp(kind, nbytes, count, g, (per_device,) * devices, rounds, branch)
+    return op._replace(groups=groups)
 
 
 def _operand(line: str, paren: int) -> str:
@@ -269,7 +291,11 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
     """
     if not hasattr(jitted, "lower"):
         raise TypeError(f"comm_stats: jitted must be a jax.jit function, got {jitted!r}.")
-    ops = collectives(jitted.lower(*args, **kwargs).compile().as_text())
+    return summarise(collectives(jitted.lower(*args, **kwargs).compile().as_text()))
+
+
+def summarise(ops: tuple[CollectiveOp, ...]) -> CommStats:
+    """The ``CommStats`` of a program whose collectives are ``ops``."""
     devices = max((len(op.sent) for op in ops), default=1)
     sent = [0.0] * devices
     by_kind: dict[str, list[float]] = {}
@@ -289,6 +315,29 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
         bytes_sent=tuple(sent),
         bytes_by_kind={k: max(v) for k, v in by_kind.items()},
         rounds=rounds,
-        ops=ops,
+        ops=tuple(ops),
         branches={k: max(v) for k, v in branches.items()},
     )
+
+
+def split_islands(stats: CommStats, island_devices: int) -> tuple[CommStats, CommStats]:
+    """A program's collectives split into those within an island and those across islands.
+
+    Devices ``k * island_devices, ..., (k + 1) * island_devices - 1`` form island k, as
+    ``ddl.make_mesh(island=...)`` lays them out (the ``island`` axis outermost).
+
+    Args:
+      stats: what ``comm_stats`` read from the program.
+      island_devices: devices per island, >= 1.
+
+    Returns:
+      ``(within, across)``: the ``CommStats`` of the collectives whose every group lies
+      in one island, and of the others (``ddl.sim.estimate_step_time`` prices each on its
+      own network).
+    """
+    island_devices = check_int("island_devices", island_devices, minimum=1)
+    inside, across = [], []
+    for op in stats.ops:
+        one = all(len({d // island_devices for d in group}) == 1 for group in op.groups)
+        (inside if one else across).append(op)
+    return summarise(tuple(inside)), summarise(tuple(across))

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ddl_jax._src.core.strategy import check_real
-from ddl_jax._src.measure.comm import CommStats
+from ddl_jax._src.measure.comm import CommStats, split_islands
 
 
 class Network(NamedTuple):
@@ -83,32 +83,64 @@ TPU_V4_ICI = Network(bandwidth=45e9, latency=1e-6)
 
 
 def estimate_step_time(
-    stats: CommStats, network: Network, compute_s: float = 0.0, *, branch: str | None = None
+    stats: CommStats,
+    network: Network,
+    compute_s: float = 0.0,
+    *,
+    branch: str | None = None,
+    inner_network: Network | None = None,
+    island_devices: int | None = None,
 ) -> float:
     """Seconds per step: compute, then every collective in turn, without overlap.
 
     Each collective costs ``count * (rounds * latency + bytes / bandwidth)`` where
     ``bytes`` is what its busiest device sends. Collectives inside conditional branches
     count only for the ``branch`` named (only one branch runs; see ``stats.branches``).
+    With islands (``local_sgd(inner=...)``), the collectives within an island travel on
+    the island's fast ``inner_network`` and those across islands on ``network``.
 
     Args:
       stats: what ``ddl.comm_stats`` read from the compiled step.
-      network: the network to price it on.
+      network: the network to price it on (with islands: the one between them).
       compute_s: seconds of computation per step.
       branch: a key of ``stats.branches``: price a step that takes this branch (a local
         SGD synchronisation, say); ``None`` prices a step that takes none.
+      inner_network: the network inside an island; give it with ``island_devices``.
+      island_devices: devices per island (``ddl.sim.split_islands``).
 
     Returns:
       The estimated step time in seconds.
+
+    Example:
+      >>> import ddl_jax as ddl
+      >>> pairs = ((0, 2), (1, 3))  # an all-reduce of 8 bytes in each pair of 4 devices
+      >>> op = ddl.sim.CollectiveOp("all-reduce", 8, 1, 2, (8.0,) * 4, 2, "", groups=pairs)
+      >>> stats = ddl.sim.summarise((op,))
+      >>> slow, fast = ddl.sim.Network(8.0, 1.0), ddl.sim.Network(8e3, 1e-3)
+      >>> ddl.sim.estimate_step_time(stats, slow, inner_network=fast, island_devices=2)
+      3.0
+      >>> ddl.sim.estimate_step_time(stats, slow, inner_network=fast, island_devices=4)
+      0.003
     """
     if branch is not None and branch not in stats.branches:
         raise ValueError(f"branch={branch!r} is not one of stats.branches: {list(stats.branches)}.")
+    if (inner_network is None) != (island_devices is None):
+        raise ValueError(
+            "estimate_step_time: give inner_network and island_devices together (islands), "
+            f"or neither; got inner_network={inner_network!r}, island_devices={island_devices!r}."
+        )
+    compute_s = check_real("compute_s", compute_s, minimum=0)
+    if inner_network is not None:
+        within, across = split_islands(stats, island_devices)
+        return compute_s + _comm_s(within, inner_network, branch) + _comm_s(across, network, branch)
+    return compute_s + _comm_s(stats, network, branch)
+
+
+def _comm_s(stats: CommStats, network: Network, branch: str | None) -> float:
     bandwidth = check_real("network.bandwidth", network.bandwidth, minimum=0, exclusive=True)
     latency = check_real("network.latency", network.latency, minimum=0)
-    compute_s = check_real("compute_s", compute_s, minimum=0)
-    comm = sum(
+    return sum(
         op.count * (op.rounds * latency + max(op.sent) / bandwidth)
         for op in stats.ops
         if op.branch in ("", branch)
     )
-    return compute_s + comm
