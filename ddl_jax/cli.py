@@ -350,6 +350,15 @@ def _compare_parser(sub: Any) -> None:
         help="RATE[,DELAY], e.g. 100mbit or 1gbit,2ms: --measure with each process in its own "
         "network namespace behind a tc limit (Linux, root; the delay needs tc netem)",
     )
+    p.add_argument(
+        "--islands",
+        help="islands of stacked strategies (outer/inner, e.g. diloco:16/fsdp:3), >= 2 "
+        "(default 2): --network links them",
+    )
+    p.add_argument(
+        "--inner-network",
+        help=f"the network inside an island: one of {', '.join(cs.NETWORKS)} (default ici)",
+    )
     p.add_argument("--config", help="TOML file with any of these settings; flags override it")
 
 
@@ -371,6 +380,8 @@ _COMPARE_FLAGS = (
     "tensorboard",
     "measure",
     "emulate",
+    "islands",
+    "inner_network",
 )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddl_jax import cli
 from ddl_jax._src.strategies import fsdp, gossip
-from ddl_jax.compare import report, specs
+from ddl_jax.compare import report, specs, workloads
 from ddl_jax.compare import run as run_module
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
@@ -36,6 +36,8 @@ def test_the_choices_compare_offers_are_the_librarys():
         ("ssp:0", Spec("ssp:0", "ssp", 0)),
         ("fsdp", Spec("fsdp:3", "fsdp", 3)),
         ("gossip:torus", Spec("gossip:torus", "gossip", "torus")),
+        ("diloco/fsdp", Spec("diloco:16/fsdp:3", "diloco", 16, Spec("fsdp:3", "fsdp", 3))),
+        ("local:4/sync", Spec("local:4/sync", "local", 4, Spec("sync", "sync", None))),
     ],
 )
 def test_parse_spec(text, spec):
@@ -72,6 +74,12 @@ BAD = [
     (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, sparseloco:0.01, noloco:16"),
     (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be > 0"),
     (["--workload", "text-gpt", "--non-iid", "0.5"], "a digits workload, not text-gpt"),
+    (["--strategies", "noloco:16/fsdp:3"], "cannot stack 'noloco:16/fsdp:3': the outer method"),
+    (["--strategies", "diloco:16/gossip"], "the inner one of sync, fsdp"),
+    (["--strategies", "diloco/fsdp:4"], "expected the ZeRO stage, 1, 2 or 3"),
+    (["--islands", "1"], "islands must be an integer >= 2, got 1"),
+    (["--islands", "3", "--strategies", "diloco/sync"], "devices=8 do not split into islands=3"),
+    (["--inner-network", "5g"], "unknown inner_network '5g'; valid: 1gbps"),
 ]
 
 
@@ -188,6 +196,23 @@ def test_desloc_is_charged_its_moment_averages_and_consensus_is_reported(tmp_pat
     assert extra == pytest.approx(local["comm_bytes_per_event"], rel=1e-9)
     assert local["consensus_distance"] == 0.0 < streaming["consensus_distance"]
     assert "| desloc:2 |" in capsys.readouterr().out
+
+
+def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(tmp_path):
+    """DiLoCo over FSDP on 2 islands of 4: a synchronisation sends each device's quarter of
+    the model across islands (an all-reduce between 2), on --network; FSDP's collectives
+    stay inside the islands and are priced on --inner-network, with the compute."""
+    options = ("--strategies", "diloco:2/fsdp:3", "--steps", "4")
+    fast = _run(tmp_path / "fast", *options, "--inner-network", "ici")["diloco:2/fsdp:3"]
+    slow = _run(tmp_path / "slow", *options, "--inner-network", "1gbps")["diloco:2/fsdp:3"]
+    params = workloads.make_workload("digits-mlp", seed=0, devices=8).params
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert fast["events"] == 2.0
+    assert fast["comm_bytes_per_event"] == pytest.approx(model_bytes / 4, rel=0.01)
+    assert fast["comm_bytes_per_step"] <= 8  # across islands every step: the loss
+    assert slow["compute_ms_per_step"] > fast["compute_ms_per_step"]
+    assert (slow["comm_s_per_event"], slow["final"]) == (fast["comm_s_per_event"], fast["final"])
+    assert (tmp_path / "fast" / "logs" / "diloco_2_over_fsdp_3.jsonl").exists()
 
 
 def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):

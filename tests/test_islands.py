@@ -238,6 +238,16 @@ def test_the_outer_exchange_sends_a_shard_over_island_and_inner_collectives_stay
     half = {k: v[:16] for k, v in batch.items()}
     inside = ddl.comm_stats(jax.jit(alone.step), alone.init(params), half).bytes_per_device
     assert inside < stats["stacked"].bytes_per_device <= inside + 8
+    within, across = ddl.sim.split_islands(stats["stacked"], 4)
+    assert within.bytes_per_device == pytest.approx(inside) and not within.branches
+    assert across.bytes_per_device <= 8
+    assert max(across.branches.values()) == pytest.approx(model_bytes / 4, rel=0.01)
+    slow, fast = ddl.sim.ETHERNET_1G, ddl.sim.TPU_V4_ICI
+    two = ddl.sim.estimate_step_time(stats["stacked"], slow, inner_network=fast, island_devices=4)
+    assert two == pytest.approx(
+        ddl.sim.estimate_step_time(within, fast) + ddl.sim.estimate_step_time(across, slow)
+    )
+    assert two < ddl.sim.estimate_step_time(stats["stacked"], slow)
     hlo = jax.jit(stacked.step).lower(stacked.init(params), batch).compile().as_text()
     crossing = {
         re.search(r"= .*? ([a-z\-]+)\(", line)[1]

@@ -55,6 +55,9 @@ class Config:
       emulate: the processes' network, ``"RATE[,DELAY]"`` (``"100mbit"``,
         ``"1gbit,2ms"``): each in its own network namespace behind a ``tc`` limit (Linux,
         root; implies ``measure``). ``None``: the loopback interface.
+      islands: islands of a stacked spec (``diloco:16/fsdp:3``): its mesh is ``islands x
+        devices / islands``, and ``network`` links the islands.
+      inner_network: a key of ``NETWORKS``: the network inside an island.
     """
 
     workload: str = "digits-mlp"
@@ -74,6 +77,8 @@ class Config:
     tensorboard: str | None = None
     measure: bool = False
     emulate: str | None = None
+    islands: int = 2
+    inner_network: str = "ici"
 
     def as_dict(self) -> dict[str, Any]:
         """The config as plain JSON values (strategies as their spec strings)."""
@@ -142,6 +147,10 @@ def make_config(values: Mapping[str, Any]) -> Config:
         checked["network"] = _choice("network", v["network"], tuple(NETWORKS))
     if "compute" in v:
         checked["compute"] = _choice("compute", v["compute"], tuple(DEVICES))
+    if "inner_network" in v:
+        checked["inner_network"] = _choice("inner_network", v["inner_network"], tuple(NETWORKS))
+    if "islands" in v:
+        checked["islands"] = _integer("islands", v["islands"], 2)
     for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
         if key in v:
             checked[key] = _integer(key, v[key], minimum)
@@ -161,7 +170,25 @@ def make_config(values: Mapping[str, Any]) -> Config:
             raise CompareError(f"tensorboard must be a directory path, got {v['tensorboard']!r}.")
         checked["tensorboard"] = str(v["tensorboard"])
     _measure(v, checked)
+    _islands(Config(**checked))
     return Config(**checked)
+
+
+def _islands(config: Config) -> None:
+    """Stacked specs need the devices to split into the islands, and no --measure."""
+    stacked = [s.text for s in config.strategies if s.inner is not None]
+    if not stacked:
+        return
+    if config.devices % config.islands:
+        raise CompareError(
+            f"devices={config.devices} do not split into islands={config.islands} for "
+            f"{', '.join(stacked)}; give devices a multiple of islands."
+        )
+    if config.measure:
+        raise CompareError(
+            f"measure runs one device per process, not islands: drop measure or the stacked "
+            f"strategies {', '.join(stacked)}."
+        )
 
 
 def _measure(v: dict[str, Any], checked: dict[str, Any]) -> None:

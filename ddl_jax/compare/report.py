@@ -45,6 +45,8 @@ def subtitle(results: dict[str, Any]) -> str:
         settings.append(f"drop {c['drop']:g}")
     if c["non_iid"] is not None:
         settings.append(f"non-iid alpha {c['non_iid']:g}")
+    if any("/" in text for text in c["strategies"]):
+        settings.append(f"stacked: {c['islands']} islands, {c['inner_network']} inside")
     return (
         f"{w['title']}, {c['devices']} {env['platform']} devices, {c['steps']} steps x "
         f"{w['batch_size']} examples, {', '.join(settings)}"

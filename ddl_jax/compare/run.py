@@ -182,9 +182,9 @@ def _curves(
 
 
 def log_path(out: str | Path, spec: Spec) -> Path:
-    """The JSON-lines log of ``spec``'s run: ``<out>/logs/<strategy>.jsonl``, with the
-    spec's ``:`` written ``_`` (``local_16.jsonl``), a name every file system takes."""
-    return Path(out) / "logs" / f"{spec.text.replace(':', '_')}.jsonl"
+    """The JSON-lines log of ``spec``'s run: ``<out>/logs/<strategy>.jsonl``, named by
+    ``file_name`` (``local_16.jsonl``), a name every file system takes."""
+    return Path(out) / "logs" / f"{file_name(spec)}.jsonl"
 
 
 def _float_bytes(params: Any) -> int:
@@ -225,7 +225,13 @@ def _tensorboard_dir(config: Config, spec: Spec) -> str | None:
     """``<tensorboard>/<strategy>``, one TensorBoard run per strategy (``:`` written ``_``)."""
     if config.tensorboard is None:
         return None
-    return str(Path(config.tensorboard) / spec.text.replace(":", "_"))
+    return str(Path(config.tensorboard) / file_name(spec))
+
+
+def file_name(spec: Spec) -> str:
+    """``spec``'s text as a file name: ``:`` written ``_``, a stacked spec's ``/`` written
+    ``_over_`` (``diloco_16_over_fsdp_3``)."""
+    return spec.text.replace(":", "_").replace("/", "_over_")
 
 
 def run_one(
@@ -242,6 +248,7 @@ def run_one(
     modeled compute time of a synchronous data-parallel step (the async family's unit)."""
     network = NETWORKS[config.network]
     family = FAMILIES[spec.family]
+    mesh = mesh_for(spec, mesh, config)
     strategy = spec.build(_context(workload, mesh, config, eval_every))
     print(f"{label} {spec.text}: {family.describe}", flush=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -272,6 +279,9 @@ def run_one(
         comm = _server_comm(_float_bytes(workload.params), mesh.shape["data"], network)
     else:
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
+        if spec.inner is not None:  # an island's collectives on its own network
+            within, stats = sim.split_islands(stats, mesh.size // config.islands)
+            compute_s += sim.estimate_step_time(within, NETWORKS[config.inner_network])
         comm = _comm(stats, network, event)
     slow = 1.0 if family.asynchronous else config.straggler
     curves = _curves(history, comm, event, compute_s, slow)
@@ -368,6 +378,15 @@ def config_target(config: Config, workload: Workload) -> float:
     return workload.target if config.target is None else config.target
 
 
+def mesh_for(spec: Spec, mesh: Any, config: Config) -> Any:
+    """``mesh``, or for a stacked spec its devices as ``config.islands`` islands."""
+    if spec.inner is None:
+        return mesh
+    devices = list(mesh.devices.flat)
+    return ddl.make_mesh(island=config.islands, data=len(devices) // config.islands,
+                         devices=devices)  # fmt: skip
+
+
 def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> BuildContext:
     return BuildContext(
         workload.loss_fn, mesh, config.straggler, config.seed, eval_every, config.drop
@@ -416,12 +435,12 @@ def _check_strategies(
     """Builds every strategy, places its state and traces its first step (the step is
     not compiled and nothing trains), so one that refuses the mesh or the workload stops
     the comparison before any trains."""
-    ctx = _context(workload, mesh, config, eval_every)
     batch = next(workload.batches(0))
     refused = []
     for spec in specs:
         try:
-            strategy = spec.build(ctx)
+            strategy = spec.build(_context(workload, mesh_for(spec, mesh, config), config,
+                                           eval_every))  # fmt: skip
             jax.eval_shape(strategy.step, strategy.init(workload.params), batch)
         except (ValueError, TypeError) as e:
             refused.append(f"{spec.text}: {str(e).splitlines()[0]}")

@@ -434,39 +434,97 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _on_islands(
+    make: Callable[[Any, BuildContext], dict[str, Any]],
+) -> Callable[[Any, Strategy, BuildContext], Strategy]:
+    def build(param: Any, inner: Strategy, ctx: BuildContext) -> Strategy:
+        return ddl.local_sgd(inner=inner, **make(param, ctx))
+
+    return build
+
+
+#: The outer methods a stacked spec (``outer/inner``) may name, as ``local_sgd(inner=...)``
+#: settings: the same as their flat families'.
+OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] = {
+    "local": _on_islands(lambda h, ctx: {"period": h, "drop": ctx.drop}),
+    "diloco": _on_islands(
+        lambda h, ctx: {"period": h, "outer_optimizer": _nesterov(), "drop": ctx.drop}
+    ),
+    "desloc": _on_islands(
+        lambda h, ctx: {
+            "period": h,
+            "state_periods": {"mu": 3 * h, "nu": 6 * h},
+            "drop": ctx.drop,
+        }
+    ),
+    "sparseloco": _on_islands(
+        lambda ratio, ctx: {
+            "period": 16,
+            "outer_optimizer": optax.sgd(1.0),
+            "reducer": compression.sparse_loco(ratio, axis="island"),
+        }
+    ),
+}
+#: The inner strategies a stacked spec may name (each island runs one).
+INNER_ON_ISLANDS = ("sync", "fsdp")
+
+
 class Spec(NamedTuple):
     """A parsed strategy spec.
 
     Attributes:
       text: the spec as given (``"local:16"``), the strategy's label everywhere.
-      family: the key of ``FAMILIES``.
+      family: the key of ``FAMILIES`` (a stacked spec's outer method).
       param: the parsed parameter (``None`` for a family without one).
+      inner: a stacked spec's inner strategy (``"diloco:16/fsdp:3"``: each island trains
+        ``fsdp:3``, DiLoCo across islands); ``None`` for a flat one.
     """
 
     text: str
     family: str
     param: Any
+    inner: Spec | None = None
 
     def build(self, ctx: BuildContext) -> Strategy:
-        """The strategy this spec names, on ``ctx.mesh``."""
-        return FAMILIES[self.family].build(self.param, ctx)
+        """The strategy this spec names, on ``ctx.mesh`` (with an ``island`` axis when
+        stacked)."""
+        if self.inner is None:
+            return FAMILIES[self.family].build(self.param, ctx)
+        inner = self.inner.build(ctx)
+        return OUTER_ON_ISLANDS[self.family](self.param, inner, ctx)
 
 
 def parse_spec(text: str) -> Spec:
-    """Parses one ``name[:param]`` strategy spec.
+    """Parses one ``name[:param]`` strategy spec, or a stacked ``outer/inner`` one.
 
     Args:
-      text: e.g. ``"sync"``, ``"local:16"``, ``"topk:0.01"``, ``"gossip:ring"``.
+      text: e.g. ``"sync"``, ``"local:16"``, ``"topk:0.01"``, ``"gossip:ring"``,
+        ``"diloco:16/fsdp:3"`` (DiLoCo across islands, FSDP within each).
 
     Returns:
       The ``Spec``; a family's default parameter fills in a missing one.
 
     Raises:
       CompareError: an unknown name (the message lists the valid ones), or a parameter
-        that is missing, not wanted, or not what the family expects.
+        that is missing, not wanted, or not what the family expects; a stacked spec whose
+        outer or inner method cannot stack.
     """
     if not isinstance(text, str):
         raise CompareError(f"a strategy spec must be a string like 'local:16', got {text!r}.")
+    outer_text, slash, inner_text = text.strip().partition("/")
+    if not slash:
+        return _parse_flat(text)
+    outer, inner = _parse_flat(outer_text), _parse_flat(inner_text)
+    if outer.family not in OUTER_ON_ISLANDS or inner.family not in INNER_ON_ISLANDS:
+        raise CompareError(
+            f"cannot stack {text!r}: the outer method (before '/') must be one of "
+            f"{', '.join(OUTER_ON_ISLANDS)}, the inner one of {', '.join(INNER_ON_ISLANDS)} "
+            "(e.g. diloco:16/fsdp:3)."
+        )
+    return Spec(f"{outer.text}/{inner.text}", outer.family, outer.param, inner)
+
+
+def _parse_flat(text: str) -> Spec:
     name, colon, raw = text.strip().partition(":")
     family = FAMILIES.get(name)
     if family is None:
