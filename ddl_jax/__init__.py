@@ -13,6 +13,7 @@ from ddl_jax import (
     schedules,
     sim,
 )
+from ddl_jax._src.core.islands import IslandsState
 from ddl_jax._src.core.mesh import make_mesh, simulate_cpu_devices
 from ddl_jax._src.core.model_loss import ModelLoss, ModelVars
 from ddl_jax._src.core.strategy import Strategy
@@ -34,7 +35,7 @@ from ddl_jax._src.strategies.asynchronous.staleness import (
 from ddl_jax._src.strategies.data_parallel import DataParallelState, data_parallel
 from ddl_jax._src.strategies.fsdp import FSDPState, fsdp
 from ddl_jax._src.strategies.gossip import GossipState, gossip, mixing_matrix
-from ddl_jax._src.strategies.local_sgd import IslandsState, LocalSGDState, local_sgd
+from ddl_jax._src.strategies.local_sgd import LocalSGDState, local_sgd
 from ddl_jax._src.strategies.noloco import NoLoCoState, noloco
 from ddl_jax._src.strategies.pipeline.builder import pipeline
 from ddl_jax._src.strategies.pipeline.stages import pipeline_stages

@@ -169,6 +169,24 @@ def test_outer_options_over_replicated_islands_equal_the_flat_method(model, opti
         )
 
 
+@pytest.mark.parametrize("name", ("data_parallel", "fsdp3"))
+def test_noloco_over_islands_is_flat_noloco_with_one_worker_per_island(model, name):
+    """4 islands of 2 devices: each step's random perfect matching of the islands is the
+    one flat NoLoCo draws for its 4 workers (the same key and step)."""
+    loss_fn, params, specs = model
+    batches = make_batches(8, 32)
+    inner = inner_strategy(name, loss_fn, optax.adam(1e-2), specs, islands=4)
+    stacked = ddl.noloco(inner=inner, period=2)
+    state, history = train(stacked, params, batches)
+    mesh = ddl.make_mesh(data=4)
+    reference = ddl.noloco(loss_fn, optax.adam(1e-2), mesh, period=2, consensus_every=0)
+    ref, ref_history = train(reference, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    assert [m["synchronised"] for m in history] == [m["synchronised"] for m in ref_history]
+
+
 def test_error_feedback_is_kept_per_shard_under_fsdp(model):
     loss_fn, params, specs = model
     inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)
@@ -177,7 +195,8 @@ def test_error_feedback_is_kept_per_shard_under_fsdp(model):
     state, history = train(strategy, params, make_batches(8, 32))
     kernel = state.inner.params["mlp"]["up"]["kernel"]  # [island, 12, 16] over data
     assert kernel.sharding.spec[0] == "island"
-    residual = jax.tree.leaves(state.reducer_state)
+    _, _, reducer_state = state.outer  # the anchor, the outer momentum, error feedback
+    residual = jax.tree.leaves(reducer_state)
     # one entry per device, each its island's residual of its shard
     assert all(leaf.shape[0] == 8 for leaf in residual)
     assert history[-1]["loss"] < history[0]["loss"]
@@ -274,5 +293,9 @@ def test_wrong_arguments_are_clear_errors(model):
         ddl.local_sgd(inner=no_islands, period=2).init(params)
     with pytest.raises(ValueError, match=r"'island' axis.*local_sgd\(inner="):
         ddl.gossip(loss_fn, optax.sgd(0.1), island_mesh)
+    with pytest.raises(ValueError, match="consensus_every measures whole replicas"):
+        ddl.noloco(inner=inner, period=2, consensus_every=5)
+    with pytest.raises(ValueError, match="optimizer=.*inner strategy's to set"):
+        ddl.noloco(optimizer=optax.sgd(0.1), inner=inner, period=2)
     with pytest.raises(ValueError, match="hierarchy's last group size must be the number"):
         ddl.local_sgd(inner=inner, hierarchy=((1, 2), (2, 8))).init(params)

@@ -152,9 +152,14 @@ STRATEGIES = {
         period=2,
         outer_optimizer=optax.sgd(1.0),
     ),
+    "noloco_over_fsdp": lambda loss_fn, opt, mesh: ddl.noloco(
+        inner=ddl.fsdp(loss_fn, opt, islands_of(mesh), stage=1),
+        period=2,
+        outer_optimizer=optax.sgd(1.0),
+    ),
 }
 #: Stacked strategies build their own island mesh from the one they are given.
-STACKED = ("local_sgd_over_fsdp", "diloco_over_data_parallel")
+STACKED = ("local_sgd_over_fsdp", "diloco_over_data_parallel", "noloco_over_fsdp")
 
 LOSSY = {
     f"data_parallel_{name}": lambda loss_fn, opt, mesh, r=reducer: ddl.data_parallel(

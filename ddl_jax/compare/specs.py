@@ -443,8 +443,8 @@ def _on_islands(
     return build
 
 
-#: The outer methods a stacked spec (``outer/inner``) may name, as ``local_sgd(inner=...)``
-#: settings: the same as their flat families'.
+#: The outer methods a stacked spec (``outer/inner``) may name, with the same settings as
+#: their flat families.
 OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] = {
     "local": _on_islands(lambda h, ctx: {"period": h, "drop": ctx.drop}),
     "diloco": _on_islands(
@@ -464,6 +464,7 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
             "reducer": compression.sparse_loco(ratio, axis="island"),
         }
     ),
+    "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),
 }
 #: The inner strategies a stacked spec may name (each island runs one).
 INNER_ON_ISLANDS = ("sync", "fsdp")

@@ -14,9 +14,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.kit import Kit, after, prepare, restack, unstack
+from ddl_jax._src.core.islands import Exchange, Parts, over_islands
+from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.reducer import axes_communicated, reducer_metrics
+from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import DATA, ISLAND, Strategy, check_int, check_transform
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
@@ -159,8 +160,9 @@ def local_sgd(
       (1.0 after a synchronisation, a group's included), the reducer's metrics, and
       ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
       (drop: the share of workers in this step's synchronisation, 0 without one).
-      ``params(state)``: the replicas' mean. With ``inner``, an ``IslandsState``; metrics
-      the inner strategy's (averaged over islands) and the above.
+      ``params(state)``: the replicas' mean. With ``inner``, an ``IslandsState`` whose
+      ``outer`` is each device's ``(anchor, outer_opt_state, reducer_state)``; metrics the
+      inner strategy's (averaged over islands) and the above.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, ddl_jax as ddl
@@ -584,37 +586,11 @@ def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:
     return jax.tree.map(one, tree)
 
 
-class IslandsState(NamedTuple):
-    """State of ``local_sgd(inner=...)``.
-
-    Attributes:
-      inner: the inner strategy's state, one per island (each leaf's leading axis, split
-        over ``island``).
-      anchor: the global model at the last synchronisation, each device's shard of it.
-      outer_opt_state: the outer optimizer's state (DiLoCo), each device's shard.
-      reducer_state: the outer exchange's reducer state, each device's (its island's
-        error feedback for its shard).
-
-    ``anchor``, ``outer_opt_state`` and ``reducer_state`` hold one entry per device: a
-    leading axis over every mesh axis, each entry shaped like the device's shard of the
-    inner parameters.
-    """
-
-    inner: Any
-    anchor: Any
-    outer_opt_state: Any
-    reducer_state: Any
-
-
 def _over_islands(
     inner: Strategy, flat: tuple[Any, ...], reducer: Any, settings: tuple[Any, ...]
 ) -> Strategy:
-    """``local_sgd(inner=...)``: the outer method over an island-stacked inner strategy."""
-    if not isinstance(inner, Strategy):
-        raise TypeError(
-            "inner must be a ddl strategy (ddl.data_parallel, ddl.fsdp or "
-            f"ddl.tensor_parallel on a mesh with an 'island' axis), got {type(inner).__name__}."
-        )
+    """``local_sgd(inner=...)``: the outer method over an island-stacked inner strategy,
+    each device running ``_exchange`` on its shard with ``axis="island"``."""
     names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "axis")
     for name, value, default in zip(names, flat, (None, None, None, 1, False, None), strict=True):
         if value != default and not (name == "axis" and value == ISLAND):
@@ -632,134 +608,36 @@ def _over_islands(
         check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
     reducer = allreduce_mean(ISLAND) if reducer is None else reducer
 
-    def configure(mesh: Any) -> _Config:
+    def method(mesh: Any) -> Exchange:
         kit = Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
-        return _configure(kit, None, *settings)
-
-    def init(variables: Any) -> IslandsState:
-        inner_state = inner.init(variables)
-        mesh = _island_mesh(inner_state)
-        cfg = configure(mesh)
-        _check_state_periods(cfg, inner_state.opt_state)
-        parts = _inner_parts(inner_state)
-        specs = _specs_of(parts)
-        each = P(mesh.axis_names)
+        cfg = _configure(kit, None, *settings)
 
         def start(params: Any) -> tuple[Any, Any, Any]:
-            anchor = unstack(params)
-            outer = optax.EmptyState() if cfg.outer is None else cfg.outer.init(anchor)
-            return restack((anchor, outer, reducer.init(anchor)))
+            outer = optax.EmptyState() if cfg.outer is None else cfg.outer.init(params)
+            return params, outer, reducer.init(params)
 
-        program = jax.shard_map(start, mesh=mesh, in_specs=(specs[0],), out_specs=each,
-                                check_vma=False)  # fmt: skip
-        anchor, outer, reducer_state = jax.jit(program)(parts[0])
-        state = IslandsState(inner_state, anchor, outer, reducer_state)
-        _check_exchange_axes(cfg, mesh, state)
-        return state
-
-    def step(state: IslandsState, batch: Any) -> tuple[IslandsState, dict[str, jax.Array]]:
-        mesh = _island_mesh(state.inner)
-        cfg = configure(mesh)
-        before = state.inner
-        inner_state, metrics = inner.step(before, batch)
-        parts, outer, exchanged = _exchange_program(cfg, mesh, before)(
-            _inner_parts(inner_state),
-            _inner_parts(before) if cfg.churn else None,
-            (state.anchor, state.outer_opt_state, state.reducer_state),
-            # The exchange (its switch reads the step) waits for the metrics' collectives.
-            (before.model.key, after(before.model.step, metrics)),
+        return Exchange(
+            start,
+            functools.partial(_island_exchange, cfg),
+            keeps_before=bool(cfg.churn),
+            check=lambda inner_state: _check_state_periods(cfg, inner_state.opt_state),
         )
-        params, opt_state, model_state, reducer_state = parts
-        inner_state = inner_state._replace(
-            params=params,
-            opt_state=opt_state,
-            reducer_state=reducer_state,
-            model=inner_state.model._replace(state=model_state),
-        )
-        return IslandsState(inner_state, *outer), {**metrics, **exchanged}
 
-    return Strategy(init, step, lambda state: inner.params(state.inner))
+    return over_islands(inner, method, "local_sgd")
 
 
-def _island_mesh(inner_state: Any) -> Any:
-    """The mesh of an island-stacked inner state (its ``params``' leaves' mesh), checked."""
-    if not all(hasattr(inner_state, f) for f in ("params", "opt_state", "reducer_state", "model")):
-        raise TypeError(
-            "inner must be ddl.data_parallel, ddl.fsdp or ddl.tensor_parallel (a state with "
-            f"params, opt_state, reducer_state and model); its state is "
-            f"{type(inner_state).__name__}."
-        )
-    sharding = jax.typeof(jax.tree.leaves(inner_state.params)[0]).sharding
-    if ISLAND not in sharding.mesh.axis_names:
-        raise ValueError(
-            f"inner must be built on a mesh with an {ISLAND!r} axis, e.g. "
-            f"ddl.make_mesh(island=2, data=4); its mesh has axes {list(sharding.mesh.axis_names)}."
-        )
-    return sharding.mesh
-
-
-def _inner_parts(inner_state: Any) -> tuple[Any, Any, Any, Any]:
-    """What the outer exchange reads and writes of an inner state (the inner reducer's
-    state only to keep an absent island's)."""
-    model_state = inner_state.model.state
-    return inner_state.params, inner_state.opt_state, model_state, inner_state.reducer_state
-
-
-def _specs_of(tree: Any) -> Any:
-    """Each leaf's ``PartitionSpec``, read from its type (its place on the mesh)."""
-    return jax.tree.map(lambda x: jax.typeof(x).sharding.spec, tree)
-
-
-def _exchange_program(cfg: _Config, mesh: Any, inner_state: Any) -> Any:
-    """The outer exchange as one ``shard_map`` over the whole mesh: each device runs
-    ``_exchange`` on its shard, with its counterparts in the other islands, reading its
-    island's step count and key (so nothing else crosses islands).
-
-    ``(parts, before, outer, (key, step)) -> (parts, outer, metrics)``: ``parts`` the inner
-    state's (``_inner_parts``) after its step, ``before`` those before it (kept by an absent
-    island; ``None`` without churn), ``outer`` the anchor, outer and reducer states.
-
-    It runs without replication checks: an entry stored per device holds the same value on
-    devices that share a shard, which JAX cannot type (it is exact: they compute alike).
-    """
-    each = P(mesh.axis_names)
-    specs = _specs_of(_inner_parts(inner_state))
-    clock = _specs_of((inner_state.model.key, inner_state.model.step))
-
-    def body(parts: Any, before: Any, outer: Any, clock: Any) -> Any:
-        key, step = unstack(clock)
-        present, arrived = _unreliable(cfg, ModelVars(None, key, step), jnp.asarray(False))
-        params, opt_state, model_state, inner_reducer_state = unstack(parts)
-        if present is not None:  # an absent island took no step
-            here = present[lax.axis_index(ISLAND)]
-            kept = _select(here, (params, opt_state, model_state, inner_reducer_state),
-                           unstack(before))  # fmt: skip
-            params, opt_state, model_state, inner_reducer_state = kept
-        anchor, outer_opt_state, reducer_state = unstack(outer)
-        carry = Carry(params, opt_state, anchor, outer_opt_state, reducer_state, model_state)
-        carry, metrics = _exchange(cfg, carry, step, jnp.asarray(False), arrived)
-        metrics |= lax.pmean(reducer_metrics(carry.reducer_state), ISLAND)
-        parts = restack((carry.params, carry.opt_state, carry.model_state, inner_reducer_state))
-        outer = restack((carry.anchor, carry.outer_opt_state, carry.reducer_state))
-        return parts, outer, metrics
-
-    before = specs if cfg.churn else None
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, before, each, clock),
-                         out_specs=(specs, each, P()), check_vma=False)  # fmt: skip
-
-
-def _check_exchange_axes(cfg: _Config, mesh: Any, state: IslandsState) -> None:
-    """The outer exchange talks over ``island`` only: a reducer built for another axis
-    (``axis="data"``, the default) would mix the shards of one island."""
-    parts = _inner_parts(state.inner)
-    outer = (state.anchor, state.outer_opt_state, state.reducer_state)
-    clock = (state.inner.model.key, state.inner.model.step)
-    program = _exchange_program(cfg, mesh, state.inner)
-    traced = jax.make_jaxpr(program)(parts, parts if cfg.churn else None, outer, clock)
-    others = sorted(axes_communicated(traced) - {ISLAND})
-    if others:
-        raise ValueError(
-            f"local_sgd(inner=...): the outer exchange communicates over {others}; it must "
-            f"run over {ISLAND!r} only. Build the reducer with axis={ISLAND!r}, e.g. "
-            f"ddl.compression.sparse_loco(0.01, axis={ISLAND!r})."
-        )
+def _island_exchange(
+    cfg: _Config, parts: Parts, before: Parts | None, outer: Any, clock: Any
+) -> tuple[Parts, Any, dict[str, jax.Array]]:
+    """One device's exchange over islands: flat local SGD's ``_exchange`` on its shard."""
+    key, step = clock
+    present, arrived = _unreliable(cfg, ModelVars(None, key, step), jnp.asarray(False))
+    if present is not None:  # an absent island took no step
+        parts = _select(present[lax.axis_index(ISLAND)], parts, before)
+    params, opt_state, model_state, inner_reducer_state = parts
+    anchor, outer_opt_state, reducer_state = outer
+    carry = Carry(params, opt_state, anchor, outer_opt_state, reducer_state, model_state)
+    carry, metrics = _exchange(cfg, carry, step, jnp.asarray(False), arrived)
+    metrics |= lax.pmean(reducer_metrics(carry.reducer_state), ISLAND)
+    parts = (carry.params, carry.opt_state, carry.model_state, inner_reducer_state)
+    return parts, (carry.anchor, carry.outer_opt_state, carry.reducer_state), metrics

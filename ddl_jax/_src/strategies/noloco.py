@@ -12,9 +12,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src.core.islands import Exchange, Parts, over_islands
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
+from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int, check_real, check_transform
 from ddl_jax._src.measure.consistency import measured_consensus
 from ddl_jax._src.reduce.allreduce import in_buckets
 
@@ -127,15 +128,16 @@ class NoLoCoState(NamedTuple):
 
 
 def noloco(
-    loss_fn: AnyLoss,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    loss_fn: AnyLoss | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
     *,
     period: int,
+    inner: Strategy | None = None,
     outer_optimizer: optax.GradientTransformation | None = None,
     anchor_pull: float = 1.0,
     pairing: str | None = None,
-    consensus_every: int = 10,
+    consensus_every: int | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
@@ -184,24 +186,36 @@ def noloco(
       Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
       Models", 2025, arXiv:2506.10911. Douillard et al., "DiLoCo", 2023, arXiv:2311.08105.
 
+    **Islands.** ``noloco(inner=strategy, period=H)`` makes each worker an island running
+    ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on a mesh
+    with an ``island`` axis), as ``ddl.local_sgd(inner=...)`` does: each device keeps its
+    shard's outer weights and momentum and exchanges them with its counterpart in the peer
+    island. The consensus distance is not measured there.
+
     Args:
-      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
-      optimizer: the inner optax optimizer, one state per worker.
-      mesh: a mesh with axis ``axis``.
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); not with
+        ``inner``.
+      optimizer: the inner optax optimizer, one state per worker; not with ``inner``.
+      mesh: a mesh with axis ``axis``; not with ``inner``.
       period: H, inner steps between outer steps, >= 1.
+      inner: an island's strategy (Islands, above), instead of ``loss_fn``, ``optimizer``
+        and ``mesh``.
       outer_optimizer: applied to G_i; default ``optax.sgd(0.7, momentum=0.5)``, the authors'.
       anchor_pull: the weight of the pull towards the pair's mean outer weights, >= 0;
         the authors' 1.
       pairing: ``"uniform"`` (a uniformly random perfect matching, as the authors draw
         it; N <= 8), ``"rounds"`` (a uniformly drawn round-robin round) or None (``"uniform"``
         for N <= 8, else ``"rounds"``).
-      consensus_every: measure ``consensus_distance`` every this many steps; 0 never.
+      consensus_every: measure ``consensus_distance`` every this many steps; 0 never;
+        ``None``: 10 (0 with ``inner``).
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``NoLoCoState``; metrics ``loss``, aux values, ``synchronised``
+      A ``Strategy`` with ``NoLoCoState`` (with ``inner``: an ``IslandsState`` whose
+      ``outer`` is each device's outer weights and momentum); metrics ``loss``, aux values,
+      ``synchronised``
       (1.0 after an outer step) and (unless ``consensus_every=0``) ``consensus_distance`` as
       last measured. ``params(state)`` is the mean of the replicas.
 
@@ -220,22 +234,40 @@ def noloco(
       >>> float(metrics["synchronised"]), round(float(strategy.params(state)["w"]), 6)
       (1.0, 0.252)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
     period = check_int("period", period, minimum=1)
-    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     anchor_pull = check_real("anchor_pull", anchor_pull, minimum=0.0)
     if outer_optimizer is None:
         outer_optimizer = optax.sgd(0.7, momentum=0.5)
-    if pairing is None:
-        pairing = "uniform" if kit.n <= _MAX_UNIFORM else "rounds"
-    if pairing not in _PAIRINGS:
-        raise ValueError(f"pairing must be 'uniform', 'rounds' or None, got {pairing!r}")
-    if pairing == "uniform" and kit.n > _MAX_UNIFORM:
-        raise ValueError(
-            f"pairing='uniform' switches over all (N - 1)!! perfect matchings and allows at "
-            f"most 8 workers, got N = {kit.n}; use pairing='rounds'"
-        )
     check_transform("outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9)")
+    if inner is not None:
+        flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
+                "accumulate": accumulate, "has_aux": has_aux, "axis": axis}  # fmt: skip
+        defaults = {"accumulate": 1, "has_aux": False, "axis": "data"}
+        for name, value in flat.items():
+            if value != defaults.get(name):
+                raise ValueError(
+                    f"noloco: {name}={value!r} is the inner strategy's to set; with inner=, "
+                    "give noloco only the outer method's settings."
+                )
+        if consensus_every:
+            raise ValueError(
+                "noloco: consensus_every measures whole replicas; with inner= each device "
+                "holds a shard, so it is not measured: leave consensus_every=None."
+            )
+
+        def method(mesh: Any) -> Exchange:
+            n = mesh.shape[ISLAND]
+            kit = Kit(mesh, ISLAND, n, None, None, False, 1)
+            chosen = _pairing(pairing, n)
+            cfg = _Config(kit, None, outer_optimizer, period, anchor_pull, 0, chosen)
+            start = lambda params: (params, outer_optimizer.init(params))  # noqa: E731
+            return Exchange(start, functools.partial(_island_exchange, cfg))
+
+        return over_islands(inner, method, "noloco")
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
+    consensus_every = 10 if consensus_every is None else consensus_every
+    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
+    pairing = _pairing(pairing, kit.n)
     specs = NoLoCoState(P(axis), P(axis), P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> NoLoCoState:
@@ -254,6 +286,38 @@ def noloco(
         kit.step(functools.partial(_worker_step, cfg), specs),
         kit.replica_variables(),
     )
+
+
+def _pairing(pairing: Any, n: int) -> str:
+    """``pairing`` checked for ``n`` workers, ``None`` resolved."""
+    if pairing is None:
+        pairing = "uniform" if n <= _MAX_UNIFORM else "rounds"
+    if pairing not in _PAIRINGS:
+        raise ValueError(f"pairing must be 'uniform', 'rounds' or None, got {pairing!r}")
+    if pairing == "uniform" and n > _MAX_UNIFORM:
+        raise ValueError(
+            f"pairing='uniform' switches over all (N - 1)!! perfect matchings and allows at "
+            f"most 8 workers, got N = {n}; use pairing='rounds'"
+        )
+    return pairing
+
+
+def _island_exchange(
+    cfg: _Config, parts: Parts, before: None, outer: Any, clock: Any
+) -> tuple[Parts, Any, dict[str, jax.Array]]:
+    """One device's exchange over islands: the outer step with its counterpart in the
+    peer island, on its shard."""
+    key, step = clock
+    params, opt_state, model_state, reducer_state = parts
+    anchor, outer_opt_state = outer
+    synchronised = (step + 1) % cfg.period == 0
+    outer_step = functools.partial(_outer_step, cfg, key, step)
+    carry = (params, model_state, anchor, outer_opt_state)
+    carry = outer_step(carry) if cfg.period == 1 else lax.cond(synchronised, outer_step, _keep,
+                                                                carry)  # fmt: skip
+    params, model_state, anchor, outer_opt_state = carry
+    metrics = {"synchronised": synchronised.astype(jnp.float32)}
+    return (params, opt_state, model_state, reducer_state), (anchor, outer_opt_state), metrics
 
 
 class _Config(NamedTuple):
