@@ -187,6 +187,25 @@ def test_noloco_over_islands_is_flat_noloco_with_one_worker_per_island(model, na
     assert [m["synchronised"] for m in history] == [m["synchronised"] for m in ref_history]
 
 
+@pytest.mark.parametrize("name", ("data_parallel", "fsdp3"))
+def test_streaming_diloco_over_islands_is_flat_streaming_diloco(model, name):
+    """Fragments in turn, overlapped and mixed: each device sends its shard of a fragment
+    (FSDP splits every leaf of this model in 4, so the shards' fragments are the model's)."""
+    loss_fn, params, specs = model
+    batches = make_batches(8, 32)
+    options = {"period": 4, "fragments": 2, "overlap": 1, "mix": 0.5, "outer_optimizer": OUTER}
+    inner = inner_strategy(name, loss_fn, optax.adam(1e-2), specs)
+    stacked = ddl.streaming_diloco(inner=inner, **options)
+    state, history = train(stacked, params, batches)
+    mesh = ddl.make_mesh(data=2)
+    reference = ddl.streaming_diloco(loss_fn, optax.adam(1e-2), mesh, **options)
+    ref, ref_history = train(reference, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    assert [m["fragment"] for m in history] == [m["fragment"] for m in ref_history]
+
+
 def test_error_feedback_is_kept_per_shard_under_fsdp(model):
     loss_fn, params, specs = model
     inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)

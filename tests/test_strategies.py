@@ -157,9 +157,19 @@ STRATEGIES = {
         period=2,
         outer_optimizer=optax.sgd(1.0),
     ),
+    "streaming_diloco_over_tensor_parallel": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
+        inner=ddl.tensor_parallel(loss_fn, opt, islands_of(mesh), specs=P()),
+        period=2,
+        fragments=2,
+    ),
 }
 #: Stacked strategies build their own island mesh from the one they are given.
-STACKED = ("local_sgd_over_fsdp", "diloco_over_data_parallel", "noloco_over_fsdp")
+STACKED = (
+    "local_sgd_over_fsdp",
+    "diloco_over_data_parallel",
+    "noloco_over_fsdp",
+    "streaming_diloco_over_tensor_parallel",
+)
 
 LOSSY = {
     f"data_parallel_{name}": lambda loss_fn, opt, mesh, r=reducer: ddl.data_parallel(

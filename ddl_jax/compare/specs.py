@@ -465,6 +465,14 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
         }
     ),
     "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),
+    "streaming": lambda fragments, inner, ctx: ddl.streaming_diloco(
+        inner=inner,
+        period=STREAMING_PERIOD,
+        fragments=fragments,
+        overlap=1,
+        mix=0.5,
+        outer_optimizer=_nesterov(),
+    ),
 }
 #: The inner strategies a stacked spec may name (each island runs one).
 INNER_ON_ISLANDS = ("sync", "fsdp")

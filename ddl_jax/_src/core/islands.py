@@ -127,6 +127,19 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
     return Strategy(init, step, lambda state: inner.params(state.inner))
 
 
+def check_outer_only(name: str, given: dict[str, Any], axis: Any, axes: tuple[Any, ...]) -> None:
+    """With ``inner=``, the flat builder's arguments are the inner strategy's: each of
+    ``given`` (``loss_fn``, ``optimizer``, ``mesh``, ``accumulate``, ``has_aux``) must keep
+    its default, and ``axis`` be one of ``axes``."""
+    defaults = {"accumulate": 1, "has_aux": False}
+    for key, value in (*given.items(), ("axis", axis)):
+        if (value not in axes) if key == "axis" else (value != defaults.get(key)):
+            raise ValueError(
+                f"{name}: {key}={value!r} is the inner strategy's to set; with inner=, give "
+                f"{name} only the outer method's settings."
+            )
+
+
 def island_mesh(inner_state: Any) -> Any:
     """The mesh of an island-stacked inner state (its ``params``' leaves' mesh), checked."""
     fields = ("params", "opt_state", "reducer_state", "model")

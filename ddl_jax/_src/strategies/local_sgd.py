@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.islands import Exchange, Parts, over_islands
+from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
@@ -591,14 +591,8 @@ def _over_islands(
 ) -> Strategy:
     """``local_sgd(inner=...)``: the outer method over an island-stacked inner strategy,
     each device running ``_exchange`` on its shard with ``axis="island"``."""
-    names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "axis")
-    for name, value, default in zip(names, flat, (None, None, None, 1, False, None), strict=True):
-        if value != default and not (name == "axis" and value == ISLAND):
-            raise ValueError(
-                f"local_sgd: {name}={value!r} is the inner strategy's to set; with inner=, "
-                "give local_sgd only the outer method's settings (period, outer_optimizer, "
-                "reducer, ...)."
-            )
+    names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux")
+    check_outer_only("local_sgd", dict(zip(names, flat[:5], strict=True)), flat[5], (None, ISLAND))
     if settings[4]:
         raise ValueError(
             "local_sgd: warmup_sync_steps needs gradients averaged across islands, which the "

@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.islands import Exchange, Parts, over_islands
+from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int, check_real, check_transform
@@ -241,14 +241,8 @@ def noloco(
     check_transform("outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9)")
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
-                "accumulate": accumulate, "has_aux": has_aux, "axis": axis}  # fmt: skip
-        defaults = {"accumulate": 1, "has_aux": False, "axis": "data"}
-        for name, value in flat.items():
-            if value != defaults.get(name):
-                raise ValueError(
-                    f"noloco: {name}={value!r} is the inner strategy's to set; with inner=, "
-                    "give noloco only the outer method's settings."
-                )
+                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+        check_outer_only("noloco", flat, axis, ("data", ISLAND))
         if consensus_every:
             raise ValueError(
                 "noloco: consensus_every measures whole replicas; with inner= each device "

@@ -17,10 +17,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.strategy import Strategy, check_int, check_real, check_transform
+from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int, check_real, check_transform
 from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
 
 _ORDERS = ("depth", "strided")
@@ -53,10 +54,11 @@ class StreamingDiLoCoState(NamedTuple):
 
 
 def streaming_diloco(
-    loss_fn: AnyLoss,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    loss_fn: AnyLoss | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
     *,
+    inner: Strategy | None = None,
     period: int,
     fragments: int | Sequence[Sequence[str]],
     fragment_order: str = "depth",
@@ -105,6 +107,13 @@ def streaming_diloco(
     (alpha between 0 and 1, e.g. 0.5) to keep part of the tau steps' local progress.
     ``Strategy.params`` is the replicas' mean.
 
+    **Islands.** ``streaming_diloco(inner=strategy, ...)`` makes each worker an island
+    running ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on
+    a mesh with an ``island`` axis), as ``ddl.local_sgd(inner=...)`` does: each device
+    sends its shard of a fragment to its counterparts (the fragments cut from the shards'
+    sizes, which FSDP splits alike), and keeps its shard's anchor, outer states and
+    in-flight gradients. The reducer must average over ``island``.
+
     The reference implementation, pytorch/torchft ``torchft/local_sgd.py`` (``DiLoCo``),
     takes the fragments from the user (``model_fragments``); torchtitan's default
     (pytorch/torchtitan ``torchtitan/components/ft/diloco/utils.py``, ``fragment_llm``) cuts
@@ -120,9 +129,11 @@ def streaming_diloco(
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), or a
-        ``ddl.ModelLoss``.
-      optimizer: the inner optax optimizer, one state per worker.
-      mesh: a mesh with axis ``axis``.
+        ``ddl.ModelLoss``; not with ``inner``.
+      optimizer: the inner optax optimizer, one state per worker; not with ``inner``.
+      mesh: a mesh with axis ``axis``; not with ``inner``.
+      inner: an island's strategy (Islands, above), instead of ``loss_fn``, ``optimizer``
+        and ``mesh``.
       period: H, the local steps between two sends of a fragment, >= 1, a multiple of
         ``fragments``.
       fragments: P, how many fragments, >= 1 and at most the parameters' number of leaves
@@ -137,13 +148,16 @@ def streaming_diloco(
       outer_optimizer: applied to each fragment's reduced outer gradient (any
         per-parameter optax optimizer); ``None`` is parameter averaging.
       reducer: how a fragment's outer gradient is averaged (default
-        ``ddl.allreduce_mean(axis)``); any reducer, compressing ones included.
+        ``ddl.allreduce_mean(axis)``, ``"island"`` with ``inner``); any reducer,
+        compressing ones included.
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``StreamingDiLoCoState``; metrics ``loss``, aux values,
+      A ``Strategy`` with ``StreamingDiLoCoState`` (with ``inner``: an ``IslandsState``
+      whose ``outer`` is each device's anchor, outer and reducer states and pending
+      gradients); metrics ``loss``, aux values,
       ``synchronised`` (1.0 when a fragment was sent this step), ``fragment`` (the one
       sent, -1.0 if none) and the reducer's metrics (of the last fragment sent).
 
@@ -169,6 +183,22 @@ def streaming_diloco(
       >>> round(float(state.anchor["a"]), 6), round(float(state.anchor["b"]), 6)  # "a" in flight
       (0.0, 0.32)
     """
+    settings = (outer_optimizer, period, fragments, fragment_order, overlap, mix)
+    if inner is not None:
+        flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
+                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+        check_outer_only("streaming_diloco", flat, axis, ("data", ISLAND))
+        if reducer is not None:
+            check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
+        reducer = allreduce_mean(ISLAND) if reducer is None else reducer
+
+        def method(mesh: Any) -> Exchange:
+            kit = Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
+            cfg = _configure(kit, None, *settings)
+            start = lambda params: (params, *_outer_start(cfg, params))  # noqa: E731
+            return Exchange(start, functools.partial(_island_exchange, cfg))
+
+        return over_islands(inner, method, "streaming_diloco")
     kit = prepare(
         loss_fn,
         optimizer,
@@ -179,9 +209,7 @@ def streaming_diloco(
         reducer=reducer,
         default_reducer=allreduce_mean,
     )
-    cfg = _configure(
-        kit, optimizer, outer_optimizer, period, fragments, fragment_order, overlap, mix
-    )
+    cfg = _configure(kit, optimizer, *settings)
     model = ModelVars(P(axis), P(), P())
     specs = StreamingDiLoCoState(P(axis), P(axis), P(), P(), P(axis), P(), model)
     return Strategy(
@@ -404,17 +432,25 @@ def _replace(items: tuple[Any, ...], p: int, item: Any) -> tuple[Any, ...]:
     return (*items[:p], item, *items[p + 1 :])
 
 
-def _make_state(cfg: _Config, params: Any, model: ModelVars) -> StreamingDiLoCoState:
-    kit, outer = cfg.kit, cfg.outer
+def _outer_start(cfg: _Config, params: Any) -> tuple[Any, Any, Any]:
+    """Per fragment: the outer optimizer's state, one worker's reducer state, and (with
+    overlap) the gradient in flight."""
+    outer = cfg.outer
     groups = _groups(params, fragment_indices(params, cfg.layout, cfg.order))
     outer_state = tuple(optax.EmptyState() if outer is None else outer.init(g) for g in groups)
     pending = () if cfg.overlap == 0 else tuple(jax.tree.map(jnp.zeros_like, groups))
+    return outer_state, tuple(cfg.kit.reducer.init(g) for g in groups), pending
+
+
+def _make_state(cfg: _Config, params: Any, model: ModelVars) -> StreamingDiLoCoState:
+    kit = cfg.kit
+    outer_state, reducer_state, pending = _outer_start(cfg, params)
     return StreamingDiLoCoState(
         params=kit.stack(params),
         opt_state=kit.stack(cfg.optimizer.init(params)),
         anchor=params,
         outer_opt_state=outer_state,
-        reducer_state=kit.stack(tuple(kit.reducer.init(g) for g in groups)),
+        reducer_state=kit.stack(reducer_state),
         pending=pending,
         model=model._replace(state=kit.stack(model.state)),
     )
@@ -438,10 +474,31 @@ def _worker_step(
     )
     updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    carry = (params, state.anchor, state.outer_opt_state, unstack(state.reducer_state))
+    carry, schedule = _exchange(cfg, (*carry, state.pending, model_state), step)
+    params, anchor, outer_state, reducer_state, pending, model_state = carry
+    metrics = lax.pmean({"loss": loss, **aux, **schedule.pop("reducer")}, axis)
+    model = ModelVars(restack(model_state), state.model.key, step + 1)
+    new = StreamingDiLoCoState(
+        restack(params),
+        restack(opt_state),
+        anchor,
+        outer_state,
+        restack(reducer_state),
+        pending,
+        model,
+    )
+    return new, {**metrics, **schedule}
+
+
+def _exchange(cfg: _Config, carry: Carry, step: jax.Array) -> tuple[Carry, dict[str, Any]]:
+    """What follows a worker's local step ``step``: on schedule, one fragment's send or
+    landing. Returns the carry and the schedule's metrics, with ``"reducer"``: the
+    reducer's own (of the last fragment sent), not yet averaged over the workers."""
     # Branch 0: nothing; 1 + p: fragment p is sent (and lands, without overlap);
     # 1 + P + p (with overlap): fragment p's outer gradient lands. overlap < H/P keeps a
     # landing off the steps that send.
-    bounds = fragment_indices(state.anchor, cfg.layout, cfg.order)
+    bounds = fragment_indices(carry[1], cfg.layout, cfg.order)
     spacing, count = cfg.period // cfg.fragments, cfg.fragments
     local_steps = step + 1
     sends = local_steps % spacing == 0
@@ -456,25 +513,25 @@ def _worker_step(
         branches += [
             functools.partial(_land_pending, cfg=cfg, bounds=bounds, p=p) for p in range(count)
         ]
-    carry = (params, state.anchor, state.outer_opt_state, unstack(state.reducer_state))
-    carry = lax.switch(branch, branches, (*carry, state.pending, model_state))
+    carry = lax.switch(branch, branches, carry)
+    return carry, {
+        "reducer": _last_reducer_metrics(carry[3], fragment),
+        "synchronised": sends.astype(jnp.float32),
+        "fragment": jnp.where(sends, fragment, -1).astype(jnp.float32),
+    }
+
+
+def _island_exchange(
+    cfg: _Config, parts: Parts, before: None, outer: Any, clock: Any
+) -> tuple[Parts, Any, dict[str, jax.Array]]:
+    """One device's exchange over islands: ``_exchange`` on its shard."""
+    _, step = clock
+    params, opt_state, model_state, inner_reducer_state = parts
+    carry, metrics = _exchange(cfg, (params, *outer, model_state), step)
     params, anchor, outer_state, reducer_state, pending, model_state = carry
-    metrics = lax.pmean(
-        {"loss": loss, **aux, **_last_reducer_metrics(reducer_state, fragment)}, axis
-    )
-    metrics["synchronised"] = sends.astype(jnp.float32)
-    metrics["fragment"] = jnp.where(sends, fragment, -1).astype(jnp.float32)
-    model = ModelVars(restack(model_state), state.model.key, step + 1)
-    new = StreamingDiLoCoState(
-        restack(params),
-        restack(opt_state),
-        anchor,
-        outer_state,
-        restack(reducer_state),
-        pending,
-        model,
-    )
-    return new, metrics
+    metrics |= lax.pmean(metrics.pop("reducer"), ISLAND)
+    parts = (params, opt_state, model_state, inner_reducer_state)
+    return parts, (anchor, outer_state, reducer_state, pending), metrics
 
 
 def _last_reducer_metrics(reducer_state: tuple[Any, ...], last: jax.Array) -> dict[str, Any]:
