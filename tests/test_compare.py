@@ -74,7 +74,7 @@ BAD = [
     (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, sparseloco:0.01, noloco:16"),
     (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be > 0"),
     (["--workload", "text-gpt", "--non-iid", "0.5"], "a digits workload, not text-gpt"),
-    (["--strategies", "gossip/fsdp:3"], "cannot stack 'gossip/fsdp:3': the outer method"),
+    (["--strategies", "ssp/fsdp:3"], "cannot stack 'ssp/fsdp:3': the outer method"),
     (["--strategies", "diloco:16/gossip"], "the inner one of sync, fsdp"),
     (["--strategies", "diloco/fsdp:4"], "expected the ZeRO stage, 1, 2 or 3"),
     (["--islands", "1"], "islands must be an integer >= 2, got 1"),

@@ -206,6 +206,23 @@ def test_streaming_diloco_over_islands_is_flat_streaming_diloco(model, name):
     assert [m["fragment"] for m in history] == [m["fragment"] for m in ref_history]
 
 
+@pytest.mark.parametrize("options", [{}, {"drop": 0.3, "churn": 0.2}], ids=["reliable", "lossy"])
+def test_gossip_over_islands_is_flat_gossip_with_one_worker_per_island(model, options):
+    loss_fn, params, specs = model
+    batches = make_batches(6, 32)
+    inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs, islands=4)
+    stacked = ddl.gossip(inner=inner, topology="ring", **options)
+    state, history = train(stacked, params, batches)
+    mesh = ddl.make_mesh(data=4)
+    reference = ddl.gossip(loss_fn, optax.adam(1e-2), mesh, consensus_every=0, **options)
+    ref, ref_history = train(reference, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    for key in set(ref_history[0]) - {"loss"}:  # with churn, the loss is every island's
+        assert [m[key] for m in history] == [m[key] for m in ref_history], key
+
+
 def test_error_feedback_is_kept_per_shard_under_fsdp(model):
     loss_fn, params, specs = model
     inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs)
@@ -311,7 +328,7 @@ def test_wrong_arguments_are_clear_errors(model):
     with pytest.raises(ValueError, match="mesh with an 'island' axis"):
         ddl.local_sgd(inner=no_islands, period=2).init(params)
     with pytest.raises(ValueError, match=r"'island' axis.*local_sgd\(inner="):
-        ddl.gossip(loss_fn, optax.sgd(0.1), island_mesh)
+        ddl.async_sgd(loss_fn, optax.sgd(0.1), island_mesh)
     with pytest.raises(ValueError, match="consensus_every measures whole replicas"):
         ddl.noloco(inner=inner, period=2, consensus_every=5)
     with pytest.raises(ValueError, match="optimizer=.*inner strategy's to set"):

@@ -162,9 +162,13 @@ STRATEGIES = {
         period=2,
         fragments=2,
     ),
+    "gossip_over_fsdp": lambda loss_fn, opt, mesh: ddl.gossip(
+        inner=ddl.fsdp(loss_fn, opt, islands_of(mesh), stage=2), topology="ring"
+    ),
 }
 #: Stacked strategies build their own island mesh from the one they are given.
 STACKED = (
+    "gossip_over_fsdp",
     "local_sgd_over_fsdp",
     "diloco_over_data_parallel",
     "noloco_over_fsdp",

@@ -465,6 +465,9 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
         }
     ),
     "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),
+    "gossip": lambda topology, inner, ctx: ddl.gossip(
+        inner=inner, topology=topology, drop=ctx.drop
+    ),
     "streaming": lambda fragments, inner, ctx: ddl.streaming_diloco(
         inner=inner,
         period=STREAMING_PERIOD,

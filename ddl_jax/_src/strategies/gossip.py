@@ -14,9 +14,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.strategy import Strategy, check_int
+from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int
 from ddl_jax._src.measure.consistency import (
     CHURN_STREAM,
     arrivals,
@@ -151,15 +152,16 @@ class GossipState(NamedTuple):
 
 
 def gossip(
-    loss_fn: AnyLoss,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    loss_fn: AnyLoss | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    mesh: Mesh | None = None,
     *,
+    inner: Strategy | None = None,
     topology: str = "ring",
     mixing_weights: Any = None,
     drop: float = 0.0,
     churn: float = 0.0,
-    consensus_every: int = 10,
+    consensus_every: int | None = None,
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
@@ -191,25 +193,36 @@ def gossip(
       NeurIPS 2017, arXiv:1705.09056. Assran et al., "Stochastic gradient push",
       ICML 2019, arXiv:1811.10792 (exponential graph).
 
+    **Islands.** ``gossip(inner=strategy, topology=...)`` makes each worker an island
+    running ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on
+    a mesh with an ``island`` axis), as ``ddl.local_sgd(inner=...)`` does: after every inner
+    step each device mixes its shard with its counterparts in the neighbouring islands. The
+    consensus distance is not measured there; with ``churn`` the loss is every island's.
+
     Args:
-      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
-      optimizer: optax optimizer, one state per worker.
-      mesh: a mesh with axis ``axis``.
+      loss_fn: ``(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``); not with
+        ``inner``.
+      optimizer: optax optimizer, one state per worker; not with ``inner``.
+      mesh: a mesh with axis ``axis``; not with ``inner``.
+      inner: an island's strategy (Islands, above), instead of ``loss_fn``, ``optimizer``
+        and ``mesh``.
       topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
       mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
         default ``mixing_matrix(topology, N)``.
       drop: probability in [0, 1) that a message is lost.
       churn: probability in [0, 1) that a worker is absent for a step.
       consensus_every: measure ``consensus_distance`` every this many steps (it costs an
-        all-reduce of the parameters, so not every step); 0 never.
+        all-reduce of the parameters, so not every step); 0 never; ``None``: 10 (0 with
+        ``inner``).
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
 
     Returns:
-      A ``Strategy`` with ``GossipState``; metrics ``loss`` and aux values (with ``churn``,
-      over the present workers), unless ``consensus_every=0`` ``consensus_distance`` as last
-      measured (after the mixing of a step t with ``t % consensus_every == 0``), with
+      A ``Strategy`` with ``GossipState`` (with ``inner``: an ``IslandsState``); metrics
+      ``loss`` and aux values (with ``churn``, over the present workers), unless
+      ``consensus_every=0`` ``consensus_distance`` as last measured (after the mixing of a
+      step t with ``t % consensus_every == 0``), with
       ``drop`` ``messages_dropped`` (the fraction of this step's messages between present
       workers that were lost), with ``churn`` ``workers_present`` (their number this step).
       ``params(state)`` is the mean of the replicas.
@@ -227,16 +240,32 @@ def gossip(
       >>> round(float(w), 6), round(float(distance), 6)  # equal data: the replicas agree
       (0.2, 0.0)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
-    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
+    if inner is not None:
+        flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
+                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+        check_outer_only("gossip", flat, axis, ("data", ISLAND))
+        if consensus_every:
+            raise ValueError(
+                "gossip: consensus_every measures whole replicas; with inner= each device "
+                "holds a shard, so it is not measured: leave consensus_every=None."
+            )
+
+        def method(mesh: Any) -> Exchange:
+            n = mesh.shape[ISLAND]
+            kit = Kit(mesh, ISLAND, n, None, None, False, 1)
+            w = _weights(topology, mixing_weights, n)
+            cfg = _Config(kit, None, w, neighbour_permutations(topology, n), drop, churn, 0)
+            exchange = functools.partial(_island_exchange, cfg)
+            return Exchange(lambda params: (), exchange, keeps_before=bool(churn))
+
+        return over_islands(inner, method, "gossip")
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
+    consensus_every = 10 if consensus_every is None else consensus_every
+    consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     n = kit.n
     perms = neighbour_permutations(topology, n)
-    w = (
-        mixing_matrix(topology, n)
-        if mixing_weights is None
-        else _check_mixing(mixing_weights, topology, n)
-    )
+    w = _weights(topology, mixing_weights, n)
     specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> GossipState:
@@ -253,6 +282,35 @@ def gossip(
         kit.step(functools.partial(_worker_step, cfg), specs),
         kit.replica_variables(),
     )
+
+
+def _weights(topology: str, mixing_weights: Any, n: int) -> np.ndarray:
+    """The mixing matrix: the topology's, or the user's checked against it."""
+    if mixing_weights is None:
+        return mixing_matrix(topology, n)
+    return _check_mixing(mixing_weights, topology, n)
+
+
+def _island_exchange(
+    cfg: _Config, parts: Parts, before: Parts | None, outer: Any, clock: Any
+) -> tuple[Parts, Any, dict[str, jax.Array]]:
+    """One device's exchange over islands: its shard mixed with its counterparts in the
+    neighbouring islands (an absent island keeps its shard from before the step)."""
+    params, opt_state, model_state, reducer_state = parts
+    if not (cfg.drop or cfg.churn):
+        params, model_state = _mix((params, model_state), ISLAND, cfg.weights, cfg.perms)
+        return (params, opt_state, model_state, reducer_state), outer, {}
+    key, step = clock
+    arrives, present = link_masks(key, step, cfg.kit.n, drop=cfg.drop, churn=cfg.churn)
+    here = present[lax.axis_index(ISLAND)]
+    if before is not None:
+        parts = jax.tree.map(lambda new, old: jnp.where(here, new, old), parts, before)
+    params, opt_state, model_state, reducer_state = parts
+    params, model_state = _mix_unreliable(
+        (params, model_state), ISLAND, cfg.weights, cfg.perms, arrives
+    )
+    metrics = _network_metrics(cfg, arrives, present, here, {})
+    return (params, opt_state, model_state, reducer_state), outer, metrics
 
 
 class _Config(NamedTuple):
