@@ -1,10 +1,12 @@
 """DiLoCo over FSDP islands against flat DiLoCo: the GPT on the bundled text corpus.
 
-Two islands of 4 devices (FSDP stage 3 inside each) and flat DiLoCo with 2 workers train
-the same model on the same global batches with ``ddl.fit``; the islands' math is flat
-DiLoCo's with each worker's gradient computed by its island (``tests/test_islands.py``
-checks that exactly on a model without dropout), so the validation bits per byte should
-agree within the noise of dropout masks, which fold in each device's own index.
+Two islands of 4 devices (FSDP stage 3 inside each, or data parallelism) and flat DiLoCo
+with 2 workers train the same model on the same global batches with ``ddl.fit``; the
+islands' math is flat DiLoCo's with each worker's gradient computed by its island
+(``tests/test_islands.py`` checks that exactly on a model without dropout). Dropout masks
+fold in each device's index, so the islands draw other masks than the 2 flat workers: the
+gap between the data-parallel islands and flat DiLoCo is that noise, and FSDP's islands
+(the same masks as data parallelism's) should sit within it.
 
     python benchmarks/islands.py --steps 300
 """
@@ -35,6 +37,11 @@ def main() -> None:
     strategies = {
         "DiLoCo over FSDP stage 3 (island=2, data=4)": ddl.local_sgd(
             inner=ddl.fsdp(workload.loss_fn, inner_opt, island_mesh, stage=3),
+            period=args.period,
+            outer_optimizer=outer,
+        ),
+        "DiLoCo over data parallelism (island=2, data=4)": ddl.local_sgd(
+            inner=ddl.data_parallel(workload.loss_fn, inner_opt, island_mesh),
             period=args.period,
             outer_optimizer=outer,
         ),
