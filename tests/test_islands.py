@@ -48,6 +48,9 @@ def inner_strategy(name, loss_fn, optimizer, specs, islands=2):
     if name == "tensor_parallel":
         mesh = ddl.make_mesh(island=islands, data=2, model=2)
         return ddl.tensor_parallel(loss_fn, optimizer, mesh, specs=specs)
+    if name == "fsdp3_tensor_parallel":  # Megatron over model, each block split over data
+        mesh = ddl.make_mesh(island=islands, data=2, model=2)
+        return ddl.fsdp(loss_fn, optimizer, mesh, stage=3, specs=specs)
     mesh = ddl.make_mesh(island=islands, data=8 // islands)
     if name == "data_parallel":
         return ddl.data_parallel(loss_fn, optimizer, mesh)
@@ -55,7 +58,7 @@ def inner_strategy(name, loss_fn, optimizer, specs, islands=2):
     return ddl.fsdp(loss_fn, optimizer, mesh, stage=stage)
 
 
-INNER = ("data_parallel", "fsdp1", "fsdp2", "fsdp3", "tensor_parallel")
+INNER = ("data_parallel", "fsdp1", "fsdp2", "fsdp3", "tensor_parallel", "fsdp3_tensor_parallel")
 
 
 def train(strategy, params, batches):
@@ -167,6 +170,24 @@ def test_outer_options_over_replicated_islands_equal_the_flat_method(model, opti
         np.testing.assert_allclose(
             [m[key] for m in history], [m[key] for m in ref_history], rtol=1e-5, err_msg=key
         )
+
+
+def test_hierarchical_averaging_over_islands_is_flat_hierarchical_averaging(model):
+    """4 islands: pairs of islands average every 2 steps, all 4 every 4."""
+    loss_fn, params, specs = model
+    batches = make_batches(8, 32)
+    options = {"hierarchy": ((2, 2), (4, 4)), "average_optimizer_state": True}
+    inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs, islands=4)
+    stacked = ddl.local_sgd(inner=inner, **options)
+    state, history = train(stacked, params, batches)
+    reference = flat(loss_fn, optax.adam(1e-2), workers=4, **options)
+    ref, ref_history = train(reference, params, batches)
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    sizes = [float(m["sync_group_size"]) for m in history]
+    assert sizes == [float(m["sync_group_size"]) for m in ref_history]
+    assert set(sizes) == {0, 2, 4}
 
 
 @pytest.mark.parametrize("name", ("data_parallel", "fsdp3"))
