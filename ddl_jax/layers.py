@@ -1,5 +1,7 @@
-"""Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX."""
+"""Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX;
+``scan_layers`` for a model's stacked layers (gathered one at a time under ``ddl.fsdp``)."""
 
+from ddl_jax._src.core.layer_scan import scan_layers
 from ddl_jax._src.models.layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -20,4 +22,5 @@ __all__ = [
     "column_parallel_dense",
     "param_specs",
     "row_parallel_dense",
+    "scan_layers",
 ]

@@ -10,6 +10,7 @@ optimizer then updates each worker's shard, as ``jax.jit`` lays out the sharded 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, NamedTuple
 
@@ -22,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import strategy as st
 from ddl_jax._src.core.kit import abstract, is_spec, prepare, restack, unstack, vary
-from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
+from ddl_jax._src.core.layer_scan import gathering, scanned_leaves
+from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, as_model_loss, mean_over, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
 from ddl_jax._src.core.strategy import DATA, MODEL
@@ -104,6 +106,7 @@ def fsdp(
     stage: int = 3,
     specs: Any = REPLICATED,
     reducer: ScatterReducer | None = None,
+    reshard_after_forward: bool = True,
     accumulate: int = 1,
     has_aux: bool = False,
 ) -> st.Strategy:
@@ -121,6 +124,17 @@ def fsdp(
     * stage 3: also the parameters: each worker stores its shard only and all-gathers every
       parameter (one all-gather each) for the forward and backward; memory for parameters
       and optimizer state is 1/N of ``data_parallel``'s.
+
+    **Layer by layer** (stage 3, ``reshard_after_forward=True``, PyTorch FSDP2's name). A
+    model that runs its stacked layers with ``ddl.layers.scan_layers`` gets each layer's
+    parameters gathered inside the scan, just before its use, and gathered again in the
+    backward (the scan's body is rematerialised), so about one layer's parameters are
+    whole at a time and temporaries no longer grow with depth; autodiff turns each
+    layer's gather into the reduce-scatter of its gradient. The other parameters (and
+    every parameter of a model without ``scan_layers``) are gathered once per step, as
+    with ``False``, which keeps every gathered layer alive through the backward: faster
+    (no second gather, no recomputation) where memory allows. A stacked leaf must not be
+    split on its layer axis (its largest dimension that N divides is then another).
 
     Its own builder, as its state is sharded and it takes ``specs``: on a ``data`` x
     ``model`` mesh a ``ddl.layers`` model runs Megatron over ``model``, each parameter's
@@ -140,6 +154,9 @@ def fsdp(
       stage: 1, 2 or 3 (above).
       specs: each parameter's ``PartitionSpec`` over ``model`` (``ddl.layers.param_specs``),
         or a prefix; ``P()`` (the default) keeps every parameter whole over ``model``.
+      reshard_after_forward: at stage 3, gather the layers ``ddl.layers.scan_layers`` runs
+        one at a time, forward and backward (above); ``False``: gather every parameter once
+        per step.
       reducer: at stages 2 and 3, how the gradient chunks travel to their owners: a scatter
         reducer, ``ddl.compression.scatter_cast(jnp.bfloat16)`` (half the bytes, summed in
         float32), ``scatter_qsgd(levels)`` or ``scatter_top_k(ratio)`` (error feedback on
@@ -181,6 +198,7 @@ def fsdp(
     )
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}.")
+    reshard_after_forward = st.check_bool("reshard_after_forward", reshard_after_forward)
     _check_reducer(reducer, stage, kit.mesh)
     n, mesh = kit.n, kit.mesh
     layout_of = functools.partial(layout, specs=specs, mesh=mesh)
@@ -197,14 +215,28 @@ def fsdp(
 
     def worker_step(state: FSDPState, batch: Any, dims: Any) -> tuple[Any, dict]:
         params = state.params
+        key = worker_key(state.model, kit.worker_index())
+        scanned, gather = (), None
         if stage == 3:
-            params = jax.tree.map(_gather, params, dims)
+            if reshard_after_forward:
+                scanned, gather = _per_layer(kit, state, batch, key, dims)
+            params = _gather_except(params, dims, scanned)
         # A data-varying view, so that each worker differentiates its own loss.
         local = vary(params, (DATA,))
-        key = worker_key(state.model, kit.worker_index())
-        (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
+        with contextlib.nullcontext() if gather is None else gathering(gather):
+            (loss, aux), grads, model_state = kit.value_and_grad(
+                local, state.model.state, batch, key
+            )
         check_same_over_model({"loss": loss, **aux})
-        grads, reducer_state, wire = _reduce(grads, dims, state.reducer_state, stage, reducer)
+        if scanned and reducer is not None:
+            raise ValueError(
+                "fsdp: a scatter reducer encodes each whole gradient before it is scattered; "
+                "layers gathered one at a time (ddl.layers.scan_layers) are scattered by "
+                "autodiff, layer by layer. Use reshard_after_forward=False with a reducer."
+            )
+        grads, reducer_state, wire = _reduce(
+            grads, dims, state.reducer_state, stage, reducer, scanned
+        )
         model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
         return (grads, reducer_state, model), lax.pmean({"loss": loss, **aux, **wire}, DATA)
 
@@ -259,12 +291,89 @@ def _mean_shard(g: jax.Array, dim: int | None, stage: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(mean, lax.axis_index(DATA) * size, size, dim)
 
 
+def _per_layer(
+    kit: Any, state: FSDPState, batch: Any, key: Any, dims: Any
+) -> tuple[tuple[int, ...], Any]:
+    """The leaves the loss runs through ``scan_layers`` (indices in leaf order), and the
+    function that gathers one layer of them (``None`` when there are none)."""
+    n = lax.axis_size(DATA)
+    leaves, treedef = jax.tree.flatten(state.params)
+    dim_leaves = treedef.flatten_up_to(dims)
+    whole = [
+        jax.ShapeDtypeStruct(_whole_shape(x.shape, d, n), x.dtype)
+        for x, d in zip(leaves, dim_leaves, strict=True)
+    ]
+    fn = as_model_loss(kit.loss_fn).fn
+    micro = jax.tree.map(lambda x: x[: x.shape[0] // kit.accumulate], batch)
+    scanned = tuple(
+        scanned_leaves(
+            lambda p: fn(p, state.model.state, micro, key), jax.tree.unflatten(treedef, whole)
+        )
+    )
+    if not scanned:
+        return (), None
+    axes: dict[tuple[int, ...], int | None] = {}  # a layer's shard shape -> its gather axis
+    for i in scanned:
+        d, shape = dim_leaves[i], leaves[i].shape[1:]
+        if d == 0:
+            raise ValueError(
+                f"fsdp: the stacked leaf of shape {whole[i].shape} passed to scan_layers is "
+                "split over 'data' on its layer axis (its largest dimension the worker count "
+                "divides); use a worker count that divides another of its dimensions, or "
+                "reshard_after_forward=False."
+            )
+        axis = None if d is None else d - 1
+        if axes.setdefault(shape, axis) != axis:
+            raise ValueError(
+                f"fsdp: two stacked leaves passed to scan_layers have layer shards of shape "
+                f"{shape} split on different dimensions; reshard_after_forward=False."
+            )
+
+    def gather(layer: Any) -> Any:
+        def one(x: jax.Array) -> jax.Array:
+            axis = axes.get(tuple(x.shape))
+            return x if axis is None else lax.all_gather(x, DATA, axis=axis, tiled=True)
+
+        return jax.tree.map(one, layer)
+
+    return scanned, gather
+
+
+def _whole_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, ...]:
+    return shape if dim is None else (*shape[:dim], shape[dim] * n, *shape[dim + 1 :])
+
+
+def _gather_except(params: Any, dims: Any, scanned: tuple[int, ...]) -> Any:
+    """Every parameter gathered whole, but the leaves ``scanned`` (left as shards)."""
+    leaves, treedef = jax.tree.flatten(params)
+    dim_leaves = treedef.flatten_up_to(dims)
+    out = [
+        x if i in scanned else _gather(x, d)
+        for i, (x, d) in enumerate(zip(leaves, dim_leaves, strict=True))
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
 def _reduce(
-    grads: Any, dims: Any, reducer_state: Any, stage: int, reducer: ScatterReducer | None
+    grads: Any,
+    dims: Any,
+    reducer_state: Any,
+    stage: int,
+    reducer: ScatterReducer | None,
+    scanned: tuple[int, ...] = (),
 ) -> tuple[Any, Any, dict]:
-    """Inside ``shard_map``: gradient shards, the reducer's new state and its metrics."""
+    """Inside ``shard_map``: gradient shards, the reducer's new state and its metrics. The
+    leaves ``scanned`` arrive as shards summed over the workers already (autodiff's
+    reduce-scatter of each layer's gather)."""
     if reducer is None:
-        return jax.tree.map(lambda g, d: _mean_shard(g, d, stage), grads, dims), reducer_state, {}
+        n = lax.axis_size(DATA)
+        leaves, treedef = jax.tree.flatten(grads)
+        dim_leaves = treedef.flatten_up_to(dims)
+        out = [
+            g / n if i in scanned else _mean_shard(g, d, stage)
+            for i, (g, d) in enumerate(zip(leaves, dim_leaves, strict=True))
+        ]
+        return jax.tree.unflatten(treedef, out), reducer_state, {}
     chunks = jax.tree.map(_chunks_of(lax.axis_size(DATA)), grads, dims)
     shards, new = reducer.update(chunks, unstack(reducer_state))
     whole = jax.tree.map(
