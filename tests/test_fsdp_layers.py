@@ -130,3 +130,16 @@ def test_what_layer_by_layer_cannot_do_is_a_clear_error():
         jax.eval_shape(strategy.step, strategy.init(scan_mlp(4, 8)), batch)
     with pytest.raises(ValueError, match="reshard_after_forward must be a bool"):
         ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, reshard_after_forward="yes")
+
+
+def test_layer_by_layer_inside_islands_is_flat_diloco():
+    """DiLoCo over islands of FSDP gathering layer by layer: flat DiLoCo's update."""
+    params, batches = scan_mlp(16, 4), make_batches(6, 32)
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    inner = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(island=2, data=4), stage=3)
+    stacked = ddl.local_sgd(inner=inner, period=2, outer_optimizer=outer)
+    mesh = ddl.make_mesh(data=2)
+    reference = ddl.local_sgd(loss_fn, optax.adam(1e-2), mesh, period=2, outer_optimizer=outer)
+    chex.assert_trees_all_close(
+        train(stacked, params, batches), train(reference, params, batches), atol=2e-5
+    )
