@@ -1,9 +1,10 @@
-"""FSDP layer by layer: per-device memory of a deep MLP whose layers are one stacked pytree.
+"""FSDP layer by layer: per-device memory of deep models whose layers are one stacked pytree.
 
-An MLP 1024 wide with 8 or 16 hidden layers run by ``ddl.layers.scan_layers``, Adam, 8
-simulated CPU devices, 64 examples per step. From each compiled step's ``memory_analysis``:
-its arguments (state and batch), temporaries, and all its buffers (arguments, outputs and
-temporaries) per device, for ``data_parallel``,
+An MLP 1024 wide with 8 or 16 hidden layers run by ``ddl.layers.scan_layers``, and the
+byte-level GPT (256 wide, context 64, dropout 0.1) with 8 or 16 blocks and
+``scan_layers=True``; Adam, 8 simulated CPU devices, 64 examples per step. From each
+compiled step's ``memory_analysis``: its arguments (state and batch), temporaries, and all
+its buffers (arguments, outputs and temporaries) per device, for ``data_parallel``,
 ``fsdp(stage=3, reshard_after_forward=False)`` (every parameter gathered once per step)
 and ``fsdp(stage=3)`` (each layer gathered just before its use, forward and backward), and
 the temporaries against the whole parameters' bytes. (XLA:CPU's buffer assignment may
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import ddl_jax as ddl
 
@@ -44,23 +46,44 @@ def loss_fn(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
+def gpt(depth: int) -> tuple:
+    model = ddl.models.GPT(
+        context=64, features=256, heads=4, layers=depth, scan_layers=True,
+        rngs=nnx.Rngs(params=0, dropout=1),
+    )  # fmt: skip
+
+    def loss(model, batch):
+        tokens = batch["tokens"]
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return ddl.flax.loss_from_module(model, loss)
+
+
+def workloads(depth: int) -> dict:
+    """``name -> (loss, variables, batch)``."""
+    mlp_batch = {"x": jnp.ones((BATCH, 64)), "y": jnp.zeros((BATCH,), jnp.int32)}
+    gpt_batch = {"tokens": jnp.zeros((BATCH, 65), jnp.int32)}
+    return {"MLP": (loss_fn, model(depth), mlp_batch), "GPT": (*gpt(depth), gpt_batch)}
+
+
 def main() -> None:
     mesh = ddl.make_mesh(data=8)
-    batch = {"x": jnp.ones((BATCH, 64)), "y": jnp.zeros((BATCH,), jnp.int32)}
     print(
-        "| layers | strategy | arguments / device | temporaries / device | all buffers / device "
+        "| model | layers | strategy | arguments / device | temporaries / device "
+        "| all buffers / device "
         "| temporaries / whole parameters |"
     )
-    print("|---|---|---|---|---|---|")
-    for depth in (8, 16):
-        params = model(depth)
+    print("|---|---|---|---|---|---|---|")
+    for kind, depth in ((kind, depth) for kind in ("MLP", "GPT") for depth in (8, 16)):
+        loss, params, batch = workloads(depth)[kind]
         whole = sum(x.nbytes for x in jax.tree.leaves(params))
         strategies = {
-            "data_parallel": ddl.data_parallel(loss_fn, optax.adam(1e-3), mesh),
+            "data_parallel": ddl.data_parallel(loss, optax.adam(1e-3), mesh),
             "fsdp stage 3, gathered once": ddl.fsdp(
-                loss_fn, optax.adam(1e-3), mesh, stage=3, reshard_after_forward=False
+                loss, optax.adam(1e-3), mesh, stage=3, reshard_after_forward=False
             ),
-            "fsdp stage 3, layer by layer": ddl.fsdp(loss_fn, optax.adam(1e-3), mesh, stage=3),
+            "fsdp stage 3, layer by layer": ddl.fsdp(loss, optax.adam(1e-3), mesh, stage=3),
         }
         for name, strategy in strategies.items():
             state = strategy.init(params)
@@ -68,7 +91,7 @@ def main() -> None:
             args, temps = memory.argument_size_in_bytes, memory.temp_size_in_bytes
             total = args + temps + memory.output_size_in_bytes
             print(
-                f"| {depth} | {name} | {args / 1e6:.1f} MB | {temps / 1e6:.1f} MB | "
+                f"| {kind} | {depth} | {name} | {args / 1e6:.1f} MB | {temps / 1e6:.1f} MB | "
                 f"{total / 1e6:.1f} MB | {temps / whole:.3f} |",
                 flush=True,
             )

@@ -143,3 +143,34 @@ def test_layer_by_layer_inside_islands_is_flat_diloco():
     chex.assert_trees_all_close(
         train(stacked, params, batches), train(reference, params, batches), atol=2e-5
     )
+
+
+def gpt_loss(model, batch):
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def test_the_scan_layers_gpt_trains_layer_by_layer_as_gathered_once_and_data_parallel():
+    """The GPT with scan_layers=True, dropout on: FSDP layer by layer (its blocks gathered
+    in the scan, the HLO says), gathered once and data parallelism draw the same keys and
+    end equal (with SGD: Adam would blow up the rounding noise of the attention's key
+    bias, whose gradient is 0 in exact arithmetic)."""
+    from flax import nnx
+
+    model = ddl.models.GPT(
+        context=16, features=32, heads=4, layers=3, scan_layers=True,
+        rngs=nnx.Rngs(params=0, dropout=1),
+    )  # fmt: skip
+    loss, variables = ddl.flax.loss_from_module(model, gpt_loss)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 256, (16, 17)).astype(np.int32)} for _ in range(3)]
+    mesh = ddl.make_mesh(data=8)
+    per_layer = ddl.fsdp(loss, optax.sgd(0.1), mesh, stage=3)
+    once = ddl.fsdp(loss, optax.sgd(0.1), mesh, stage=3, reshard_after_forward=False)
+    dp = ddl.data_parallel(loss, optax.sgd(0.1), mesh)
+    looped, _ = gathers(per_layer, variables, batches[0])
+    assert looped >= 2 * 3 * 8  # the blocks' leaves, each layer, forward and backward
+    expected = train(dp, variables, batches)
+    chex.assert_trees_all_close(train(per_layer, variables, batches), expected, atol=1e-5)
+    chex.assert_trees_all_close(train(once, variables, batches), expected, atol=1e-5)

@@ -89,6 +89,25 @@ def test_gpt_is_causal():
         assert np.abs(changed[:, t] - base[:, t]).max() > 1e-3
 
 
+def test_gpt_with_scan_layers_is_the_gpt_with_its_blocks_stacked():
+    size = {**GPT_SIZE, "layers": 3}
+    scanned = ddl.models.GPT(**size, dropout=0.2, scan_layers=True, rngs=nnx.Rngs(0))
+    unrolled = ddl.models.GPT(**size, dropout=0.2, rngs=nnx.Rngs(0))
+    stacked = nnx.state(scanned.blocks, nnx.Param)
+    assert {x.shape[0] for x in jax.tree.leaves(stacked)} == {3}
+    for i, block in enumerate(unrolled.blocks):
+        nnx.update(block, jax.tree.map(lambda x, i=i: x[i], stacked))
+    for name in ("embed", "positions", "ln"):
+        nnx.update(getattr(unrolled, name), nnx.state(getattr(scanned, name), nnx.Param))
+    x = byte_tokens(2, 8)
+    assert np.abs(scanned(x) - scanned(x)).max() > 1e-3  # dropout, a key per call
+    scanned.eval()
+    unrolled.eval()
+    np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="scan_layers must be a bool"):
+        ddl.models.GPT(**size, scan_layers=1, rngs=nnx.Rngs(0))
+
+
 def test_gpt_dropout_in_train_mode_only():
     kw = GPT_SIZE
     model = ddl.models.GPT(**kw, dropout=0.2, rngs=nnx.Rngs(params=0, dropout=1))

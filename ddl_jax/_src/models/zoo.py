@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddl_jax._src.core.layer_scan import scan_layers
+
 _Loss = TypeVar("_Loss", float, jax.Array)
 
 
@@ -138,20 +140,31 @@ class ResNet(nnx.Module):
 
 
 class _DecoderBlock(nnx.Module):
-    """Pre-LayerNorm causal self-attention and MLP, each followed by dropout."""
+    """Pre-LayerNorm causal self-attention and MLP, each followed by dropout (whose stream
+    it keeps unless ``keep_rngs=False``: then each call passes its key)."""
 
-    def __init__(self, features: int, heads: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        features: int,
+        heads: int,
+        dropout: float,
+        *,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+    ):
         self.ln1 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
             heads, features, decode=False, keep_rngs=False, dtype=dtype, rngs=rngs
         )
-        self.drop1 = nnx.Dropout(dropout, rngs=rngs)
+        kept = rngs if keep_rngs else None
+        self.drop1 = nnx.Dropout(dropout, rngs=kept)
         self.ln2 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
         self.up = nnx.Linear(features, 4 * features, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(4 * features, features, dtype=dtype, rngs=rngs)
-        self.drop2 = nnx.Dropout(dropout, rngs=rngs)
+        self.drop2 = nnx.Dropout(dropout, rngs=kept)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: Any) -> jax.Array:
         x = x + self.drop1(self.attention(self.ln1(x), mask=mask), rngs=rngs)
         return x + self.drop2(self.down(nnx.gelu(self.up(self.ln2(x)))), rngs=rngs)
 
@@ -180,6 +193,11 @@ class GPT(nnx.Module):
       dtype: the dtype every layer computes in (``jnp.bfloat16`` for mixed precision: the
         parameters stay float32, LayerNorm statistics are taken in float32, the logits
         come back float32); ``None``: the parameters' dtype.
+      scan_layers: keep the blocks as one stacked module (every parameter with a leading
+        axis of ``layers``) run by ``ddl.layers.scan_layers``, as MaxText's
+        ``scan_layers``: one block's program compiled once, and under
+        ``ddl.fsdp(stage=3)`` one block's parameters gathered at a time. Each block's
+        dropout key is split from one draw of the model's stream per call.
       rngs: parameter initialisation and the dropout stream.
     """
 
@@ -194,11 +212,14 @@ class GPT(nnx.Module):
         *,
         tied: bool = True,
         dtype: Any = None,
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
         _check_positive(
             "GPT", vocab=vocab, context=context, features=features, heads=heads, layers=layers
         )
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"GPT: scan_layers must be a bool, got {scan_layers!r}.")
         if features % heads:
             raise ValueError(f"GPT: features={features} is not divisible by heads={heads}.")
         if not 0.0 <= dropout < 1.0:
@@ -208,9 +229,22 @@ class GPT(nnx.Module):
         self.embed = nnx.Embed(vocab, features, embedding_init=init, dtype=dtype, rngs=rngs)
         self.positions = nnx.Embed(context, features, embedding_init=init, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
-        self.blocks = nnx.List(
-            [_DecoderBlock(features, heads, dropout, dtype=dtype, rngs=rngs) for _ in range(layers)]
-        )
+        self.scan_layers = scan_layers
+        if scan_layers:
+            self.blocks = _stacked(
+                [
+                    _DecoderBlock(features, heads, dropout, dtype=dtype, rngs=rngs, keep_rngs=False)
+                    for _ in range(layers)
+                ]
+            )
+            self.block_rngs = nnx.Rngs(dropout=rngs.dropout() if "dropout" in rngs else rngs())
+        else:
+            self.blocks = nnx.List(
+                [
+                    _DecoderBlock(features, heads, dropout, dtype=dtype, rngs=rngs)
+                    for _ in range(layers)
+                ]
+            )
         self.ln = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
         self.head = (
             None if tied else nnx.Linear(features, vocab, use_bias=False, dtype=dtype, rngs=rngs)
@@ -234,11 +268,35 @@ class GPT(nnx.Module):
         x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
         x = self.drop(x, rngs=rngs)
         mask = nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask, rngs)
+        if self.scan_layers:
+            x = self._scanned_blocks(x, mask, rngs)
+        else:
+            for block in self.blocks:
+                x = block(x, mask, rngs)
         x = self.ln(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+    def _scanned_blocks(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:
+        """The stacked blocks in turn through ``ddl.layers.scan_layers``, block i's dropout
+        drawing the i-th of keys split from one draw of the stream."""
+        graphdef, state = nnx.split(self.blocks)
+        layers = jax.tree.leaves(state)[0].shape[0]
+        stream = (rngs if rngs is not None else self.block_rngs).dropout
+        keys = jax.random.split(stream(), layers)
+
+        def block(layer: Any, h: jax.Array) -> jax.Array:
+            state, key = layer
+            return nnx.merge(graphdef, state)(h, mask, key)
+
+        return scan_layers(block, (state, keys), x)
+
+
+def _stacked(blocks: list[nnx.Module]) -> nnx.Module:
+    """One module of the blocks' structure whose every variable stacks the blocks' along a
+    leading axis."""
+    graphdef, *states = zip(*(nnx.split(b) for b in blocks), strict=True)
+    return nnx.merge(graphdef[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states[0]))
 
 
 def bits_per_byte(loss_nats: _Loss) -> _Loss:
