@@ -9,10 +9,11 @@ wide, context 64, Python's own sources), Adam 3e-3.
   to ``data_parallel``'s.
 * Traffic: bytes each device sends per step and the all-gathers, from the HLO
   (``ddl.comm_stats``), priced on 1 Gb/s Ethernet and TPU v4 ICI by ``ddl.sim``.
-* Training: ``data_parallel`` in float32 (seeds 0 and 1: the noise between two seeds) and
+* Training: ``data_parallel`` in float32 (seeds 0 and 1: the noise between two seeds),
   stage 3 with bfloat16 compute (the GPT's layers built with ``dtype=jnp.bfloat16``; the
-  parameters and Adam's state stay float32) and bfloat16 gradient reduction, seed 0:
-  validation bits per byte after ``--steps`` steps.
+  parameters and Adam's state stay float32) and bfloat16 gradient reduction, and stage 3
+  with int8 weight gathers (ZeRO++'s qwZ), seed 0: validation bits per byte after
+  ``--steps`` steps.
 
 Writes benchmarks/results/fsdp.{md,json}.
 
@@ -38,6 +39,7 @@ DEVICES = 8
 
 
 BF16 = "fsdp stage 3, bf16 compute and reduction"
+QWZ = "fsdp stage 3, int8 weight gathers (qwZ)"
 
 
 def strategies(loss_fn, mesh):
@@ -56,6 +58,7 @@ def strategies(loss_fn, mesh):
         "fsdp stage 3, scatter_top_k(0.01)": ddl.fsdp(
             loss_fn, adam, mesh, stage=3, reducer=ddl.compression.scatter_top_k(0.01)
         ),
+        QWZ: ddl.fsdp(loss_fn, adam, mesh, stage=3, quantized_weights=True),
     }
 
 
@@ -104,6 +107,7 @@ def main():
         ("data_parallel, float32, seed 0", 0, None, "data_parallel"),
         ("data_parallel, float32, seed 1", 1, None, "data_parallel"),
         (f"{BF16}, seed 0", 0, jnp.bfloat16, "fsdp stage 3, reduced in bf16"),
+        (f"{QWZ}, float32, seed 0", 0, None, QWZ),
     ]:
         w = make_workload("text-gpt", seed=seed, devices=DEVICES, compute_dtype=dtype)
         strategy = strategies(w.loss_fn, mesh)[name]
