@@ -7,7 +7,9 @@ compiled step's ``memory_analysis``: its arguments (state and batch), temporarie
 its buffers (arguments, outputs and temporaries) per device, for ``data_parallel``,
 ``fsdp(stage=3, reshard_after_forward=False)`` (every parameter gathered once per step)
 and ``fsdp(stage=3)`` (each layer gathered just before its use, forward and backward), and
-the temporaries against the whole parameters' bytes. (XLA:CPU's buffer assignment may
+the temporaries against the whole parameters' bytes; from the HLO, the all-gathers per step
+(each buffer of a combined op counted) and the step's collectives priced on TPU v4 ICI by
+``ddl.sim``. (XLA:CPU's buffer assignment may
 place a temporary in an output buffer not yet written: the sum of all buffers bounds what
 a step holds.)
 
@@ -71,10 +73,10 @@ def main() -> None:
     mesh = ddl.make_mesh(data=8)
     print(
         "| model | layers | strategy | arguments / device | temporaries / device "
-        "| all buffers / device "
+        "| all buffers / device | all-gathers / step | comm. time / step, TPU v4 ICI "
         "| temporaries / whole parameters |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind, depth in ((kind, depth) for kind in ("MLP", "GPT") for depth in (8, 16)):
         loss, params, batch = workloads(depth)[kind]
         whole = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -90,9 +92,12 @@ def main() -> None:
             memory = jax.jit(strategy.step).lower(state, batch).compile().memory_analysis()
             args, temps = memory.argument_size_in_bytes, memory.temp_size_in_bytes
             total = args + temps + memory.output_size_in_bytes
+            stats = ddl.comm_stats(jax.jit(strategy.step), state, batch)
+            gathers = sum(op.count * op.buffers for op in stats.ops if op.kind == "all-gather")
+            ici = ddl.sim.estimate_step_time(stats, ddl.sim.TPU_V4_ICI)
             print(
                 f"| {kind} | {depth} | {name} | {args / 1e6:.1f} MB | {temps / 1e6:.1f} MB | "
-                f"{total / 1e6:.1f} MB | {temps / whole:.3f} |",
+                f"{total / 1e6:.1f} MB | {gathers} | {ici * 1e6:.0f} us | {temps / whole:.3f} |",
                 flush=True,
             )
 
