@@ -132,7 +132,7 @@ class Kit(NamedTuple):
 
     def stack(self, tree: Any) -> Any:
         """Inside ``make_state``: one copy of ``tree`` per worker (a leading axis of size n)."""
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), tree)
+        return _copies(tree, self.n)
 
     def init(
         self, make_state: Callable[[st.Params, ml.ModelVars], st.State], specs: Specs
@@ -159,7 +159,7 @@ class Kit(NamedTuple):
             make = build
             if self.islands:
                 out = island_specs(out)
-                make = lambda *a: _stack(build(*a), self.islands)  # noqa: E731
+                make = lambda *a: _copies(build(*a), self.islands)  # noqa: E731
             return jax.jit(make, out_shardings=self.shardings(out))(params, model_state)
 
         return init
@@ -346,8 +346,9 @@ def island_specs(specs: Any) -> Any:
     return jax.tree.map(lambda s: P(st.ISLAND, *s), specs, is_leaf=is_spec)
 
 
-def _stack(tree: Any, islands: int) -> Any:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (islands, *jnp.shape(x))), tree)
+def _copies(tree: Any, count: int) -> Any:
+    """``count`` copies of ``tree`` along a new leading axis."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *jnp.shape(x))), tree)
 
 
 def is_spec(x: Any) -> bool:
