@@ -94,6 +94,17 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "asynclocal:4",
         "softsync:8",
     ),
+    # Islands: the outer methods over FSDP inside --islands islands, against flat training.
+    "islands": (
+        "sync",
+        "fsdp:3",
+        "diloco:16",
+        "diloco:16/sync",
+        "diloco:16/fsdp:3",
+        "streaming:4/fsdp:3",
+        "sparseloco:0.01/fsdp:3",
+        "noloco:16/fsdp:3",
+    ),
 }
 
 
