@@ -215,9 +215,9 @@ def noloco(
     Returns:
       A ``Strategy`` with ``NoLoCoState`` (with ``inner``: an ``IslandsState`` whose
       ``outer`` is each device's outer weights and momentum); metrics ``loss``, aux values,
-      ``synchronised``
-      (1.0 after an outer step) and (unless ``consensus_every=0``) ``consensus_distance`` as
-      last measured. ``params(state)`` is the mean of the replicas.
+      ``synchronised`` (1.0 after an outer step) and (unless ``consensus_every=0``)
+      ``consensus_distance`` as last measured. ``params(state)`` is the mean of the
+      replicas.
 
     Example:
       >>> import jax, jax.numpy as jnp
