@@ -68,7 +68,7 @@ BAD = [
     (["--devices", "3", "--strategies", "sync,adasum"], "adasum: adasum: the mesh axis"),
     (["--target", "95"], "target 95 is not an accuracy in (0, 1]"),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
-    (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, islands"),
+    (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, isl"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
     (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, sparseloco:0.01, noloco:16"),
