@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.kit import after, restack, unstack
+from ddl_jax._src.core.kit import Kit, after, restack, unstack
 from ddl_jax._src.core.reducer import axes_communicated
 from ddl_jax._src.core.strategy import ISLAND, Strategy
 
@@ -127,10 +127,17 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
     return Strategy(init, step, lambda state: inner.params(state.inner))
 
 
-def check_outer_only(name: str, given: dict[str, Any], axis: Any, axes: tuple[Any, ...]) -> None:
+def check_outer_only(
+    name: str,
+    given: dict[str, Any],
+    axis: Any,
+    axes: tuple[Any, ...],
+    consensus_every: int | None = None,
+) -> None:
     """With ``inner=``, the flat builder's arguments are the inner strategy's: each of
     ``given`` (``loss_fn``, ``optimizer``, ``mesh``, ``accumulate``, ``has_aux``) must keep
-    its default, and ``axis`` be one of ``axes``."""
+    its default, ``axis`` be one of ``axes``, and ``consensus_every`` (which measures whole
+    replicas, not a device's shard) be left unset."""
     defaults = {"accumulate": 1, "has_aux": False}
     for key, value in (*given.items(), ("axis", axis)):
         if (value not in axes) if key == "axis" else (value != defaults.get(key)):
@@ -138,6 +145,16 @@ def check_outer_only(name: str, given: dict[str, Any], axis: Any, axes: tuple[An
                 f"{name}: {key}={value!r} is the inner strategy's to set; with inner=, give "
                 f"{name} only the outer method's settings."
             )
+    if consensus_every:
+        raise ValueError(
+            f"{name}: consensus_every measures whole replicas; with inner= each device holds "
+            "a shard, so it is not measured: leave consensus_every=None."
+        )
+
+
+def island_kit(mesh: Any, reducer: Any = None) -> Kit:
+    """The kit an outer method's exchange runs with: its workers are the islands."""
+    return Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
 
 
 def island_mesh(inner_state: Any) -> Any:

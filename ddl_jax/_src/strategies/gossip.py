@@ -14,7 +14,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
+from ddl_jax._src.core.islands import (
+    Exchange,
+    Parts,
+    check_outer_only,
+    island_kit,
+    over_islands,
+)
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int
@@ -244,16 +250,11 @@ def gossip(
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
                 "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
-        check_outer_only("gossip", flat, axis, ("data", ISLAND))
-        if consensus_every:
-            raise ValueError(
-                "gossip: consensus_every measures whole replicas; with inner= each device "
-                "holds a shard, so it is not measured: leave consensus_every=None."
-            )
+        check_outer_only("gossip", flat, axis, ("data", ISLAND), consensus_every)
 
         def method(mesh: Any) -> Exchange:
             n = mesh.shape[ISLAND]
-            kit = Kit(mesh, ISLAND, n, None, None, False, 1)
+            kit = island_kit(mesh)
             w = _weights(topology, mixing_weights, n)
             cfg = _Config(kit, None, w, neighbour_permutations(topology, n), drop, churn, 0)
             exchange = functools.partial(_island_exchange, cfg)

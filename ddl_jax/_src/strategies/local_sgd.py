@@ -14,7 +14,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
+from ddl_jax._src.core.islands import (
+    Exchange,
+    Parts,
+    check_outer_only,
+    island_kit,
+    over_islands,
+)
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
@@ -187,6 +193,12 @@ def local_sgd(
         (drop, churn),
     )
     if inner is not None:
+        if warmup_sync_steps:
+            raise ValueError(
+                "local_sgd: warmup_sync_steps needs gradients averaged across islands, which "
+                "the inner strategy keeps within its island; use warmup_sync_steps=0 with "
+                "inner=."
+            )
         return _over_islands(inner, (loss_fn, optimizer, mesh, accumulate, has_aux, axis),
                              reducer, settings)  # fmt: skip
     axis = DATA if axis is None else axis
@@ -593,17 +605,12 @@ def _over_islands(
     each device running ``_exchange`` on its shard with ``axis="island"``."""
     names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux")
     check_outer_only("local_sgd", dict(zip(names, flat[:5], strict=True)), flat[5], (None, ISLAND))
-    if settings[4]:
-        raise ValueError(
-            "local_sgd: warmup_sync_steps needs gradients averaged across islands, which the "
-            "inner strategy keeps within its island; use warmup_sync_steps=0 with inner=."
-        )
     if reducer is not None:
         check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
     reducer = allreduce_mean(ISLAND) if reducer is None else reducer
 
     def method(mesh: Any) -> Exchange:
-        kit = Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
+        kit = island_kit(mesh, reducer)
         cfg = _configure(kit, None, *settings)
 
         def start(params: Any) -> tuple[Any, Any, Any]:

@@ -17,7 +17,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.islands import Exchange, Parts, check_outer_only, over_islands
+from ddl_jax._src.core.islands import (
+    Exchange,
+    Parts,
+    check_outer_only,
+    island_kit,
+    over_islands,
+)
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
@@ -193,7 +199,7 @@ def streaming_diloco(
         reducer = allreduce_mean(ISLAND) if reducer is None else reducer
 
         def method(mesh: Any) -> Exchange:
-            kit = Kit(mesh, ISLAND, mesh.shape[ISLAND], reducer, None, False, 1)
+            kit = island_kit(mesh, reducer)
             cfg = _configure(kit, None, *settings)
             start = lambda params: (params, *_outer_start(cfg, params))  # noqa: E731
             return Exchange(start, functools.partial(_island_exchange, cfg))
