@@ -84,7 +84,11 @@ def _compare(out, *args, timeout=420):
 def _check_measured(results, stdout):
     m = results["measured"]
     assert m["processes"] == 2
-    assert m["fitted_network"]["bandwidth"] > 0 and m["fitted_network"]["latency"] >= 0
+    fitted = m["fitted_network"]
+    assert fitted["bandwidth"] > 0 and fitted["latency"] >= 0 and fitted["overhead"] >= 0
+    # the sweep holds collectives of two different rounds, which tell overhead from latency
+    kinds = {s["program"].split(" of ")[0] for s in m["sweep"]}
+    assert {"32 x all-reduce", "32 x permute"} <= kinds, kinds
     assert m["compute_scale"] > 0
     for run in results["runs"]:
         got = run["measured"]
@@ -93,7 +97,7 @@ def _check_measured(results, stdout):
         assert got["steps"] == run["steps_to_target"]
         at = run["eval_steps"].index(got["steps"])
         assert got["metric"] == pytest.approx(run["eval_values"][at], abs=2 / 360)
-        assert got["seconds"] > 0
+        assert got["seconds"] > 0 and sorted(got["repeats"])[1] == got["seconds"]  # the median
         for key in ("error", "calibrated_error"):
             simulated = got["simulated_seconds" if key == "error" else "calibrated_seconds"]
             assert got[key] == pytest.approx(simulated / got["seconds"] - 1)
@@ -131,12 +135,12 @@ def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most
     from ddl_jax import sim
     from ddl_jax.compare import measured
 
-    probe = {"seconds": 1e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2,
-             "busy_bytes": 4.0}  # fmt: skip
+    probe = {"seconds": 1e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2, "ops": 1,
+             "op_buffers": 1, "busy_bytes": 4.0}  # fmt: skip
     modeled = sim.estimate_compute_time(sim.ComputeStats(1e6, 1e5), sim.CPU_CORE)
-    net = sim.Network(bandwidth=1e8, latency=100e-6)  # 0.2 ms of the 1 ms
+    net = sim.Network(bandwidth=1e8, latency=100e-6, overhead=50e-6)  # 0.25 ms of the 1 ms
     scale = measured._compute_scale(probe, net, sim.CPU_CORE, per_buffer=True)
-    assert scale == pytest.approx((1e-3 - 2e-4 - 4e-8) / modeled)
+    assert scale == pytest.approx((1e-3 - 2e-4 - 5e-5 - 4e-8) / modeled)
     slow = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms: not believed
     assert measured._compute_scale(probe, slow, sim.CPU_CORE, True) == pytest.approx(1e-3 / modeled)
     assert "is the machine busy?" in capsys.readouterr().err

@@ -4,22 +4,23 @@ simulator's time, before and after calibrating it on the same processes.
 After the simulated runs, for N = ``devices`` processes (one device each, on the loopback
 interface or on an emulated network, ``processes``):
 
-1. **Calibration.** An all-reduce sweep across the processes (``worker.sweep``) fitted by
-   ``ddl.sim.Network.fit``: the latency and bandwidth the processes really get. A probe
-   step timed as it runs across the processes (``worker.compute``: each worker's gradient
-   and Adam update on its own replica, only the loss averaged; local SGD that never
-   synchronises), its collectives' fitted cost taken out: the ratio of what remains to its
-   modeled compute (``--compute``'s device model) scales every strategy's modeled compute.
+1. **Calibration.** A sweep of all-reduces and permutes across the processes
+   (``worker.sweep``) fitted by ``ddl.sim.Network.fit``: the latency, per-collective
+   overhead and bandwidth the processes really get. A probe step timed as it runs across
+   the processes (``worker.compute``: each worker's gradient and Adam update on its own
+   replica, only the loss averaged; local SGD that never synchronises), its collectives'
+   fitted cost taken out: the ratio of what remains to its modeled compute (``--compute``'s
+   device model) scales every strategy's modeled compute.
    It holds what a step costs beyond its flops and bytes when it runs in the cluster
    (cores shared between processes, the runtime's launch of a multi-process program).
 2. **Measured.** Each strategy that reached the target trains as the N processes for its
    steps to target (the same program, data and seed as its simulated run), timed from its
-   first step to its last; its metric after them.
+   first step to its last, the median of ``worker.TRAIN_REPEATS`` runs; its metric after.
 3. **Errors.** Per strategy, simulated over measured time minus 1: *nominal* (the
    network's stated terms: the emulated rate with 50 us per message, or ``--network``'s on
    loopback; the device model unscaled) and *calibrated* (the fitted network and the scaled
-   device model; on CPU each buffer of a combined all-reduce pays the latency, as XLA:CPU's
-   gloo sends them apart).
+   device model; on CPU each buffer of a combined all-reduce pays the latency and the
+   overhead, as XLA:CPU's gloo sends them apart).
 
 The asynchronous family is not measured: its processes would run its SPMD simulation, not
 the parameter server its simulated time prices.
@@ -63,8 +64,9 @@ def _compute_scale(
 ) -> float:
     """The probe step's measured seconds, its collectives' fitted cost taken out, over its
     modeled compute."""
-    rounds = probe["calls"] if per_buffer else probe["rounds"]
-    comm = rounds * fitted.latency + probe["busy_bytes"] / fitted.bandwidth
+    rounds, ops = _columns(per_buffer)
+    comm = probe[rounds] * fitted.latency + probe[ops] * fitted.overhead
+    comm += probe["busy_bytes"] / fitted.bandwidth
     modeled = sim.estimate_compute_time(sim.ComputeStats(probe["flops"], probe["bytes"]), device)
     if comm > probe["seconds"] / 2:
         # the fit prices the probe's one scalar all-reduce at half its step or more: a
@@ -78,6 +80,19 @@ def _compute_scale(
         )
         return probe["seconds"] / modeled
     return (probe["seconds"] - comm) / modeled
+
+
+def _columns(per_buffer: bool) -> tuple[str, str]:
+    """The terms counting messages and collectives: on CPU a combined all-reduce's buffers
+    apart (XLA:CPU's gloo sends them so)."""
+    return ("calls", "op_buffers") if per_buffer else ("rounds", "ops")
+
+
+def fit_network(samples: list[dict[str, Any]], per_buffer: bool) -> sim.Network:
+    """``ddl.sim.Network.fit`` on the sweep's ``samples`` (``worker.sweep``)."""
+    rounds, ops = _columns(per_buffer)
+    column = lambda key: [s[key] for s in samples]  # noqa: E731
+    return sim.Network.fit(column(rounds), column("busy_bytes"), column("seconds"), column(ops))
 
 
 def _measurable(run: dict[str, Any]) -> str | None:
@@ -106,13 +121,13 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
     with _cluster(config) as cluster:
         print(f"measure: {cluster.description}: calibrating", flush=True)
         samples = processes.run_worker(cluster, ["sweep"], TIMEOUT)["samples"]
-        rounds, calls, sent, seconds = zip(*samples, strict=True)
-        fitted = sim.Network.fit(calls if per_buffer else rounds, sent, seconds)
+        fitted = fit_network(samples, per_buffer)
         probe = processes.run_worker(cluster, ["compute", settings], TIMEOUT)
         scale = _compute_scale(probe, fitted, DEVICES[config.compute], per_buffer)
         print(
             f"measure: fitted {1e6 * fitted.latency:.3g} us per message, "
-            f"{fitted.bandwidth / 1e6:.4g} MB/s; the probe step {1e3 * probe['seconds']:.3g} ms "
+            f"{1e6 * fitted.overhead:.3g} us per collective, {fitted.bandwidth / 1e6:.4g} MB/s; "
+            f"the probe step {1e3 * probe['seconds']:.3g} ms "
             f"(compute {scale:.3g}x the {config.compute} model)",
             flush=True,
         )
@@ -131,10 +146,15 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
                 "compute_seconds_to_target": run["compute_seconds_to_target"] * scale,
             }
             calibrated = compare_report.time_to_target(
-                calibrated_run, fitted.bandwidth, fitted.latency, per_buffer=per_buffer
+                calibrated_run,
+                fitted.bandwidth,
+                fitted.latency,
+                overhead=fitted.overhead,
+                per_buffer=per_buffer,
             )
             run["measured"] = {
                 "seconds": got["seconds"],
+                "repeats": got["repeats"],
                 "steps": steps,
                 "metric": got["metric"],
                 "simulated_seconds": simulated,
@@ -157,7 +177,7 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
         "nominal_network": nominal._asdict(),
         "fitted_network": fitted._asdict(),
         "sweep": samples,
-        "probe_step_seconds": probe["seconds"],
+        "probe": probe,
         "compute_scale": scale,
         "per_buffer_latency": per_buffer,
     }

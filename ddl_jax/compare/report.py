@@ -128,11 +128,12 @@ def _measured(results: dict[str, Any]) -> list[str]:
         "",
         f"Measured: {m['cluster']}. Simulated, nominal: {nominal['bandwidth'] / 1e6:.4g} MB/s, "
         f"{1e6 * nominal['latency']:.3g} us per message, the {results['config']['compute']} "
-        f"model. Calibrated: fitted to an all-reduce sweep across the processes, "
-        f"{fitted['bandwidth'] / 1e6:.4g} MB/s, {1e6 * fitted['latency']:.3g} us per message"
+        f"model. Calibrated: fitted to a sweep of all-reduces and permutes across the "
+        f"processes, {fitted['bandwidth'] / 1e6:.4g} MB/s, {1e6 * fitted['latency']:.3g} us "
+        f"per message and {1e6 * fitted['overhead']:.3g} us per collective"
         f"{' (per buffer)' if m['per_buffer_latency'] else ''}; compute x "
         f"{m['compute_scale']:.3g} (a probe step timed across the processes, "
-        f"{_seconds(m['probe_step_seconds'])}: each worker's gradient and update, only the "
+        f"{_seconds(m['probe']['seconds'])}: each worker's gradient and update, only the "
         "loss averaged). Error: simulated / measured - 1.",
         "",
         f"| strategy | steps | measured | {results['workload']['metric']} after | simulated, "
@@ -161,25 +162,27 @@ def time_to_target(
     bandwidth: float,
     latency: float,
     *,
+    overhead: float = 0.0,
     per_buffer: bool = False,
 ) -> float | None:
-    """``run``'s simulated time to target on a network of ``bandwidth`` (bytes/s) and
-    ``latency`` (s): its compute, and its collectives' alpha-beta terms re-priced
-    (``None``: never reached, diverged or failed). ``per_buffer``: a combined collective
-    pays the latency per buffer (XLA:CPU's gloo)."""
+    """``run``'s simulated time to target on a network of ``bandwidth`` (bytes/s),
+    ``latency`` (s per message) and ``overhead`` (s per collective): its compute, and its
+    collectives' alpha-beta terms re-priced (``None``: never reached, diverged or failed).
+    ``per_buffer``: a combined collective pays the latency and overhead per buffer
+    (XLA:CPU's gloo)."""
     if run.get("compute_seconds_to_target") is None or run.get("diverged"):
         return None
-    rounds = "calls" if per_buffer else "rounds"
-    per_step = (
-        run[f"comm_{rounds}_per_step"] * latency + run["comm_busy_bytes_per_step"] / bandwidth
-    )
-    per_event = (
-        run[f"comm_{rounds}_per_event"] * latency + run["comm_busy_bytes_per_event"] / bandwidth
-    )
+    rounds, ops = ("calls", "op_buffers") if per_buffer else ("rounds", "ops")
+
+    def seconds(per: str) -> float:
+        comm = run[f"comm_{rounds}_per_{per}"] * latency
+        comm += run[f"comm_busy_bytes_per_{per}"] / bandwidth
+        return comm + run[f"comm_{ops}_per_{per}"] * overhead
+
     return (
         run["compute_seconds_to_target"]
-        + run["steps_to_target"] * per_step
-        + run["events_to_target"] * per_event
+        + run["steps_to_target"] * seconds("step")
+        + run["events_to_target"] * seconds("event")
     )
 
 

@@ -128,7 +128,8 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
     plain = sim.estimate_step_time(stats, network)
     out = {"bytes": stats.bytes_per_device, "seconds": plain, **_terms(stats.ops, "")}
     out["event_bytes"] = out["event_seconds"] = 0.0
-    out["event_rounds"] = out["event_calls"] = out["event_busy_bytes"] = 0.0
+    for key in TERMS:
+        out[f"event_{key}"] = 0.0
     labels = [label for label, sent in stats.branches.items() if sent > 0]
     if event is not None and labels:
         for label in labels:
@@ -136,22 +137,28 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
             out["event_bytes"] += stats.branches[label] / runs
             seconds = sim.estimate_step_time(stats, network, branch=label) - plain
             out["event_seconds"] += seconds / runs
-            terms = _terms(stats.ops, label)
-            out["event_rounds"] += terms["rounds"] / runs
-            out["event_calls"] += terms["calls"] / runs
-            out["event_busy_bytes"] += terms["busy_bytes"] / runs
+            for key, value in _terms(stats.ops, label).items():
+                out[f"event_{key}"] += value / runs
     return out
+
+
+#: The alpha-beta terms of a step's collectives (``_terms``), each kept per step and per
+#: event in a run's record (``comm_<term>_per_step``, ``comm_<term>_per_event``).
+TERMS = ("rounds", "calls", "ops", "op_buffers", "busy_bytes")
 
 
 def _terms(ops: Any, branch: str) -> dict[str, float]:
     """The alpha-beta terms of the collectives in ``branch``: messages in turn (``rounds``,
-    priced at the latency) and the busiest device's bytes (at the bandwidth), so that
-    their seconds on any network are ``rounds * latency + busy_bytes / bandwidth``;
-    ``calls`` counts a combined op's buffers apart, as XLA:CPU's gloo sends them."""
+    priced at the latency), collectives (``ops``, at the overhead) and the busiest
+    device's bytes (at the bandwidth), so that their seconds on any network are
+    ``ops * overhead + rounds * latency + busy_bytes / bandwidth``; ``calls`` and
+    ``op_buffers`` count a combined op's buffers apart, as XLA:CPU's gloo sends them."""
     mine = [op for op in ops if op.branch == branch]
     return {
         "rounds": float(sum(op.count * op.rounds for op in mine)),
         "calls": float(sum(op.count * op.rounds * op.buffers for op in mine)),
+        "ops": float(sum(op.count for op in mine)),
+        "op_buffers": float(sum(op.count * op.buffers for op in mine)),
         "busy_bytes": float(sum(op.count * max(op.sent) for op in mine)),
     }
 
@@ -197,18 +204,16 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
     """A push to a parameter server and the fetch of the parameters it answers with: the
     pushing worker sends ``param_bytes`` (per device, averaged over the ``workers``), and
     the server's link carries both ways in turn, one push after another."""
-    seconds = 2 * (network.latency + param_bytes / network.bandwidth)
+    seconds = 2 * (network.overhead + network.latency + param_bytes / network.bandwidth)
+    event = {"rounds": 2.0, "calls": 2.0, "ops": 2.0, "op_buffers": 2.0,
+             "busy_bytes": 2.0 * param_bytes}  # fmt: skip
     return {
         "bytes": 0.0,
         "seconds": 0.0,
-        "rounds": 0.0,
-        "calls": 0.0,
-        "busy_bytes": 0.0,
+        **dict.fromkeys(TERMS, 0.0),
         "event_bytes": param_bytes / workers,
         "event_seconds": seconds,
-        "event_rounds": 2.0,
-        "event_calls": 2.0,
-        "event_busy_bytes": 2.0 * param_bytes,
+        **{f"event_{key}": value for key, value in event.items()},
     }
 
 
@@ -310,12 +315,8 @@ def run_one(
         "events": curves["events"],
         "comm_bytes_per_event": comm["event_bytes"],
         "comm_s_per_event": comm["event_seconds"],
-        "comm_rounds_per_step": comm["rounds"],
-        "comm_calls_per_step": comm["calls"],
-        "comm_calls_per_event": comm["event_calls"],
-        "comm_busy_bytes_per_step": comm["busy_bytes"],
-        "comm_rounds_per_event": comm["event_rounds"],
-        "comm_busy_bytes_per_event": comm["event_busy_bytes"],
+        **{f"comm_{key}_per_step": comm[key] for key in TERMS},
+        **{f"comm_{key}_per_event": comm[f"event_{key}"] for key in TERMS},
         "compute_flops_per_step": work.flops,
         "compute_bytes_per_step": work.bytes,
         "compute_ms_per_step": 1e3 * compute_s,

@@ -7,7 +7,8 @@
 Each joins the N processes (``ddl.launch.initialize``), one device each.
 
 ``sweep``: all-reduces across the processes, of 4 B to 16 MB, of 4 and 16 buffers
-combined, and 32 scalar all-reduces in turn: per program, the messages and bytes
+combined, and 32 scalar all-reduces in turn; and scalar permutes (each process sends to
+the next), 1 and 32 in turn: per program, the messages, collectives and bytes
 ``ddl.comm_stats`` reads from it and its median seconds.
 
 ``compute``: a probe step (each worker's gradient and Adam update on its own replica, only
@@ -16,7 +17,8 @@ and its collectives' terms.
 
 ``train``: the strategy SPEC as ``compare`` builds it from CONFIG (a JSON object of its
 settings), its STEPS global batches placed on the devices and the step compiled first,
-then STEPS timed steps; the metric after.
+then STEPS timed steps, ``TRAIN_REPEATS`` times from the same state (the median kept: a
+TCP retransmission behind the token bucket can add 200 ms to one run); the metric after.
 
 Times are the slowest process's. Rank 0 prints one JSON line.
 """
@@ -38,11 +40,19 @@ import ddl_jax as ddl
 SWEEP_BYTES = (4, 64, 2**10, 2**14, 2**18, 2**20, 2**22, 2**24)
 #: Buffers of the sweep's combined all-reduces (of 1 kB and 64 kB each).
 SWEEP_BUFFERS = (4, 16)
-#: Scalar all-reduces in the sweep's second program: their seconds beyond one's are latency.
+#: Scalar collectives in turn in one of the sweep's programs: their seconds beyond one's
+#: are latency and overhead (told apart by an all-reduce's 2 (N - 1) rounds and a
+#: permute's one).
 SCALARS = 32
+#: Permute sizes of the sweep, in bytes: scalars only, to tell overhead from latency.
+#: Larger permutes moved at about half the all-reduces' bandwidth (XLA:CPU's gloo, 2
+#: processes, 1 MB: 16 ms against 8.8 ms at 1 Gb/s), which one bandwidth cannot fit.
+PERMUTE_BYTES = (4,)
 #: Steps of the compute probe, and its runs (the median is kept).
 PROBE_STEPS = 40
 PROBE_REPEATS = 5
+#: Timed runs of a strategy's steps (the median is kept).
+TRAIN_REPEATS = 3
 
 
 def _mesh() -> Any:
@@ -70,19 +80,27 @@ def _median_seconds(fn: Callable, *args: Any, repeats: int = 7) -> float:
 
 
 def sweep() -> dict[str, Any]:
-    """Per program: ``[rounds, calls, bytes the busiest device sends, median seconds]``
-    (``ddl.comm_stats``'s terms: ``calls`` counts a combined all-reduce's buffers apart)."""
+    """Per program, a dict: what it runs (``program``), ``ddl.comm_stats``'s terms
+    (``rounds``, ``calls`` and ``op_buffers`` counting a combined all-reduce's buffers
+    apart, ``ops``, ``busy_bytes``: what the busiest device sends) and its median
+    ``seconds``."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = _mesh()
     sharding = NamedSharding(mesh, P("data"))
+    n = mesh.shape["data"]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    collectives = {
+        "all-reduce": lambda a: jax.lax.psum(a, "data"),
+        "permute": lambda a: jax.lax.ppermute(a, "data", ring),
+    }
 
-    def program(count: int, buffers: int) -> Callable:
+    def program(kind: str, count: int, buffers: int) -> Callable:
         def body(*arrays):
             for _ in range(count):
-                arrays = tuple(a * 0.5 for a in jax.lax.psum(arrays, "data"))
+                arrays = tuple(a * 0.5 for a in collectives[kind](arrays))
             return arrays
 
         specs = (P("data"),) * buffers
@@ -92,19 +110,23 @@ def sweep() -> dict[str, Any]:
         local = np.ones((1, max(size // 4, 1)), np.float32)
         return (jax.make_array_from_process_local_data(sharding, local),) * buffers
 
-    shapes = [(1, 1, b) for b in SWEEP_BYTES]
-    shapes += [(1, buffers, b) for buffers in SWEEP_BUFFERS for b in (2**10, 2**16)]
-    shapes += [(SCALARS, 1, 4)]
+    shapes = [("all-reduce", 1, 1, b) for b in SWEEP_BYTES]
+    shapes += [("all-reduce", 1, k, b) for k in SWEEP_BUFFERS for b in (2**10, 2**16)]
+    shapes += [("all-reduce", SCALARS, 1, 4)]
+    shapes += [("permute", 1, 1, b) for b in PERMUTE_BYTES] + [("permute", SCALARS, 1, 4)]
     samples = []
-    for count, buffers, size in shapes:
-        fn, x = program(count, buffers), arrays(size, buffers)
+    for kind, count, buffers, size in shapes:
+        fn, x = program(kind, count, buffers), arrays(size, buffers)
         ops = ddl.comm_stats(fn, *x).ops
-        samples.append([
-            sum(op.count * op.rounds for op in ops),
-            sum(op.count * op.rounds * op.buffers for op in ops),
-            sum(op.count * max(op.sent) for op in ops),
-            _median_seconds(fn, *x, repeats=11),
-        ])  # fmt: skip
+        samples.append({
+            "program": f"{count} x {kind} of {buffers} x {size} B",
+            "rounds": sum(op.count * op.rounds for op in ops),
+            "calls": sum(op.count * op.rounds * op.buffers for op in ops),
+            "ops": sum(op.count for op in ops),
+            "op_buffers": sum(op.count * op.buffers for op in ops),
+            "busy_bytes": sum(op.count * max(op.sent) for op in ops),
+            "seconds": _median_seconds(fn, *x, repeats=11),
+        })  # fmt: skip
     return {"samples": samples}
 
 
@@ -147,6 +169,8 @@ def compute(config: dict[str, Any]) -> dict[str, Any]:
         "bytes": work.bytes,
         "rounds": sum(op.count * op.rounds for op in ops),
         "calls": sum(op.count * op.rounds * op.buffers for op in ops),
+        "ops": sum(op.count for op in ops),
+        "op_buffers": sum(op.count * op.buffers for op in ops),
         "busy_bytes": sum(op.count * max(op.sent) for op in ops),
     }
 
@@ -194,6 +218,7 @@ def _placed(workload: Any, mesh: Any, steps: int) -> list[dict[str, Any]]:
 def train(config: dict[str, Any], spec_text: str, steps: int) -> dict[str, Any]:
     """``spec_text`` trained for ``steps`` timed steps across the processes."""
     import jax
+    import jax.numpy as jnp
     from jax.experimental import multihost_utils
 
     from ddl_jax.compare import workloads
@@ -209,10 +234,14 @@ def train(config: dict[str, Any], spec_text: str, steps: int) -> dict[str, Any]:
     state = strategy.init(workload.params)
     batches = _placed(workload, mesh, steps)
     step = jax.jit(strategy.step, donate_argnums=0).lower(state, batches[0]).compile()
-    seconds, (state, metrics) = _loop_seconds(step, state, batches)
-    params = multihost_utils.process_allgather(strategy.params(state), tiled=True)
+    repeats = []
+    for _ in range(TRAIN_REPEATS):
+        seconds, (after, metrics) = _loop_seconds(step, jax.tree.map(jnp.copy, state), batches)
+        repeats.append(seconds)
+    params = multihost_utils.process_allgather(strategy.params(after), tiled=True)
     return {
-        "seconds": seconds,
+        "seconds": statistics.median(repeats),
+        "repeats": repeats,
         "steps": steps,
         "loss": float(np.mean(multihost_utils.process_allgather(metrics["loss"], tiled=True))),
         "metric": float(workload.evaluate(params)),

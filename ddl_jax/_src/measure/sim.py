@@ -13,15 +13,20 @@ from ddl_jax._src.measure.comm import CommStats, split_islands
 
 class Network(NamedTuple):
     """A network in the alpha-beta (Hockney) model: a message of b bytes takes
-    ``latency + b / bandwidth`` seconds.
+    ``latency + b / bandwidth`` seconds, and each collective ``overhead`` more.
 
     Attributes:
       bandwidth: bytes per second each device can send (1 Gb/s Ethernet is ``1e9 / 8``).
       latency: seconds per message (per communication round).
+      overhead: seconds per collective beyond its messages (the runtime launching it and
+        the transport setting it up), whatever its rounds: an all-reduce of 2 (N - 1)
+        rounds and a permute of one pay it once. 0 in the stated networks; ``fit`` finds
+        it where the samples hold collectives of different rounds.
     """
 
     bandwidth: float
     latency: float
+    overhead: float = 0.0
 
     @classmethod
     def fit(
@@ -29,49 +34,74 @@ class Network(NamedTuple):
         messages: Sequence[float],
         bytes_sent: Sequence[float],
         seconds: Sequence[float],
+        collectives: Sequence[float] | None = None,
     ) -> Network:
         """The network that explains measured collectives: a least-squares fit, in relative
         error (each sample weighted by 1 / its seconds, so that small messages count as much
-        as large ones), of ``seconds = messages * latency + bytes_sent / bandwidth + c``.
+        as large ones), of ``seconds = messages * latency + bytes_sent / bandwidth + c``,
+        or with ``collectives``, ``... + collectives * overhead + c``.
 
         Each sample is one measured program: the messages it sends in turn (``rounds``
         of ``ddl.comm_stats``: an all-reduce over N devices takes ``2 * (N - 1)``), the
-        bytes its busiest device sends, and its seconds (a median of repeats). ``c`` is
-        each program's fixed cost (launching it), fitted and left out of the model. The
-        samples need two different message counts and two different sizes (e.g. an
-        all-reduce sweep of 4 B to 16 MB, and 32 scalar all-reduces in one program).
+        bytes its busiest device sends, its seconds (a median of repeats), and the
+        collectives it runs in turn. ``c`` is each program's fixed cost (launching it),
+        fitted and left out of the model. The samples need two different message counts
+        and two different sizes (e.g. an all-reduce sweep of 4 B to 16 MB, and 32 scalar
+        all-reduces in one program); the overhead, collectives of two different rounds
+        (e.g. 32 scalar permutes, one round each, beside the all-reduces). A fitted
+        latency or overhead below 0 is taken as 0 (the other terms refitted).
 
         Raises:
           ValueError: the samples differ in length, hold a negative or non-finite
-            value, or cannot separate latency from bandwidth; or the fitted bandwidth is
-            not positive (time does not grow with the bytes).
+            value, or cannot separate latency from bandwidth (or from the overhead); or
+            the fitted bandwidth is not positive (time does not grow with the bytes).
         """
-        columns = [np.asarray(x, np.float64) for x in (messages, bytes_sent, seconds)]
-        if len({c.shape for c in columns}) != 1 or columns[0].ndim != 1:
+        named = {"messages": messages, "bytes_sent": bytes_sent, "seconds": seconds}
+        if collectives is not None:
+            named["collectives"] = collectives
+        columns = {k: np.asarray(v, np.float64) for k, v in named.items()}
+        if len({c.shape for c in columns.values()}) != 1 or columns["seconds"].ndim != 1:
             raise ValueError(
-                "Network.fit: messages, bytes_sent and seconds must be 1-D sequences of one "
-                f"length, got shapes {[c.shape for c in columns]}."
+                f"Network.fit: {', '.join(named)} must be 1-D sequences of one length, got "
+                f"shapes {[c.shape for c in columns.values()]}."
             )
-        if not all(np.isfinite(c).all() and (c >= 0).all() for c in columns):
+        if not all(np.isfinite(c).all() and (c >= 0).all() for c in columns.values()):
             raise ValueError("Network.fit: every sample must be finite and >= 0.")
-        if not (columns[2] > 0).all():
+        seconds = columns.pop("seconds")
+        if not (seconds > 0).all():
             raise ValueError("Network.fit: every sample's seconds must be > 0.")
-        a = np.stack([columns[0], columns[1], np.ones_like(columns[0])], axis=1)
-        if np.linalg.matrix_rank(a) < 3:
-            raise ValueError(
-                "Network.fit: the samples need at least two message counts and two sizes "
-                "to separate latency from bandwidth."
-            )
-        weight = 1.0 / columns[2]
-        (latency, per_byte, _), *_ = np.linalg.lstsq(
-            a * weight[:, None], columns[2] * weight, rcond=None
-        )
-        if per_byte <= 0:
+        terms = _least_squares(columns, seconds)
+        if terms["bytes_sent"] <= 0:
             raise ValueError(
                 "Network.fit: the seconds do not grow with the bytes sent (fitted "
-                f"{per_byte:.3g} s per byte); measure larger messages."
+                f"{terms['bytes_sent']:.3g} s per byte); measure larger messages."
             )
-        return cls(bandwidth=float(1 / per_byte), latency=float(max(latency, 0.0)))
+        return cls(
+            bandwidth=float(1 / terms["bytes_sent"]),
+            latency=float(terms["messages"]),
+            overhead=float(terms.get("collectives", 0.0)),
+        )
+
+
+def _least_squares(columns: dict[str, np.ndarray], seconds: np.ndarray) -> dict[str, float]:
+    """Per column, its seconds per unit in ``seconds = sum(column * term) + c``, weighted
+    by ``1 / seconds``; a latency or overhead fitted below 0 is dropped (taken as 0) and
+    the rest refitted."""
+    names = list(columns)
+    a = np.stack([*columns.values(), np.ones_like(seconds)], axis=1)
+    if np.linalg.matrix_rank(a) < a.shape[1]:
+        needs = "two message counts and two sizes to separate latency from bandwidth"
+        if "collectives" in columns:
+            needs += ", and collectives of two different rounds to separate the overhead"
+        raise ValueError(f"Network.fit: the samples need {needs}.")
+    weight = 1.0 / seconds
+    solution, *_ = np.linalg.lstsq(a * weight[:, None], seconds * weight, rcond=None)
+    terms = dict(zip(names, solution[:-1].tolist(), strict=True))
+    negative = [k for k in ("collectives", "messages") if terms.get(k, 0.0) < 0]
+    if negative:
+        kept = {k: v for k, v in columns.items() if k != negative[0]}
+        return {**_least_squares(kept, seconds), negative[0]: 0.0}
+    return terms
 
 
 #: 1 Gb/s Ethernet, about 50 us per message through the kernel's TCP stack.
@@ -93,7 +123,7 @@ def estimate_step_time(
 ) -> float:
     """Seconds per step: compute, then every collective in turn, without overlap.
 
-    Each collective costs ``count * (rounds * latency + bytes / bandwidth)`` where
+    Each collective costs ``count * (overhead + rounds * latency + bytes / bandwidth)`` where
     ``bytes`` is what its busiest device sends. Collectives inside conditional branches
     count only for the ``branch`` named (only one branch runs; see ``stats.branches``).
     With islands (``local_sgd(inner=...)``), the collectives within an island travel on
@@ -139,8 +169,9 @@ def estimate_step_time(
 def _comm_s(stats: CommStats, network: Network, branch: str | None) -> float:
     bandwidth = check_real("network.bandwidth", network.bandwidth, minimum=0, exclusive=True)
     latency = check_real("network.latency", network.latency, minimum=0)
+    overhead = check_real("network.overhead", network.overhead, minimum=0)
     return sum(
-        op.count * (op.rounds * latency + max(op.sent) / bandwidth)
+        op.count * (overhead + op.rounds * latency + max(op.sent) / bandwidth)
         for op in stats.ops
         if op.branch in ("", branch)
     )
