@@ -109,6 +109,9 @@ class Kit(NamedTuple):
       accumulate: micro-batches per worker per gradient.
       islands: the size of the mesh's ``island`` axis (state stacked per island, see the
         module's docstring), or 0 when it has none.
+      per_device: workers per device (``prepare(..., workers=W)``: W / the axis size);
+        ``n`` counts them all, and a state stacked per worker holds ``per_device`` rows
+        on each device, worker ``d * per_device + j`` at device d's row j.
     """
 
     mesh: Mesh
@@ -119,6 +122,7 @@ class Kit(NamedTuple):
     has_aux: bool
     accumulate: int
     islands: int = 0
+    per_device: int = 1
 
     @property
     def transposes_weight_gradients(self) -> bool:
@@ -228,8 +232,16 @@ class Kit(NamedTuple):
 
     def worker_index(self) -> jax.Array:
         """Inside the step's ``shard_map``: this worker's index among all workers, the
-        islands' included (island i's worker w is ``i * n + w``): what keys fold in."""
+        islands' included (island i's worker w is ``i * n + w``): what keys fold in.
+        With several workers a device, ``device_workers``."""
+        if self.per_device > 1:
+            raise ValueError("worker_index: this device runs several workers, see device_workers")
         return lax.axis_index((st.ISLAND, self.axis) if self.islands else self.axis)
+
+    def device_workers(self) -> jax.Array:
+        """Inside the step's ``shard_map``: the indices of this device's workers, ``[k]``
+        for ``per_device`` k, in the order of its rows."""
+        return lax.axis_index(self.axis) * self.per_device + jnp.arange(self.per_device)
 
     def one_island(self, tree: Any) -> Any:
         """Abstract shapes of one island's entry of an island-stacked state (``tree``
@@ -462,6 +474,7 @@ def prepare(
     reducer: optax.GradientTransformation | None = None,
     default_reducer: Callable[[str], optax.GradientTransformation] | None = None,
     islands: bool = False,
+    workers: int | None = None,
 ) -> Kit:
     """The builder preamble: checks the shared arguments and prepares the mesh.
 
@@ -478,6 +491,8 @@ def prepare(
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       islands: whether the builder can run once per island on a mesh with an ``island``
         axis (the module's docstring); others refuse such a mesh.
+      workers: for a builder that runs several workers on a device, how many in all: a
+        multiple of the size of ``axis`` (``None``: one a device).
     """
     if not (callable(loss_fn) or isinstance(loss_fn, ml.ModelLoss)):
         raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
@@ -501,4 +516,12 @@ def prepare(
     if reducer is None and default_reducer is not None:
         reducer = default_reducer(axis)
     islands = mesh.shape[st.ISLAND] if on_islands else 0
-    return Kit(mesh, axis, mesh.shape[axis], reducer, loss_fn, has_aux, accumulate, islands)
+    devices = mesh.shape[axis]
+    n = devices if workers is None else st.check_int("workers", workers, minimum=1)
+    if n % devices:
+        raise ValueError(
+            f"workers={n} must be a multiple of the {devices} devices on axis {axis!r} (each "
+            f"device runs workers / {devices} of them), e.g. "
+            f"workers={devices * max(n // devices, 1)}."
+        )
+    return Kit(mesh, axis, n, reducer, loss_fn, has_aux, accumulate, islands, n // devices)

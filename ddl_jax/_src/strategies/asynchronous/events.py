@@ -183,6 +183,21 @@ def durations(times: sl.ComputeTime, key: jax.Array, tasks: jax.Array) -> jax.Ar
     return jax.vmap(one)(jnp.arange(n), tasks)
 
 
+def _started(
+    times: sl.ComputeTime, key: jax.Array, tasks: jax.Array, start: jax.Array, w: jax.Array
+) -> jax.Array:
+    """``durations`` where it is read (``start``): for the arriving worker ``w`` alone when
+    no other starts (plain async: every event but a barrier's release), so that an event
+    costs O(1) draws, not N."""
+    n = tasks.shape[0]
+    alone = ~(start & (jnp.arange(n) != w)).any()
+
+    def one() -> jax.Array:
+        return jnp.full((n,), sl.duration(times, n, key, w, tasks[w]))
+
+    return lax.cond(alone, one, lambda: durations(times, key, tasks))
+
+
 def initial_clock(times: sl.ComputeTime, n: int) -> Clock:
     """Time 0: every worker has fetched version 0 and started its first task."""
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
@@ -249,7 +264,7 @@ def next_event(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock
         allowed &= lead <= rules.bound
     start = waiting & allowed
     fetch = start & ((tasks % rules.n_fetch == 0) | (me & rejoin))
-    arrival = jnp.where(start, t + durations(times, clock.key, tasks), clock.arrival)
+    arrival = jnp.where(start, t + _started(times, clock.key, tasks, start, w), clock.arrival)
     after = Clock(
         now=t,
         arrival=jnp.where(me & leave, t + rules.away, arrival),

@@ -129,6 +129,19 @@ def _masked(tree: Any, keep: jax.Array) -> Any:
     return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
 
 
+def _rows(pred: jax.Array, x: jax.Array) -> jax.Array:
+    """``pred`` (``[k]``) shaped to select rows of ``x`` (``[k, ...]``)."""
+    return pred.reshape(pred.shape + (1,) * (x.ndim - 1))
+
+
+def _select_rows(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.where(_rows(pred, a), a, b), new, old)
+
+
+def _masked_rows(tree: Any, keep: jax.Array) -> Any:
+    return jax.tree.map(lambda x: jnp.where(_rows(keep, x), x, jnp.zeros_like(x)), tree)
+
+
 def _held_empty(model_state: Any) -> Any:
     """An empty group's model state: zero sums (at least float32), integers at their min."""
 
@@ -175,6 +188,7 @@ def local_steps(
     key: jax.Array,
     opt_state: Any,
     count: jax.Array | None = None,
+    skip: bool = True,
 ) -> tuple[Any, Any, Any, Any]:
     """One ``async_local`` task on one worker: H inner steps from the fetched ``params``.
 
@@ -185,8 +199,9 @@ def local_steps(
     and aux are the means over the H steps.
 
     ``count`` (DyLU, an int32 scalar in [1, H], this worker's H_i): only steps h < count
-    are taken (a ``lax.cond`` skips the others, their slices unused); loss and aux are
-    the means over those. ``None``: all H.
+    are taken (a ``lax.cond`` skips the others, their slices unused; with ``skip=False``,
+    under ``jax.vmap``, they run and their results are dropped); loss and aux are the
+    means over those. ``None``: all H.
     """
     steps = protocol.steps
     if protocol.reset:  # a fresh inner state at every task (= at every fetch)
@@ -211,6 +226,8 @@ def local_steps(
         skipped = vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shape), (axis,))
 
         def maybe(carry: Any, xs: Any) -> tuple[Any, Any]:
+            if not skip:  # every step taken, the skipped ones' results dropped
+                return _select(xs[0] < count, one(carry, xs), (carry, skipped))
             return lax.cond(xs[0] < count, one, lambda c, _: (c, skipped), carry, xs)
 
         (local, model_state, opt_state), out = lax.scan(maybe, carry, (jnp.arange(steps), micro))
@@ -273,6 +290,12 @@ class _Program(NamedTuple):
         drop = check_probability("drop", drop)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
+        if downpour and kit.per_device > 1:
+            raise ValueError(
+                f"workers={kit.n} runs {kit.per_device} workers a device, which "
+                f"protocol={protocol!r} cannot: its server keeps one shard a device. Give "
+                "Downpour one worker a device (workers=None)."
+            )
         server_opt = optax.with_extra_args_support(optimizer)
         counts = None  # DyLU's H_i, where they are not all H
         if local is not None and local.dynamic:
@@ -330,14 +353,17 @@ class _Program(NamedTuple):
             ev.initial_clock(self.times, kit.n),
         )
 
-    def task(self, params: Any, model_state: Any, batch: st.Batch, key: Any, inner: Any) -> Any:
-        """One task: ``((loss, aux), what is pushed, new model state, inner state)``."""
+    def task(
+        self, params: Any, model_state: Any, batch: st.Batch, key: Any, inner: Any, me: Any
+    ) -> Any:
+        """Worker ``me``'s task: ``((loss, aux), what is pushed, new model state, inner
+        state)``."""
         if self.local is None:
             return (*self.kit.value_and_grad(params, model_state, batch, key), inner)
         kit = self.kit
         count = None
         if self.counts is not None:  # DyLU: this worker's H_i
-            count = jnp.asarray(self.counts, jnp.int32)[lax.axis_index(kit.axis)]
+            count = jnp.asarray(self.counts, jnp.int32)[me]
         return local_steps(
             kit.value_and_grad,
             self.inner,
@@ -349,54 +375,107 @@ class _Program(NamedTuple):
             key,
             inner,
             count,
+            skip=kit.per_device == 1,
         )
 
     def compute(
         self, state: AsyncSGDState, me: jax.Array, computes: jax.Array, batch: st.Batch
     ) -> tuple[Workers, Any, st.Metrics]:
-        """Phase 1 on the devices: a worker that ``computes`` takes its task's gradient
-        (``async_local``: pseudo-gradient) and model state on what it fetched, with the key
-        ``worker_key(model, me, step=k)`` of its k-th task; the others skip it. Returns the
-        workers, the protocol (``Inner`` updated) and the mean metrics of those computing."""
-        workers, axis = unstack(state.workers), self.kit.axis
-        key = worker_key(state.model, me, step=state.clock.tasks[me])
-        inner = unstack(state.protocol.opt_state) if self.local else None
-        args = (workers.params, workers.model_state, batch, key, inner)
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.task, *args)[:3])
-        out = lax.cond(computes, self.task, lambda *a: (*zeros, a[-1]), *args)
+        """Phase 1 on the devices: each of this device's workers ``me`` (``[k]``) that
+        ``computes`` takes its task's gradient (``async_local``: pseudo-gradient) and model
+        state on what it fetched, on its rows of the device's batch, with the key
+        ``worker_key(model, w, step=k)`` of its k-th task; the others skip it. Returns the
+        workers' rows, the protocol (``Inner`` updated) and the mean metrics of those
+        computing."""
+        model, tasks, k = state.model, state.clock.tasks, self.kit.per_device
+
+        def one(params, model_state, batch, w, computes, inner):
+            args = (params, model_state, batch, worker_key(model, w, step=tasks[w]), inner, w)
+            if k > 1:  # under vmap every task runs; the skipped ones' outputs are unused
+                return self.task(*args)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(self.task, *args)[:3])
+            return lax.cond(computes, self.task, lambda *a: (*zeros, a[-2]), *args)
+
+        workers = state.workers
+        inner = state.protocol.opt_state if self.local else None
+        rows = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+        args = (workers.params, workers.model_state, rows, me, computes, inner)
+        out = restack(one(*unstack(args))) if k == 1 else jax.vmap(one)(*args)
+        if k > 1 and self.local:
+            out = (*out[:3], _select_rows(computes, out[3], inner))
         (loss, aux), gradient, model_state, inner = out
-        protocol = Inner(restack(inner)) if self.local else state.protocol
+        protocol = Inner(inner) if self.local else state.protocol
         workers = workers._replace(
-            gradient=_select(computes, gradient, workers.gradient),
-            new_model_state=_select(computes, model_state, workers.new_model_state),
+            gradient=_select_rows(computes, gradient, workers.gradient),
+            new_model_state=_select_rows(computes, model_state, workers.new_model_state),
         )
-        count = jnp.maximum(lax.psum(computes.astype(jnp.float32), axis), 1.0)
-        metrics = lax.psum(_masked({"loss": loss, **aux}, computes), axis)
+        axis = self.kit.axis
+        count = jnp.maximum(lax.psum(computes.sum(dtype=jnp.float32), axis), 1.0)
+        metrics = _masked_rows({"loss": loss, **aux}, computes)
+        metrics = lax.psum(jax.tree.map(lambda x: x.sum(axis=0), metrics), axis)
         return workers, protocol, {k: v / count for k, v in metrics.items()}
 
     def replay(
         self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event
     ) -> tuple[_Local, None]:
-        """One event on the parameters: accrue (Downpour), push, apply, fetch."""
-        if self.downpour:  # a lost push empties the sum as a received one does
-            mine = me == event.worker
-            accrue = event.happens & ~event.rejoin & mine
-            total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
-            total = _select(accrue, total, local.protocol.gradient)
-            local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
+        """Downpour: one event on the parameters: accrue, push, apply, fetch."""
+        mine = me == event.worker  # a lost push empties the sum as a received one does
+        accrue = event.happens & ~event.rejoin & mine
+        total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
+        total = _select(accrue, total, local.protocol.gradient)
+        local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
         push = functools.partial(self.push, me, pushed)
         local = lax.cond(event.push, push, _keep, local, event)
         return self.fetch(me, local, event.fetch), None
 
+    def replay_server(self, me: jax.Array, local: _Local, events: ev.Event) -> _Local:
+        """The step's events on the replicated server: push and apply, in order; then each
+        of this device's workers ``me`` that fetched takes the server's parameters and
+        model state as they were at its last fetch.
+
+        The work is linear in the events: after event e the server's state is written to
+        one slot (of ``k + 1``, the last a scratch one), that of the first of this device's
+        workers whose last fetch is e; after the events each worker reads its slot."""
+        k = self.kit.per_device
+        fetched = events.fetch[:, me]  # [events, k]
+        order = jnp.arange(fetched.shape[0])[:, None]
+        last = jnp.max(jnp.where(fetched, order, -1), axis=0)  # [k], -1: no fetch
+        is_last = last[None, :] == order
+        writer = jnp.where(is_last.any(axis=1), jnp.argmax(is_last, axis=1), k)
+        slot = jnp.argmax(last[None, :] == last[:, None], axis=1)  # first with its event
+        server = (local.params, local.model_state)
+        slots = jax.tree.map(lambda x: jnp.zeros((k + 1, *x.shape), x.dtype), server)
+        push = functools.partial(self.push, me, self.gather_pushes(local))
+
+        def one(carry: tuple[_Local, Any], xs: Any) -> tuple[tuple[_Local, Any], None]:
+            local, slots = carry
+            event, at = xs
+            local = lax.cond(event.push, push, _keep, local, event)
+            now = (local.params, local.model_state)
+            write = lambda s, x: lax.dynamic_update_index_in_dim(s, x, at, 0)  # noqa: E731
+            return (local, jax.tree.map(write, slots, now)), None
+
+        (local, slots), _ = lax.scan(one, (local, vary(slots, (self.kit.axis,))), (events, writer))
+        params, model_state = jax.tree.map(lambda s: s[slot], slots)
+        workers = local.workers
+        return local._replace(
+            workers=workers._replace(
+                params=_select_rows(last >= 0, params, workers.params),
+                model_state=_select_rows(last >= 0, model_state, workers.model_state),
+            )
+        )
+
     def gather_pushes(self, local: _Local) -> Any:
         """Every worker's gradient and new model state, ``[N, ...]``, all-gathered once per
-        step: a push reads its worker's (``None`` under Downpour, whose pushes are sums
-        accrued during the events)."""
+        step from each device's rows: a push reads its worker's (``None`` under Downpour,
+        whose pushes are sums accrued during the events)."""
         if self.downpour:
             return None
         workers = local.workers
         # typed invariant: the same on every worker, as the server's state is
-        gather = functools.partial(lax.all_gather, axis_name=self.kit.axis, to="invarying")
+        gather = functools.partial(
+            lax.all_gather, axis_name=self.kit.axis, tiled=True, to="invarying"
+        )
         return jax.tree.map(gather, (workers.gradient, workers.new_model_state))
 
     def push(self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event) -> _Local:
@@ -446,18 +525,16 @@ class _Program(NamedTuple):
         )
 
     def fetch(self, me: jax.Array, local: _Local, fetch: jax.Array) -> _Local:
-        """Workers in ``fetch`` take the server's parameters and model state."""
+        """Downpour: workers in ``fetch`` take the server's parameters (an all-gather of
+        its shards, when someone fetches) and model state."""
         workers = local.workers
-        if self.downpour:  # an all-gather of the server's shards, when someone fetches
-            server = lax.cond(
-                fetch.any(),
-                lambda: FlatView.of(workers.params).from_blocks(
-                    lax.all_gather(local.params, self.kit.axis, tiled=True)
-                ),
-                lambda: workers.params,
-            )
-        else:
-            server = local.params
+        server = lax.cond(
+            fetch.any(),
+            lambda: FlatView.of(workers.params).from_blocks(
+                lax.all_gather(local.params, self.kit.axis, tiled=True)
+            ),
+            lambda: workers.params,
+        )
         workers = workers._replace(
             params=_select(fetch[me], server, workers.params),
             model_state=_select(fetch[me], local.model_state, workers.model_state),
@@ -468,23 +545,21 @@ class _Program(NamedTuple):
         self, state: AsyncSGDState, batch: st.Batch
     ) -> tuple[AsyncSGDState, st.Metrics]:
         """One ``Strategy.step`` on one device (under ``shard_map``)."""
-        me = lax.axis_index(self.kit.axis)
+        me = self.kit.device_workers()
         clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
         workers, protocol, metrics = self.compute(state, me, computes[me], batch)
         local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
-        if self.downpour:
-            local = local._replace(
-                params=unstack(local.params),
-                opt_state=unstack(local.opt_state),
-                protocol=unstack(local.protocol),
-            )
-        replay = functools.partial(self.replay, me, self.gather_pushes(local))
-        local, _ = lax.scan(replay, local, events)
+        if self.downpour:  # one worker a device, its server shard and its accrued sum
+            fields = ("params", "opt_state", "workers", "protocol")
+            mine = {f: unstack(getattr(local, f)) for f in fields}
+            local, _ = lax.scan(functools.partial(self.replay, me[0], None),
+                                local._replace(**mine), events)  # fmt: skip
+            local = local._replace(**{f: restack(getattr(local, f)) for f in fields})
+        else:
+            local = self.replay_server(me, local, events)
         server, protocol = (local.params, local.opt_state), local.protocol
-        if self.downpour:
-            server, protocol = restack(server), restack(protocol)
         model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
-        state = AsyncSGDState(*server, model, restack(local.workers), protocol, clock)
+        state = AsyncSGDState(*server, model, local.workers, protocol, clock)
         summary = ev.summarize(events)
         metrics |= {
             "staleness_mean": summary.staleness_mean,
@@ -523,10 +598,12 @@ def async_sgd(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
+    workers: int | None = None,
 ) -> st.Strategy:
     """Asynchronous SGD against a parameter server, as an exact event-ordered simulation.
 
-    N workers (one per device on ``axis``) repeatedly fetch the server's parameters,
+    N workers (one per device on ``axis``, or ``workers`` of them, several a device)
+    repeatedly fetch the server's parameters,
     compute a gradient on them, and push it; the server applies what arrives, in simulated
     arrival order: ``theta <- theta + optimizer(g, staleness=tau)``. Protocols:
 
@@ -568,9 +645,9 @@ def async_sgd(
     fetched parameters and its ``B/N`` shard of the global batch (a worker in flight or
     waiting leaves its shard unused); (2) the server processes arrivals in time order up
     to the first whose gradient is not computed: 1 to N arrivals, at most one per worker,
-    exactly N with equal times. Each push is a param-sized all-reduce masked to the
-    pusher (Downpour: a reduce-scatter, and an all-gather per fetching event): N pushes
-    move N data-parallel all-reduces' bytes, a cost of the simulation, not of the system.
+    exactly N with equal times. The workers' pushes are all-gathered once per step, each
+    push reading its worker's (Downpour: a reduce-scatter per push, and an all-gather per
+    fetching event): the bytes of the simulation, not of the system.
     ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
     checkpoint resumes the same run.
 
@@ -610,6 +687,12 @@ def async_sgd(
       accumulate: micro-batches per worker gradient.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device). Each
+        device runs N / devices of them (their tasks through ``jax.vmap``) and replays
+        the step's events once for all, so a step costs O(N x parameters) on each device:
+        ``async_sgd(..., ddl.make_mesh(data=8), workers=1024)`` simulates 1,024 workers
+        on 8 devices, with the results of 1,024 devices (the same keys, batches, events
+        and updates). Not with Downpour, whose server keeps one shard a device.
 
     Returns:
       A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
@@ -632,5 +715,5 @@ def async_sgd(
     >>> round(float(strategy.params(state)["w"]), 6), float(metrics["pushes"])
     (0.2, 4.0)
     """
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, workers=workers)
     return _Program.build(kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer)

@@ -1,0 +1,118 @@
+"""Many workers on 8 devices: the asynchronous simulator's step time against the worker
+count N, beside data parallelism's, side by side in one run; and its mean staleness.
+
+A 3-layer 64-wide MLP, 8 examples per worker (a global batch of 8N), plain SGD, on 8
+simulated CPU devices in one process. ``async_sgd(..., workers=N)`` runs N / 8 workers a
+device (random compute times, spread 0.2); ``data_parallel`` runs its 8 workers on the
+same global batch, the same gradient work (N workers averaging 8 examples each are 8
+averaging 8N / 8). Per N: compile seconds, the median of 7 steady-state steps after 3
+warm-up steps, and async's mean staleness over those steps (Gupta et al.: about N - 1 for
+naive async). Prints each one's growth exponent (the slope of log step time against log N
+from 64 workers up). Writes benchmarks/results/scaling.md.
+
+    python -P benchmarks/scaling.py [--workers 8,16,32,64,128,256,512,1024]
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import ddl_jax as ddl
+
+HERE = Path(__file__).parent
+
+
+def _loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def measure(n: int) -> dict[str, dict[str, float]]:
+    """Compile seconds, median step seconds (and async's staleness) at ``n`` workers."""
+    loss_fn, params = ddl.flax.loss_from_module(
+        ddl.models.MLP(64, [64, 64], 10, rngs=nnx.Rngs(0)), _loss
+    )
+    mesh = ddl.make_mesh(data=8)
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(8 * n, 64)).astype(np.float32),
+        "y": rng.integers(0, 10, 8 * n).astype(np.int32),
+    }
+    times = ddl.compute_times(1.0, spread=0.2, seed=0)
+    strategies = {
+        "data_parallel": ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh),
+        "async_sgd": ddl.async_sgd(loss_fn, optax.sgd(0.01), mesh, workers=n, compute_time=times),
+    }
+    out = {}
+    for name, strategy in strategies.items():
+        state = strategy.init(params)
+        tick = time.perf_counter()
+        step = jax.jit(strategy.step, donate_argnums=0).lower(state, batch).compile()
+        compile_s = time.perf_counter() - tick
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        seconds, staleness = [], []
+        for _ in range(7):
+            tick = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            seconds.append(time.perf_counter() - tick)
+            staleness.append(float(metrics.get("staleness_mean", np.nan)))
+        out[name] = {"compile": compile_s, "step": statistics.median(seconds),
+                     "staleness": float(np.mean(staleness))}  # fmt: skip
+    return out
+
+
+def exponent(ns: list[int], seconds: list[float], start: int = 64) -> float:
+    """The least-squares slope of log seconds against log N, from ``start`` workers up."""
+    pairs = [(n, s) for n, s in zip(ns, seconds, strict=True) if n >= start]
+    if len(pairs) < 2:
+        return float("nan")
+    x, y = np.log([p[0] for p in pairs]), np.log([p[1] for p in pairs])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
+    args = parser.parse_args()
+    ns = [int(w) for w in args.workers.split(",")]
+    lines = [
+        f"{os.cpu_count()} cores, 8 simulated CPU devices, one process.",
+        "",
+        "| workers | data_parallel step (ms) | async_sgd step (ms) | async / data parallel | "
+        "compile dp / async (s) | async mean staleness |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = {}
+    for n in ns:
+        t = rows[n] = measure(n)
+        dp, a = t["data_parallel"], t["async_sgd"]
+        lines.append(
+            f"| {n} | {1e3 * dp['step']:.1f} | {1e3 * a['step']:.1f} | "
+            f"{a['step'] / dp['step']:.2f}x | {dp['compile']:.1f} / {a['compile']:.1f} | "
+            f"{a['staleness']:.1f} |"
+        )
+        print(lines[-1], flush=True)
+    lines.append("")
+    for name in ("data_parallel", "async_sgd"):
+        growth = exponent(ns, [rows[n][name]["step"] for n in ns])
+        lines.append(f"{name}: step time grows as N^{growth:.2f} from 64 workers up.")
+    print("\n".join(lines[-2:]))
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "scaling.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
