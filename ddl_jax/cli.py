@@ -311,6 +311,11 @@ def _compare_parser(sub: Any) -> None:
         help=f"a named strategy list instead of --strategies: {', '.join(cs.PRESETS)}",
     )
     p.add_argument("--devices", help="workers, one per device (default 8)")
+    p.add_argument(
+        "--workers",
+        help="simulated workers, a multiple of --devices, several a device: the asynchronous "
+        "family only (e.g. --devices 8 --workers 256 --strategies async,softsync:8,ssp:4)",
+    )
     p.add_argument("--steps", help="training steps per strategy (default: the workload's)")
     p.add_argument("--network", help=f"one of {', '.join(cs.NETWORKS)} (default 1gbps)")
     p.add_argument(
@@ -382,6 +387,7 @@ _COMPARE_FLAGS = (
     "emulate",
     "islands",
     "inner_network",
+    "workers",
 )
 
 

@@ -4,6 +4,7 @@ outputs written, and the same table from the same seed."""
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from ddl_jax import cli
@@ -80,6 +81,10 @@ BAD = [
     (["--islands", "1"], "islands must be an integer >= 2, got 1"),
     (["--islands", "3", "--strategies", "diloco/sync"], "devices=8 do not split into islands=3"),
     (["--inner-network", "5g"], "unknown inner_network '5g'; valid: 1gbps"),
+    (["--workers", "12"], "workers=12 must be a multiple of devices=8"),
+    (["--workers", "16", "--strategies", "sync,async"], "only the asynchronous family"),
+    (["--workers", "16", "--strategies", "async", "--measure"], "drop measure or workers"),
+    (["--workers", "0"], "workers must be an integer >= 1, got 0"),
 ]
 
 
@@ -315,6 +320,20 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
     assert (tmp_path / "time_vs_bandwidth.png").read_bytes()[:4] == b"\x89PNG"
     for name in ("sync", "local_4", "async"):
         assert list((tensorboard / name).glob("events.out.tfevents.*")), name
+
+
+def test_several_workers_a_device_compare_as_one_each(tmp_path):
+    """--devices 4 --workers 8: the asynchronous family's run of 8 devices (the same
+    workload, events, updates and price), the header naming the workers."""
+    flags = ["--strategies", "async,softsync:4", "--steps", "8", "--target", "0.3"]
+    one_each = _run(tmp_path / "one", "--devices", "8", *flags)
+    several = _run(tmp_path / "two", "--devices", "4", "--workers", "8", *flags)
+    for name, run in several.items():
+        theirs = one_each[name]
+        np.testing.assert_allclose(run["eval_values"], theirs["eval_values"], rtol=1e-6)
+        for key in ("steps_to_target", "events", "comm_bytes_per_event", "comm_s_per_event"):
+            assert run[key] == pytest.approx(theirs[key]), key
+    assert "8 workers on 4 cpu devices" in (tmp_path / "two" / "results.md").read_text()
 
 
 def _bundled_params():

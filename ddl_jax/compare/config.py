@@ -58,6 +58,9 @@ class Config:
       islands: islands of a stacked spec (``diloco:16/fsdp:3``): its mesh is ``islands x
         devices / islands``, and ``network`` links the islands.
       inner_network: a key of ``NETWORKS``: the network inside an island.
+      workers: simulated workers, a multiple of ``devices`` (``None``: one a device); more
+        than ``devices`` runs several a device, which only the asynchronous family
+        simulates (``async_sgd(workers=)``).
     """
 
     workload: str = "digits-mlp"
@@ -79,6 +82,12 @@ class Config:
     emulate: str | None = None
     islands: int = 2
     inner_network: str = "ici"
+    workers: int | None = None
+
+    @property
+    def worker_count(self) -> int:
+        """The workers: ``workers``, else one a device."""
+        return self.devices if self.workers is None else self.workers
 
     def as_dict(self) -> dict[str, Any]:
         """The config as plain JSON values (strategies as their spec strings)."""
@@ -151,7 +160,7 @@ def make_config(values: Mapping[str, Any]) -> Config:
         checked["inner_network"] = _choice("inner_network", v["inner_network"], tuple(NETWORKS))
     if "islands" in v:
         checked["islands"] = _integer("islands", v["islands"], 2)
-    for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1)):
+    for key, minimum in (("devices", 1), ("steps", 1), ("eval_every", 1), ("workers", 1)):
         if key in v:
             checked[key] = _integer(key, v[key], minimum)
     if "seed" in v:
@@ -171,7 +180,29 @@ def make_config(values: Mapping[str, Any]) -> Config:
         checked["tensorboard"] = str(v["tensorboard"])
     _measure(v, checked)
     _islands(Config(**checked))
+    _workers(Config(**checked))
     return Config(**checked)
+
+
+def _workers(config: Config) -> None:
+    """Several workers a device: a multiple of the devices, asynchronous strategies only,
+    simulated only."""
+    if config.workers is None or config.workers == config.devices:
+        return
+    if config.workers % config.devices:
+        raise CompareError(
+            f"workers={config.workers} must be a multiple of devices={config.devices} (each "
+            "device runs workers / devices of them)."
+        )
+    others = [s.text for s in config.strategies if not FAMILIES[s.family].asynchronous]
+    if others:
+        raise CompareError(
+            f"workers={config.workers} runs {config.workers // config.devices} workers a "
+            f"device, which only the asynchronous family simulates (async, softsync, ssp, "
+            f"async_local); drop {', '.join(others)}, or workers."
+        )
+    if config.measure:
+        raise CompareError("measure runs one device per process: drop measure or workers.")
 
 
 def _islands(config: Config) -> None:

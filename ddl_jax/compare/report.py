@@ -47,8 +47,11 @@ def subtitle(results: dict[str, Any]) -> str:
         settings.append(f"non-iid alpha {c['non_iid']:g}")
     if any("/" in text for text in c["strategies"]):
         settings.append(f"stacked: {c['islands']} islands, {c['inner_network']} inside")
+    devices = f"{c['devices']} {env['platform']} devices"
+    if c.get("workers") not in (None, c["devices"]):
+        devices = f"{c['workers']} workers on {devices}"
     return (
-        f"{w['title']}, {c['devices']} {env['platform']} devices, {c['steps']} steps x "
+        f"{w['title']}, {devices}, {c['steps']} steps x "
         f"{w['batch_size']} examples, {', '.join(settings)}"
     )
 

@@ -281,7 +281,7 @@ def run_one(
     event = "+".join(events) or None
     if family.asynchronous:
         compute_s = gradient_s
-        comm = _server_comm(_float_bytes(workload.params), mesh.shape["data"], network)
+        comm = _server_comm(_float_bytes(workload.params), config.worker_count, network)
     else:
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
         if spec.inner is not None:  # an island's collectives on its own network
@@ -389,9 +389,8 @@ def mesh_for(spec: Spec, mesh: Any, config: Config) -> Any:
 
 
 def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> BuildContext:
-    return BuildContext(
-        workload.loss_fn, mesh, config.straggler, config.seed, eval_every, config.drop
-    )
+    return BuildContext(workload.loss_fn, mesh, config.straggler, config.seed, eval_every,
+                        config.drop, config.workers)  # fmt: skip
 
 
 def _check_out(out: str) -> None:
@@ -454,11 +453,13 @@ def _check_strategies(
 
 def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
     """The modeled compute time of a synchronous data-parallel step of ``workload``: one
-    worker's gradient and update, the async family's unit of compute."""
+    worker's gradient and update, the async family's unit of compute (with several
+    workers a device, a device's step over their rows, split among them)."""
     strategy = ddl.data_parallel(workload.loss_fn, optax.adam(LEARNING_RATE), mesh)
     state = strategy.init(workload.params)
     work = sim.compute_stats(jax.jit(strategy.step), state, next(workload.batches(0)))
-    return sim.estimate_compute_time(work, DEVICES[config.compute])
+    per_device = config.worker_count // config.devices
+    return sim.estimate_compute_time(work, DEVICES[config.compute]) / per_device
 
 
 def run_compare(config: Config, workload: Workload | None = None) -> dict[str, Any]:
@@ -480,7 +481,7 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     mesh = ddl.make_mesh(data=config.devices, devices=devices)
     if workload is None:
         workload = workloads.load(
-            config.workload, seed=config.seed, devices=config.devices, non_iid=config.non_iid
+            config.workload, seed=config.seed, devices=config.worker_count, non_iid=config.non_iid
         )
     else:
         workload = workloads.check(workload, workload.name)

@@ -122,6 +122,8 @@ class BuildContext(NamedTuple):
       seed: the comparison's seed.
       consensus_every: steps between gossip's consensus-distance measurements.
       drop: the probability that a message is lost (families with ``unreliable``).
+      workers: the workers of the asynchronous family, several a device (``None``: one
+        a device).
     """
 
     loss_fn: Any
@@ -130,6 +132,7 @@ class BuildContext(NamedTuple):
     seed: int
     consensus_every: int
     drop: float = 0.0
+    workers: int | None = None
 
 
 class Family(NamedTuple):
@@ -194,12 +197,13 @@ def _adam() -> optax.GradientTransformation:
 
 def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext], Strategy]:
     def build(param: Any, ctx: BuildContext) -> Strategy:
-        n = ctx.mesh.shape["data"]
+        n = ctx.mesh.shape["data"] if ctx.workers is None else ctx.workers
         times: Any = 1.0
         if ctx.straggler != 1.0:  # the last worker is the straggler
             times = ddl.compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
         chosen = protocol(param) if callable(protocol) else protocol
-        options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop}
+        options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop,
+                   "workers": ctx.workers}  # fmt: skip
         if not local:
             return ddl.async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
         # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
