@@ -125,6 +125,12 @@ class Kit(NamedTuple):
     per_device: int = 1
 
     @property
+    def workers_axis(self) -> str | tuple[str, ...]:
+        """What the strategy's collectives name to reach every worker: ``axis``, or with
+        several workers a device ``(axis, VIRTUAL)`` (the step's ``vmap`` over them)."""
+        return self.axis if self.per_device == 1 else (self.axis, st.VIRTUAL)
+
+    @property
     def transposes_weight_gradients(self) -> bool:
         """Whether gradients are computed with ``cpu_products.transposed_weight_gradients``
         (the XLA:CPU tunings on, CPU devices, a process on one core:
@@ -176,6 +182,7 @@ class Kit(NamedTuple):
         divisor: int | None = None,
         why: str | None = None,
         out_specs: Specs | None = None,
+        vmap_workers: bool = True,
     ) -> Callable[[st.State, st.Batch], tuple[Any, st.Metrics]]:
         """``Strategy.step``: checks the global batch, shards it over the worker axis and
         runs ``worker_step(state, local_batch) -> (state, metrics)`` under ``shard_map``
@@ -187,6 +194,11 @@ class Kit(NamedTuple):
           out_specs: for a worker step that returns something other than a new state
             (``ddl.fsdp``'s gradient shards), its ``PartitionSpec``s, or a function of the
             abstract state returning them; the state's specs by default.
+          vmap_workers: with several workers a device (``per_device`` k > 1), run
+            ``worker_step`` once per worker through ``jax.vmap`` over the axis
+            ``VIRTUAL`` (each leaf stacked over ``axis`` seen as one worker's ``[1, ...]``
+            entry, each worker its rows of the batch; collectives name
+            ``workers_axis``); ``False``: the worker step takes the device's k rows itself.
         """
         islands = self.islands
         divisor = self.n * self.accumulate if divisor is None else divisor
@@ -195,6 +207,8 @@ class Kit(NamedTuple):
             divisor, why = divisor * islands, f"{islands} islands x {why}"
         vma = self.reducer is None or checks_vma(self.reducer)
         worker_axes = (st.ISLAND, self.axis) if islands else self.axis
+        virtual = vmap_workers and self.per_device > 1
+        vma = vma and not virtual  # a vmap axis has no varying types
 
         def step(state: st.State, batch: st.Batch) -> tuple[st.State, st.Metrics]:
             st.check_batch(batch, divisor, why=why)
@@ -218,7 +232,9 @@ class Kit(NamedTuple):
                 return new, metrics
 
             program = jax.shard_map(
-                checked,
+                _over_rows(checked, self.axis, self.per_device, state_specs, out)
+                if virtual
+                else checked,
                 mesh=self.mesh,
                 in_specs=(state_specs, P(worker_axes)),
                 out_specs=(out, P()),
@@ -233,10 +249,9 @@ class Kit(NamedTuple):
     def worker_index(self) -> jax.Array:
         """Inside the step's ``shard_map``: this worker's index among all workers, the
         islands' included (island i's worker w is ``i * n + w``): what keys fold in.
-        With several workers a device, ``device_workers``."""
-        if self.per_device > 1:
-            raise ValueError("worker_index: this device runs several workers, see device_workers")
-        return lax.axis_index((st.ISLAND, self.axis) if self.islands else self.axis)
+        With several workers a device, inside the step's ``vmap`` over them."""
+        axes = (st.ISLAND, self.axis) if self.islands else self.workers_axis
+        return lax.axis_index(axes)
 
     def device_workers(self) -> jax.Array:
         """Inside the step's ``shard_map``: the indices of this device's workers, ``[k]``
@@ -336,6 +351,41 @@ class Kit(NamedTuple):
     @property
     def stateful(self) -> bool:
         return isinstance(self.loss_fn, ml.ModelLoss)
+
+
+def _over_rows(
+    worker_step: Callable[..., Any], axis: str, k: int, in_specs: Any, out_specs: Any
+) -> Callable[..., Any]:
+    """Inside ``shard_map``: ``worker_step`` for each of the device's ``k`` workers,
+    ``jax.vmap``-ped over ``VIRTUAL``. A leaf split over ``axis`` (its spec's first entry)
+    holds the device's k workers' entries: each worker sees its own as ``[1, ...]``, as
+    with one worker a device; the others (replicated) are shared, and must come out equal
+    for every worker (a mean over ``workers_axis``, say). The batch's rows split in k."""
+
+    def mapped(tree: Any, specs: Any) -> Any:
+        full = jax.tree.broadcast(specs, tree, is_leaf=is_spec)
+        return jax.tree.map(lambda _, s: 0 if len(s) and s[0] == axis else None, tree, full,
+                            is_leaf=is_spec)  # fmt: skip
+
+    def run(state: Any, batch: Any) -> Any:
+        in_axes = mapped(state, in_specs)
+        rows = jax.tree.map(
+            lambda x, a: x if a is None else x.reshape(k, 1, *x.shape[1:]), state, in_axes
+        )
+        batch = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+        shapes = jax.eval_shape(
+            jax.vmap(worker_step, in_axes=(in_axes, 0), axis_name=st.VIRTUAL), rows, batch
+        )
+        out_axes = (mapped(one_worker(shapes[0]), out_specs), None)
+        new, metrics = jax.vmap(
+            worker_step, in_axes=(in_axes, 0), out_axes=out_axes, axis_name=st.VIRTUAL
+        )(rows, batch)
+        new = jax.tree.map(
+            lambda x, a: x if a is None else x.reshape(k, *x.shape[2:]), new, out_axes[0]
+        )
+        return new, metrics
+
+    return run
 
 
 def after(x: Any, tree: Any) -> Any:
@@ -513,8 +563,6 @@ def prepare(
     on_islands = islands and st.ISLAND in mesh.axis_names
     _check_no_unused_axis(mesh, (axis, *add_axes, *((st.ISLAND,) if on_islands else ())))
     mesh = explicit_mesh(mesh, add_axes)
-    if reducer is None and default_reducer is not None:
-        reducer = default_reducer(axis)
     islands = mesh.shape[st.ISLAND] if on_islands else 0
     devices = mesh.shape[axis]
     n = devices if workers is None else st.check_int("workers", workers, minimum=1)
@@ -524,4 +572,13 @@ def prepare(
             f"device runs workers / {devices} of them), e.g. "
             f"workers={devices * max(n // devices, 1)}."
         )
-    return Kit(mesh, axis, n, reducer, loss_fn, has_aux, accumulate, islands, n // devices)
+    kit = Kit(mesh, axis, n, None, loss_fn, has_aux, accumulate, islands, n // devices)
+    if reducer is not None and kit.per_device > 1:
+        raise ValueError(
+            f"reducer= with workers={n} on {devices} devices: a reducer is built for one "
+            "worker a device. Drop reducer= (the mean over every worker is the default), or "
+            "workers=."
+        )
+    if reducer is None and default_reducer is not None:
+        reducer = default_reducer(kit.workers_axis)
+    return kit._replace(reducer=reducer)

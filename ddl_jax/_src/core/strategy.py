@@ -24,6 +24,16 @@ LossFn = Callable[..., Any]
 #: then the inner strategy's own.
 ISLAND, DATA, STAGE, MODEL = "island", "data", "stage", "model"
 AXIS_NAMES = (ISLAND, DATA, STAGE, MODEL)
+#: The ``jax.vmap`` axis of a device's workers when it runs several (``workers=``): a
+#: strategy's collectives then name ``(data, VIRTUAL)``, all the workers.
+VIRTUAL = "virtual"
+
+
+def vary_over(x: Any, axis: str | tuple[str, ...]) -> Any:
+    """``lax.pcast(x, axis, to="varying")`` over the mesh axes of ``axis`` (``VIRTUAL``,
+    a ``vmap`` axis, has no varying type to cast to)."""
+    axes = tuple(a for a in ((axis,) if isinstance(axis, str) else axis) if a != VIRTUAL)
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 class Strategy(NamedTuple):

@@ -25,7 +25,7 @@ from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
 from ddl_jax._src.core.reducer import PermuteReducer, checks_vma
-from ddl_jax._src.core.strategy import check_real
+from ddl_jax._src.core.strategy import check_real, vary_over
 from ddl_jax._src.reduce.collectives import (
     check_axis_in_scope,
     ps_allreduce,
@@ -88,7 +88,7 @@ def worker_mean(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
 
     def mean(flat: jax.Array) -> jax.Array:
         if arrived is None:
-            return lax.pcast(lax.pmean(flat, axis), axis, to="varying")
+            return vary_over(lax.pmean(flat, axis), axis)
         average = (lax.psum(jnp.where(mine, flat, 0), axis) / count).astype(flat.dtype)
         return jnp.where(mine, average, flat)
 

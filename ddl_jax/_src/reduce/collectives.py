@@ -17,20 +17,50 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
+from ddl_jax._src.core.strategy import VIRTUAL
 
 
-def check_axis_in_scope(axis: str, *, arg: str = "axis") -> int:
-    """Returns the size of the enclosing ``shard_map``'s mesh axis ``axis``, or raises."""
+def check_axis_in_scope(axis: str | tuple[str, ...], *, arg: str = "axis") -> int:
+    """Returns the size of the enclosing ``shard_map``'s mesh axis ``axis``, or raises.
+    ``(axis, VIRTUAL)``: every worker, several a device (a strategy's ``workers=``)."""
     names = jax.sharding.get_abstract_mesh().axis_names
-    if axis not in names:
+    mesh_axes = (axis,) if isinstance(axis, str) else tuple(a for a in axis if a != VIRTUAL)
+    if not all(a in names for a in mesh_axes):
         raise ValueError(
             f"{arg}={axis!r} is not an axis of the enclosing shard_map's mesh; "
             f"valid axis names: {list(names)}."
         )
     return lax.axis_size(axis)
+
+
+def ppermute(x: jax.Array, axis: str | tuple[str, ...], perm: Any) -> jax.Array:
+    """``lax.ppermute(x, axis, perm)``; over ``(mesh axis, VIRTUAL)`` (several workers a
+    device, inside the ``vmap`` over them), whose pairs ``lax.ppermute`` cannot take, the
+    same move: the device's workers' values gathered, sent once per distinct device
+    shift of ``perm`` (none for moves within a device), each worker taking its source's.
+    A worker that is no pair's destination gets zeros, as from ``lax.ppermute``."""
+    if isinstance(axis, str) or VIRTUAL not in axis:
+        return lax.ppermute(x, axis, perm)
+    (mesh_axis,) = (a for a in axis if a != VIRTUAL)
+    devices, k = lax.axis_size(mesh_axis), lax.axis_size(VIRTUAL)
+    source = np.full(devices * k, -1)
+    for src, dst in perm:
+        source[dst] = src
+    me = lax.axis_index(axis)
+    src = jnp.asarray(source)[me]
+    shift_of = (np.arange(devices * k) // k - source // k) % devices
+    rows = lax.all_gather(x, VIRTUAL)  # this device's workers' values, [k, ...]
+    out = jnp.zeros_like(x)
+    for shift in sorted({int(shift_of[dst]) for _, dst in perm}):
+        moves = [(d, (d + shift) % devices) for d in range(devices)]
+        got = rows if shift == 0 else lax.ppermute(rows, mesh_axis, moves)
+        take = (src >= 0) & (jnp.asarray(shift_of)[me] == shift)
+        out = jnp.where(take, got[src % k], out)
+    return out
 
 
 def _allreduce(tree: Any, axis_name: str, algorithm: Callable[[jax.Array, str, int], jax.Array]):

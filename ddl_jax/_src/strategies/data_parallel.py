@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core.kit import prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.strategy import Strategy
+from ddl_jax._src.core.strategy import Strategy, vary_over
 from ddl_jax._src.reduce.allreduce import allreduce_mean
 
 
@@ -43,6 +43,7 @@ def data_parallel(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
+    workers: int | None = None,
 ) -> Strategy:
     """Synchronous data-parallel SGD (the DDP / Horovod pattern) as a ``shard_map`` program.
 
@@ -69,6 +70,9 @@ def data_parallel(
         batch must divide by ``N * accumulate``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device): each
+        device runs N / devices workers through ``jax.vmap``, the run of N devices (their
+        keys, batch rows and model states); not with ``reducer``.
 
     Returns:
       A ``Strategy`` whose state is a ``DataParallelState`` and whose metrics hold
@@ -97,8 +101,9 @@ def data_parallel(
         reducer=reducer,
         default_reducer=allreduce_mean,
         islands=True,
+        workers=workers,
     )
-    reducer = kit.reducer
+    reducer, workers_axis = kit.reducer, kit.workers_axis
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> DataParallelState:
@@ -111,7 +116,7 @@ def data_parallel(
     ) -> tuple[DataParallelState, dict[str, jax.Array]]:
         # Differentiate a worker-varying view of the replicated params: under check_vma the
         # gradient of an invariant input is already psum'd, and the reducer must see g_i.
-        local_params = jax.lax.pcast(state.params, axis, to="varying")
+        local_params = vary_over(state.params, workers_axis)
         key = worker_key(state.model, kit.worker_index())
         (loss, aux), grads, model_state = kit.value_and_grad(
             local_params, state.model.state, batch, key
@@ -121,8 +126,10 @@ def data_parallel(
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # One all-reduce carries the loss, the aux values and the reducer's own metrics.
-        metrics = jax.lax.pmean({"loss": loss, **aux, **reducer_metrics(reducer_state)}, axis)
-        model = ModelVars(mean_over(model_state, axis), state.model.key, state.model.step + 1)
+        metrics = {"loss": loss, **aux, **reducer_metrics(reducer_state)}
+        metrics = jax.lax.pmean(metrics, workers_axis)
+        model_state = mean_over(model_state, workers_axis)
+        model = ModelVars(model_state, state.model.key, state.model.step + 1)
         return DataParallelState(params, opt_state, restack(reducer_state), model), metrics
 
     return Strategy(

@@ -31,6 +31,7 @@ from ddl_jax._src.measure.consistency import (
     measured_consensus,
 )
 from ddl_jax._src.reduce.allreduce import in_buckets
+from ddl_jax._src.reduce.collectives import ppermute
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
 
@@ -171,6 +172,7 @@ def gossip(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
+    workers: int | None = None,
 ) -> Strategy:
     """Decentralised gossip SGD (D-PSGD): a local step, then averaging with neighbours.
 
@@ -223,6 +225,10 @@ def gossip(
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device): each
+        device runs N / devices workers through ``jax.vmap``, the run of N devices; a
+        round's permute sends each device's workers' models once per device shift (the
+        ring: to the next device only).
 
     Returns:
       A ``Strategy`` with ``GossipState`` (with ``inner``: an ``IslandsState``); metrics
@@ -249,7 +255,7 @@ def gossip(
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
-                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+                "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("gossip", flat, axis, ("data", ISLAND), consensus_every)
 
         def method(mesh: Any) -> Exchange:
@@ -261,7 +267,7 @@ def gossip(
             return Exchange(lambda params: (), exchange, keeps_before=bool(churn))
 
         return over_islands(inner, method, "gossip")
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, workers=workers)
     consensus_every = 10 if consensus_every is None else consensus_every
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     n = kit.n
@@ -327,7 +333,7 @@ class _Config(NamedTuple):
 def _worker_step(
     cfg: _Config, state: GossipState, batch: Any
 ) -> tuple[GossipState, dict[str, jax.Array]]:
-    axis, n = cfg.kit.axis, cfg.kit.n
+    axis, n = cfg.kit.workers_axis, cfg.kit.n
     params, opt_state = unstack(state.params), unstack(state.opt_state)
     me = lax.axis_index(axis)
     key = worker_key(state.model, me)
@@ -366,7 +372,7 @@ def _network_metrics(
     cfg: _Config, arrives: jax.Array, present: jax.Array, here: jax.Array, values: dict
 ) -> dict[str, jax.Array]:
     """The loss and aux values over the present workers, and the network's metrics."""
-    axis, n = cfg.kit.axis, cfg.kit.n
+    axis, n = cfg.kit.workers_axis, cfg.kit.n
     count = present.sum()
     if cfg.churn:
         totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
@@ -390,7 +396,7 @@ def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -
     w = jnp.asarray(weights, jnp.float32)
     mixed = jax.tree.map(lambda a: w[me, me].astype(a.dtype) * a, y)
     for perm in perms:
-        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
+        arrived = in_buckets(lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm))), y)
         source = jnp.asarray(np.argsort(perm))[me]  # whom device i hears from in this round
         mixed = jax.tree.map(
             lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
@@ -408,7 +414,7 @@ def _mix_unreliable(
     w = jnp.asarray(weights, jnp.float32)
     own, rounds = w[me, me], []
     for perm in perms:
-        arrived = in_buckets(lambda f, perm=perm: lax.ppermute(f, axis, list(enumerate(perm))), y)
+        arrived = in_buckets(lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm))), y)
         source = jnp.asarray(np.argsort(perm))[me]
         kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
         own = own + (w[me, source] - kept)

@@ -24,7 +24,14 @@ from ddl_jax._src.core.islands import (
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.strategy import DATA, ISLAND, Strategy, check_int, check_transform
+from ddl_jax._src.core.strategy import (
+    DATA,
+    ISLAND,
+    Strategy,
+    check_int,
+    check_transform,
+    vary_over,
+)
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
 
@@ -69,6 +76,7 @@ def local_sgd(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str | None = None,
+    workers: int | None = None,
 ) -> Strategy:
     """Local SGD: every worker trains its own replica and they synchronise every H steps.
 
@@ -160,6 +168,10 @@ def local_sgd(
         inner's).
       axis: the mesh axis the workers live on: ``"data"`` by default, ``"island"`` (the
         only one) with ``inner``.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device): each
+        device runs N / devices replicas through ``jax.vmap``, the run of N devices (the
+        same keys, batch rows, masks and averages). Not with ``hierarchy``, ``inner`` or
+        ``reducer`` (the default mean over every worker only).
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
@@ -199,6 +211,8 @@ def local_sgd(
                 "the inner strategy keeps within its island; use warmup_sync_steps=0 with "
                 "inner=."
             )
+        if workers is not None:
+            raise ValueError("local_sgd: workers= is for flat local SGD, not with inner=.")
         return _over_islands(inner, (loss_fn, optimizer, mesh, accumulate, has_aux, axis),
                              reducer, settings)  # fmt: skip
     axis = DATA if axis is None else axis
@@ -211,7 +225,13 @@ def local_sgd(
         has_aux,
         reducer=reducer,
         default_reducer=allreduce_mean,
+        workers=workers,
     )
+    if hierarchy is not None and kit.per_device > 1:
+        raise ValueError(
+            f"local_sgd: hierarchy with workers={kit.n} on {kit.n // kit.per_device} devices: "
+            "its group averages are permutes between devices; give one worker a device."
+        )
     cfg = _configure(kit, optimizer, *settings)
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -400,7 +420,7 @@ def _worker_step(
     cfg: _Config, state: LocalSGDState, batch: Any
 ) -> tuple[LocalSGDState, dict[str, jax.Array]]:
     """One worker's step: a local step, then (on schedule) the warm-up's end or a sync."""
-    kit, axis, warmup = cfg.kit, cfg.kit.axis, cfg.warmup
+    kit, axis, warmup = cfg.kit, cfg.kit.workers_axis, cfg.warmup
     params, opt_state = unstack(state.params), unstack(state.opt_state)
     step = state.model.step
     key = worker_key(state.model, lax.axis_index(axis))
@@ -446,7 +466,7 @@ def _exchange(
     """What follows a worker's local step ``step``: on schedule, the warm-up's end, a
     synchronisation, a group's average, DES-LOC's state averages. Returns the carry and the
     schedule's metrics."""
-    axis = cfg.kit.axis
+    axis = cfg.kit.workers_axis
     # 0: local step; 1: end of warm-up, the anchor catches up with the (equal) replicas;
     # 2: a synchronisation through the outer step; 3 + l: level l's group average. The
     # level with the largest period that fires wins.
@@ -531,7 +551,7 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     params, opt_state, anchor = carry.params, carry.opt_state, carry.anchor
     outer_state = carry.outer_opt_state
     delta = jax.tree.map(jnp.subtract, anchor, params)
-    axis, outer, n = cfg.kit.axis, cfg.outer, cfg.kit.n
+    axis, outer, n = cfg.kit.workers_axis, cfg.outer, cfg.kit.n
     mine = None if arrived is None else arrived[lax.axis_index(axis)]
     if arrived is not None:
         delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
@@ -549,7 +569,7 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
         anchor, outer_state = _select(jnp.any(arrived), (anchor, outer_state), before)
     if cfg.average_optimizer_state:
         opt_state = worker_mean(opt_state, axis, arrived)
-    new = lax.pcast(anchor, axis, to="varying")
+    new = vary_over(anchor, axis)
     if arrived is not None:
         new = _select(mine, new, params)
     return carry._replace(

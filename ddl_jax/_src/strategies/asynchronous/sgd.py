@@ -313,7 +313,8 @@ class _Program(NamedTuple):
                 f"each worker's rows split into H inner micro-batches, x accumulate="
                 f"{kit.accumulate}"
             )
-        step = kit.step(program.worker_step, specs, divisor=divisor, why=why)
+        # several workers a device: the worker step takes the device's rows itself
+        step = kit.step(program.worker_step, specs, divisor=divisor, why=why, vmap_workers=False)
         return st.Strategy(kit.init(program.make_state, specs), step, params)
 
     def specs(self) -> AsyncSGDState:
