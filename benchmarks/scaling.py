@@ -1,14 +1,14 @@
-"""Many workers on 8 devices: the asynchronous simulator's step time against the worker
-count N, beside data parallelism's, side by side in one run; and its mean staleness.
+"""Many workers on 8 devices: each strategy's step time against the worker count N, side
+by side in one run; and the asynchronous simulator's mean staleness.
 
-A 3-layer 64-wide MLP, 8 examples per worker (a global batch of 8N), plain SGD, on 8
-simulated CPU devices in one process. ``async_sgd(..., workers=N)`` runs N / 8 workers a
-device (random compute times, spread 0.2); ``data_parallel`` runs its 8 workers on the
-same global batch, the same gradient work (N workers averaging 8 examples each are 8
-averaging 8N / 8). Per N: compile seconds, the median of 7 steady-state steps after 3
-warm-up steps, and async's mean staleness over those steps (Gupta et al.: about N - 1 for
-naive async). Prints each one's growth exponent (the slope of log step time against log N
-from 64 workers up). Writes benchmarks/results/scaling.md.
+A 3-layer 64-wide MLP, 8 examples per worker (a global batch of 8N), on 8 simulated CPU
+devices in one process, every strategy with ``workers=N`` (N / 8 workers a device):
+``data_parallel`` (SGD), ``local_sgd`` (Adam, period 16), ``gossip`` (SGD, ring) and
+``async_sgd`` (SGD, random compute times, spread 0.2). Per N: compile seconds, the median
+of 7 steady-state steps after 3 warm-up steps, and async's mean staleness over those
+steps (Gupta et al.: about N - 1 for naive async). Prints each one's growth exponent (the
+slope of log step time against log N from 64 workers up). Writes
+benchmarks/results/scaling.md.
 
     python -P benchmarks/scaling.py [--workers 8,16,32,64,128,256,512,1024]
 """
@@ -50,7 +50,9 @@ def measure(n: int) -> dict[str, dict[str, float]]:
     }
     times = ddl.compute_times(1.0, spread=0.2, seed=0)
     strategies = {
-        "data_parallel": ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh),
+        "data_parallel": ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=n),
+        "local_sgd": ddl.local_sgd(loss_fn, optax.adam(1e-3), mesh, period=16, workers=n),
+        "gossip": ddl.gossip(loss_fn, optax.sgd(0.1), mesh, workers=n, consensus_every=0),
         "async_sgd": ddl.async_sgd(loss_fn, optax.sgd(0.01), mesh, workers=n, compute_time=times),
     }
     out = {}
@@ -88,28 +90,27 @@ def main() -> None:
     parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
+    names = ("data_parallel", "local_sgd", "gossip", "async_sgd")
     lines = [
-        f"{os.cpu_count()} cores, 8 simulated CPU devices, one process.",
+        f"{os.cpu_count()} cores, 8 simulated CPU devices, one process. Step time in ms "
+        "(compile seconds).",
         "",
-        "| workers | data_parallel step (ms) | async_sgd step (ms) | async / data parallel | "
-        "compile dp / async (s) | async mean staleness |",
-        "|---|---|---|---|---|---|",
+        "| workers | " + " | ".join(names) + " | async / data parallel | async mean staleness |",
+        "|---" * (len(names) + 3) + "|",
     ]
     rows = {}
     for n in ns:
         t = rows[n] = measure(n)
-        dp, a = t["data_parallel"], t["async_sgd"]
-        lines.append(
-            f"| {n} | {1e3 * dp['step']:.1f} | {1e3 * a['step']:.1f} | "
-            f"{a['step'] / dp['step']:.2f}x | {dp['compile']:.1f} / {a['compile']:.1f} | "
-            f"{a['staleness']:.1f} |"
-        )
+        cells = [f"{1e3 * t[k]['step']:.1f} ({t[k]['compile']:.1f})" for k in names]
+        ratio = t["async_sgd"]["step"] / t["data_parallel"]["step"]
+        staleness = t["async_sgd"]["staleness"]
+        lines.append(f"| {n} | {' | '.join(cells)} | {ratio:.2f}x | {staleness:.1f} |")
         print(lines[-1], flush=True)
     lines.append("")
-    for name in ("data_parallel", "async_sgd"):
+    for name in names:
         growth = exponent(ns, [rows[n][name]["step"] for n in ns])
         lines.append(f"{name}: step time grows as N^{growth:.2f} from 64 workers up.")
-    print("\n".join(lines[-2:]))
+    print("\n".join(lines[-len(names) :]))
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "scaling.md").write_text("\n".join(lines) + "\n")
 

@@ -131,5 +131,7 @@ def test_workers_must_divide_over_the_devices_and_downpour_keeps_one_a_device():
         ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, workers=8, protocol=ddl.downpour(2, 2))
     with pytest.raises(ValueError, match="a reducer is built for one worker a device"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=8, reducer=ddl.allreduce_mean())
+    with pytest.raises(ValueError, match="which islands do not"):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(island=2, data=2), workers=8)
     with pytest.raises(ValueError, match="its group averages are permutes"):
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, hierarchy=((2, 4), (4, 8)), workers=8)

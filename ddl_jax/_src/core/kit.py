@@ -23,6 +23,7 @@ over islands. The islands never talk: an outer method (``ddl.local_sgd(inner=...
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -373,13 +374,13 @@ def _over_rows(
             lambda x, a: x if a is None else x.reshape(k, 1, *x.shape[1:]), state, in_axes
         )
         batch = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
-        shapes = jax.eval_shape(
-            jax.vmap(worker_step, in_axes=(in_axes, 0), axis_name=st.VIRTUAL), rows, batch
-        )
-        out_axes = (mapped(one_worker(shapes[0]), out_specs), None)
-        new, metrics = jax.vmap(
-            worker_step, in_axes=(in_axes, 0), out_axes=out_axes, axis_name=st.VIRTUAL
-        )(rows, batch)
+        vmapped = functools.partial(jax.vmap, worker_step, axis_name=st.VIRTUAL)
+        if out_specs is in_specs:  # a new state, laid out as the old
+            out_axes = (in_axes, None)
+        else:
+            shapes = jax.eval_shape(vmapped(in_axes=(in_axes, 0)), rows, batch)
+            out_axes = (mapped(one_worker(shapes[0]), out_specs), None)
+        new, metrics = vmapped(in_axes=(in_axes, 0), out_axes=out_axes)(rows, batch)
         new = jax.tree.map(
             lambda x, a: x if a is None else x.reshape(k, *x.shape[2:]), new, out_axes[0]
         )
@@ -573,6 +574,11 @@ def prepare(
             f"workers={devices * max(n // devices, 1)}."
         )
     kit = Kit(mesh, axis, n, None, loss_fn, has_aux, accumulate, islands, n // devices)
+    if islands and kit.per_device > 1:
+        raise ValueError(
+            f"workers={n} runs several workers a device, which islands do not: give one "
+            "worker a device (workers=None) with an island axis."
+        )
     if reducer is not None and kit.per_device > 1:
         raise ValueError(
             f"reducer= with workers={n} on {devices} devices: a reducer is built for one "

@@ -1,0 +1,108 @@
+"""Partial communication as the worker count grows: accuracy, staleness and consensus
+distance against N, 8 to 1,024 workers simulated on 8 devices.
+
+The digits MLP workload of ``ddl-jax compare`` (its batches: 16 examples per worker, its
+Adam learning rate), every strategy with ``workers=N`` (N / 8 workers a device): naive
+``async`` SGD, ``softsync(8)``, ``ssp(4)`` (random compute times, spread 0.2), ``gossip``
+on a ring, and local SGD (period 16) whose synchronisations drop 10% of the workers'
+messages and whose workers leave with probability 10% a step. Each trains ``--steps``
+steps; per run: the test accuracy after them, the async family's mean staleness over the
+last 10 steps, the replicas' consensus distance at the end (local SGD's after its last
+synchronisation's drops; gossip's as it measures it), and seconds per step. Writes
+benchmarks/results/many_workers.md.
+
+    python -P benchmarks/many_workers.py [--workers 8,64,256,1024] [--steps 150]
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+import ddl_jax as ddl
+from ddl_jax.compare import make_workload
+from ddl_jax.compare.specs import LEARNING_RATE
+
+HERE = Path(__file__).parent
+
+
+def strategies(loss_fn, mesh, n):
+    """The strategies of the study, each with ``n`` workers on ``mesh``."""
+    adam = optax.adam(LEARNING_RATE)
+    times = ddl.compute_times(1.0, spread=0.2, seed=0)
+    server = {"compute_time": times, "workers": n}
+    return {
+        "async": ddl.async_sgd(loss_fn, adam, mesh, **server),
+        "softsync:8": ddl.async_sgd(loss_fn, adam, mesh, protocol=ddl.softsync(8), **server),
+        "ssp:4": ddl.async_sgd(loss_fn, adam, mesh, protocol=ddl.ssp(4), **server),
+        "gossip:ring": ddl.gossip(loss_fn, adam, mesh, workers=n, consensus_every=1),
+        "local:16, drop 0.1, churn 0.1": ddl.local_sgd(
+            loss_fn, adam, mesh, period=16, drop=0.1, churn=0.1, workers=n
+        ),
+    }
+
+
+def run(n: int, steps: int) -> dict[str, dict[str, float]]:
+    workload = make_workload("digits-mlp", seed=0, devices=n)
+    mesh = ddl.make_mesh(data=8)
+    out = {}
+    for name, strategy in strategies(workload.loss_fn, mesh, n).items():
+        state, step = strategy.init(workload.params), jax.jit(strategy.step, donate_argnums=0)
+        batches, history = workload.batches(0), []
+        tick = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = step(state, next(batches))
+            history.append(jax.device_get(metrics))
+        seconds = (time.perf_counter() - tick) / steps
+        consensus = history[-1].get("consensus_distance")
+        if consensus is None and name.startswith("local"):
+            consensus = ddl.consistency.consensus_distance(jax.device_get(state.params))
+        staleness = [h["staleness_mean"] for h in history[-10:] if "staleness_mean" in h]
+        out[name] = {
+            "accuracy": float(workload.evaluate(strategy.params(state))),
+            "staleness": float(np.mean(staleness)) if staleness else float("nan"),
+            "consensus": float("nan") if consensus is None else float(consensus),
+            "seconds": seconds,
+        }
+        print(f"N={n} {name}: {out[name]}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="8,64,256,1024")
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    ns = [int(w) for w in args.workers.split(",")]
+    results = {n: run(n, args.steps) for n in ns}
+    names = list(results[ns[0]])
+    lines = [
+        f"digits MLP, {args.steps} steps, 16 examples per worker, 8 simulated CPU devices. "
+        "Cells: test accuracy; staleness (async family) or consensus distance (replicas).",
+        "",
+        "| strategy | " + " | ".join(f"N = {n}" for n in ns) + " |",
+        "|---" * (len(ns) + 1) + "|",
+    ]
+    for name in names:
+        cells = []
+        for n in ns:
+            r = results[n][name]
+            extra = r["staleness"] if name[0] in "as" else r["consensus"]
+            label = "staleness" if name[0] in "as" else "consensus"
+            cells.append(f"{r['accuracy']:.3f}; {label} {extra:.3g}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "many_workers.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
