@@ -1,14 +1,15 @@
 """Partial communication as the worker count grows: accuracy, staleness and consensus
 distance against N, 8 to 1,024 workers simulated on 8 devices.
 
-The digits MLP workload of ``ddl-jax compare`` (its batches: 16 examples per worker, its
-Adam learning rate), every strategy with ``workers=N`` (N / 8 workers a device): naive
-``async`` SGD, ``softsync(8)``, ``ssp(4)`` (random compute times, spread 0.2), ``gossip``
-on a ring, and local SGD (period 16) whose synchronisations drop 10% of the workers'
-messages and whose workers leave with probability 10% a step. Each trains ``--steps``
-steps; per run: the test accuracy after them, the async family's mean staleness over the
-last 10 steps, the replicas' consensus distance at the end (local SGD's after its last
-synchronisation's drops; gossip's as it measures it), and seconds per step. Writes
+The digits MLP workload of ``ddl-jax compare`` (its model, test set and Adam learning
+rate; 16 examples per worker each step, drawn with replacement from the 1,437 training
+images, as 1,024 workers' batches outnumber them), every strategy with ``workers=N``
+(N / 8 workers a device): naive ``async`` SGD, ``softsync(8)``, ``ssp(4)`` (random
+compute times, spread 0.2), ``gossip`` on a ring, and local SGD (period 16) whose
+synchronisations drop 10% of the workers' messages and whose workers leave with
+probability 10% a step. Each trains ``--steps`` steps; per run: the test accuracy after
+them, the async family's mean staleness over the last 10 steps, and the replicas'
+consensus distance at the end (gossip's as it measures it). Writes
 benchmarks/results/many_workers.md.
 
     python -P benchmarks/many_workers.py [--workers 8,64,256,1024] [--steps 150]
@@ -49,16 +50,25 @@ def strategies(loss_fn, mesh, n):
     }
 
 
+def batches(n: int, seed: int = 0):
+    """Global batches of 16 examples per worker, drawn with replacement."""
+    train, _ = ddl.data.digits(flatten=True)
+    rng = np.random.default_rng(seed)
+    while True:
+        rows = rng.integers(0, len(train["label"]), size=16 * n)
+        yield {key: value[rows] for key, value in train.items()}
+
+
 def run(n: int, steps: int) -> dict[str, dict[str, float]]:
-    workload = make_workload("digits-mlp", seed=0, devices=n)
+    workload = make_workload("digits-mlp", seed=0, devices=8)
     mesh = ddl.make_mesh(data=8)
     out = {}
     for name, strategy in strategies(workload.loss_fn, mesh, n).items():
         state, step = strategy.init(workload.params), jax.jit(strategy.step, donate_argnums=0)
-        batches, history = workload.batches(0), []
+        stream, history = batches(n), []
         tick = time.perf_counter()
         for _ in range(steps):
-            state, metrics = step(state, next(batches))
+            state, metrics = step(state, next(stream))
             history.append(jax.device_get(metrics))
         seconds = (time.perf_counter() - tick) / steps
         consensus = history[-1].get("consensus_distance")

@@ -135,3 +135,27 @@ def test_workers_must_divide_over_the_devices_and_downpour_keeps_one_a_device():
         ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(island=2, data=2), workers=8)
     with pytest.raises(ValueError, match="its group averages are permutes"):
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, hierarchy=((2, 4), (4, 8)), workers=8)
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "gossip_ring", "async"])
+def test_several_workers_a_device_compile_once_and_resume_bitwise(name, tmp_path):
+    build = _async("async") if name == "async" else SYNCHRONOUS[name]
+    loss_fn, params = bn_dropout_pair()  # the model state and the keys resume too
+    strategy = build(loss_fn, _mesh(2))
+    batches = make_batches(6, 32, seed=3)
+    whole, _ = ddl.fit(strategy, params, batches, steps=6, progress=False)
+    args = {"checkpoint_dir": tmp_path, "progress": False}
+    ddl.fit(strategy, params, batches, steps=3, checkpoint_every=3, **args)
+    resumed, _ = ddl.fit(strategy, params, batches, steps=6, **args)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return strategy.step(state, batch)
+
+    step, state = jax.jit(counted), strategy.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+    assert len(traces) == 1
