@@ -61,6 +61,23 @@ SYNCHRONOUS = {
     "average_optimizer_state": lambda loss, mesh: ddl.local_sgd(
         loss, optax.adam(1e-2), mesh, period=2, workers=W, average_optimizer_state=True
     ),
+    "streaming_diloco_overlap": lambda loss, mesh: ddl.streaming_diloco(
+        loss,
+        optax.adam(1e-2),
+        mesh,
+        period=4,
+        fragments=2,
+        overlap=1,
+        mix=0.5,
+        workers=W,
+        outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+    ),
+    "noloco_rounds": lambda loss, mesh: ddl.noloco(
+        loss, optax.adam(1e-2), mesh, period=2, workers=W, pairing="rounds"
+    ),
+    "noloco_uniform_no_pull": lambda loss, mesh: ddl.noloco(
+        loss, optax.adam(1e-2), mesh, period=3, workers=W, pairing="uniform", anchor_pull=0.0
+    ),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
         loss, optax.sgd(0.1), mesh, topology="ring", workers=W, consensus_every=2
     ),

@@ -63,6 +63,15 @@ def ppermute(x: jax.Array, axis: str | tuple[str, ...], perm: Any) -> jax.Array:
     return out
 
 
+def gather_workers(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
+    """Every worker's ``x``, ``[N, ...]`` in worker order, over ``axis`` or ``(mesh axis,
+    VIRTUAL)`` (several workers a device: gathered within the device, then across)."""
+    if isinstance(axis, str) or VIRTUAL not in axis:
+        return lax.all_gather(x, axis)
+    (mesh_axis,) = (a for a in axis if a != VIRTUAL)
+    return lax.all_gather(lax.all_gather(x, VIRTUAL), mesh_axis, tiled=True)
+
+
 def _allreduce(tree: Any, axis_name: str, algorithm: Callable[[jax.Array, str, int], jax.Array]):
     n = check_axis_in_scope(axis_name, arg="axis_name")
     if n == 1:  # the sum over one device is its own value: no buffers, no rounds

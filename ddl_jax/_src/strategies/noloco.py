@@ -24,6 +24,7 @@ from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int, check_real, check_transform
 from ddl_jax._src.measure.consistency import measured_consensus
 from ddl_jax._src.reduce.allreduce import in_buckets
+from ddl_jax._src.reduce.collectives import gather_workers
 
 # The stream of the shared pairing draw: fold_in(fold_in(key, step), _PAIR_STREAM); worker
 # keys fold in w < N, gossip's link draws 2**32 - 1.
@@ -147,6 +148,7 @@ def noloco(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
+    workers: int | None = None,
 ) -> Strategy:
     """NoLoCo: DiLoCo whose outer step is shared with one random peer instead of all workers.
 
@@ -217,6 +219,10 @@ def noloco(
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device): each
+        device runs N / devices workers through ``jax.vmap``, the run of N devices. A
+        peer's values come from every worker's, all-gathered (the simulation's bytes, not
+        the method's), so ``pairing="uniform"`` takes any N.
 
     Returns:
       A ``Strategy`` with ``NoLoCoState`` (with ``inner``: an ``IslandsState`` whose
@@ -247,7 +253,7 @@ def noloco(
     check_transform("outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9)")
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
-                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+                "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("noloco", flat, axis, ("data", ISLAND), consensus_every)
 
         def method(mesh: Any) -> Exchange:
@@ -259,10 +265,10 @@ def noloco(
             return Exchange(start, functools.partial(_island_exchange, cfg))
 
         return over_islands(inner, method, "noloco")
-    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux)
+    kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, workers=workers)
     consensus_every = 10 if consensus_every is None else consensus_every
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
-    pairing = _pairing(pairing, kit.n)
+    pairing = _pairing(pairing, kit.n, gathered=kit.per_device > 1)
     specs = NoLoCoState(P(axis), P(axis), P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> NoLoCoState:
@@ -283,13 +289,15 @@ def noloco(
     )
 
 
-def _pairing(pairing: Any, n: int) -> str:
-    """``pairing`` checked for ``n`` workers, ``None`` resolved."""
+def _pairing(pairing: Any, n: int, gathered: bool = False) -> str:
+    """``pairing`` checked for ``n`` workers, ``None`` resolved. ``gathered``: the peers'
+    values are gathered (several workers a device), not switched over, so any N may pair
+    uniformly."""
     if pairing is None:
         pairing = "uniform" if n <= _MAX_UNIFORM else "rounds"
     if pairing not in _PAIRINGS:
         raise ValueError(f"pairing must be 'uniform', 'rounds' or None, got {pairing!r}")
-    if pairing == "uniform" and n > _MAX_UNIFORM:
+    if pairing == "uniform" and n > _MAX_UNIFORM and not gathered:
         raise ValueError(
             f"pairing='uniform' switches over all (N - 1)!! perfect matchings and allows at "
             f"most 8 workers, got N = {n}; use pairing='rounds'"
@@ -328,7 +336,7 @@ class _Config(NamedTuple):
 def _worker_step(
     cfg: _Config, state: NoLoCoState, batch: Any
 ) -> tuple[NoLoCoState, dict[str, jax.Array]]:
-    axis = cfg.kit.axis
+    axis = cfg.kit.workers_axis
     params, opt_state = unstack(state.params), unstack(state.opt_state)
     key = worker_key(state.model, lax.axis_index(axis))
     (loss, aux), grads, model_state = cfg.kit.value_and_grad(
@@ -365,7 +373,11 @@ def _outer_step(cfg: _Config, key: jax.Array, step: jax.Array, carry: Any) -> An
     params, model_state, anchor, outer_opt_state = carry
     delta = jax.tree.map(jnp.subtract, anchor, params)
     mine = (delta, model_state, anchor if cfg.anchor_pull else None)
-    theirs = _from_peer(mine, cfg.kit.axis, *_draw(cfg.pairing, key, step, cfg.kit.n))
+    if cfg.kit.per_device > 1:  # several workers a device: every worker's, gathered
+        peer = _peers(cfg.pairing, key, step, cfg.kit.n)[lax.axis_index(cfg.kit.workers_axis)]
+        theirs = jax.tree.map(lambda x: gather_workers(x, cfg.kit.workers_axis)[peer], mine)
+    else:
+        theirs = _from_peer(mine, cfg.kit.axis, *_draw(cfg.pairing, key, step, cfg.kit.n))
     grad = jax.tree.map(lambda a, b: (a + b) / 2, delta, theirs[0])
     if cfg.anchor_pull:
         pull = cfg.anchor_pull
@@ -391,6 +403,13 @@ def _draw(pairing: str, key: jax.Array, step: jax.Array, n: int) -> tuple[list, 
     peer = draw_pairing(key, step, n)
     hits = jnp.all(jnp.asarray(matchings, jnp.int32) == peer, axis=1)
     return matchings, jnp.argmax(hits)
+
+
+def _peers(pairing: str, key: jax.Array, step: jax.Array, n: int) -> jax.Array:
+    """``int32[n]``: every worker's peer in this step's matching (``_draw``'s)."""
+    if pairing == "rounds":
+        return jnp.asarray(pairing_rounds(n), jnp.int32)[draw_round(key, step, n)]
+    return draw_pairing(key, step, n)
 
 
 def _from_peer(tree: Any, axis: str, matchings: list, index: jax.Array) -> Any:

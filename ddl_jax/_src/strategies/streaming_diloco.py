@@ -27,7 +27,14 @@ from ddl_jax._src.core.islands import (
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.strategy import ISLAND, Strategy, check_int, check_real, check_transform
+from ddl_jax._src.core.strategy import (
+    ISLAND,
+    Strategy,
+    check_int,
+    check_real,
+    check_transform,
+    vary_over,
+)
 from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
 
 _ORDERS = ("depth", "strided")
@@ -75,6 +82,7 @@ def streaming_diloco(
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = "data",
+    workers: int | None = None,
 ) -> Strategy:
     """Streaming DiLoCo: DiLoCo whose fragments synchronise in turn, overlapped with training.
 
@@ -159,6 +167,9 @@ def streaming_diloco(
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
+      workers: N, a multiple of the devices on ``axis`` (default: one a device): each
+        device runs N / devices replicas through ``jax.vmap``, the run of N devices; not
+        with ``reducer`` or ``inner``.
 
     Returns:
       A ``Strategy`` with ``StreamingDiLoCoState`` (with ``inner``: an ``IslandsState``
@@ -192,7 +203,7 @@ def streaming_diloco(
     settings = (outer_optimizer, period, fragments, fragment_order, overlap, mix)
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
-                "accumulate": accumulate, "has_aux": has_aux}  # fmt: skip
+                "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("streaming_diloco", flat, axis, ("data", ISLAND))
         if reducer is not None:
             check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
@@ -214,6 +225,7 @@ def streaming_diloco(
         has_aux,
         reducer=reducer,
         default_reducer=allreduce_mean,
+        workers=workers,
     )
     cfg = _configure(kit, optimizer, *settings)
     model = ModelVars(P(axis), P(), P())
@@ -471,7 +483,7 @@ def _worker_step(
     cfg: _Config, state: StreamingDiLoCoState, batch: Any
 ) -> tuple[StreamingDiLoCoState, dict[str, jax.Array]]:
     """One worker's step: a local step, then (on schedule) one fragment's send or landing."""
-    kit, axis = cfg.kit, cfg.kit.axis
+    kit, axis = cfg.kit, cfg.kit.workers_axis
     params, opt_state = unstack(state.params), unstack(state.opt_state)
     step = state.model.step
     key = worker_key(state.model, lax.axis_index(axis))
@@ -558,7 +570,7 @@ def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, ...], ...], p: in
     delta = jax.tree.map(jnp.subtract, glob, local)
     delta, fragment_reducer = cfg.kit.reducer.update(delta, reducer_state[p], glob)
     reducer_state = _replace(reducer_state, p, fragment_reducer)
-    model_state = worker_mean(model_state, cfg.kit.axis)
+    model_state = worker_mean(model_state, cfg.kit.workers_axis)
     if cfg.overlap:
         pending = _replace(pending, p, delta)
     else:
@@ -590,7 +602,7 @@ def _land(
         updates, fragment_outer = cfg.outer.update(delta, outer_state[p], glob)
         glob = optax.apply_updates(glob, updates)
         outer_state = _replace(outer_state, p, fragment_outer)
-    arrived = lax.pcast(glob, cfg.kit.axis, to="varying")
+    arrived = vary_over(glob, cfg.kit.workers_axis)
     if cfg.mix:
         local, alpha = _groups(params, bounds)[p], cfg.mix
         arrived = jax.tree.map(lambda x, g: alpha * x + (1 - alpha) * g, local, arrived)
