@@ -42,6 +42,7 @@ from ddl_jax._src.strategies.pipeline.stages import pipeline_stages
 from ddl_jax._src.strategies.pipeline.types import DDGState, PipelineState
 from ddl_jax._src.strategies.streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from ddl_jax._src.strategies.tensor_parallel import TensorParallelState, tensor_parallel
+from ddl_jax._src.strategies.zero_one_adam import ZeroOneAdamState, zero_one_adam
 from ddl_jax._src.train.fit import fit, guard_nonfinite
 from ddl_jax._src.train.precision import mixed_precision
 
@@ -64,6 +65,7 @@ __all__ = [
     "Strategy",
     "StreamingDiLoCoState",
     "TensorParallelState",
+    "ZeroOneAdamState",
     "adasum",
     "allreduce_mean",
     "async_local",
@@ -103,4 +105,5 @@ __all__ = [
     "ssp",
     "streaming_diloco",
     "tensor_parallel",
+    "zero_one_adam",
 ]

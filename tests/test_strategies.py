@@ -206,6 +206,12 @@ LOSSY = {
     "streaming_diloco_overlap_mix": lambda loss_fn, opt, mesh: ddl.streaming_diloco(
         loss_fn, opt, mesh, period=4, fragments=2, overlap=1, mix=0.5
     ),
+    # 0/1 Adam is its own optimizer (opt unused): two steps updating the variance, then
+    # local steps, synchronised at the third step (1-bit residuals in the checkpoint) and
+    # every second step after
+    "zero_one_adam": lambda loss_fn, opt, mesh: ddl.zero_one_adam(
+        loss_fn, 1e-2, mesh, var_freeze_step=2, local_step_scaler=1, local_step_clipper=2
+    ),
     # two inner steps per push, the server's delayed Nesterov over the workers' arrivals
     "async_sgd_local_delayed_nesterov": lambda loss_fn, opt, mesh: ddl.async_sgd(
         loss_fn,
