@@ -78,6 +78,39 @@ SYNCHRONOUS = {
     "noloco_uniform_no_pull": lambda loss, mesh: ddl.noloco(
         loss, optax.adam(1e-2), mesh, period=3, workers=W, pairing="uniform", anchor_pull=0.0
     ),
+    "data_parallel_top_k": lambda loss, mesh: ddl.data_parallel(
+        loss,
+        optax.sgd(0.1),
+        mesh,
+        workers=W,
+        reducer=lambda axis: ddl.compression.top_k(0.1, axis=axis),
+    ),
+    "data_parallel_power_sgd": lambda loss, mesh: ddl.data_parallel(
+        loss,
+        optax.sgd(0.1),
+        mesh,
+        workers=W,
+        reducer=lambda axis: ddl.compression.power_sgd(2, axis=axis),
+    ),
+    "data_parallel_sign": lambda loss, mesh: ddl.data_parallel(
+        loss, optax.sgd(0.1), mesh, workers=W, reducer=lambda axis: ddl.compression.sign(axis=axis)
+    ),
+    "sparseloco": lambda loss, mesh: ddl.local_sgd(
+        loss,
+        optax.adam(1e-2),
+        mesh,
+        period=2,
+        workers=W,
+        reducer=lambda axis: ddl.compression.sparse_loco(0.1, axis=axis),
+    ),
+    "demo": lambda loss, mesh: ddl.local_sgd(
+        loss,
+        optax.adam(1e-2),
+        mesh,
+        period=2,
+        workers=W,
+        reducer=lambda axis: ddl.compression.demo(0.25, axis=axis),
+    ),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
         loss, optax.sgd(0.1), mesh, topology="ring", workers=W, consensus_every=2
     ),
@@ -146,8 +179,13 @@ def test_workers_must_divide_over_the_devices_and_downpour_keeps_one_a_device():
         ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, workers=0)
     with pytest.raises(ValueError, match="one shard a device"):
         ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, workers=8, protocol=ddl.downpour(2, 2))
-    with pytest.raises(ValueError, match="a reducer is built for one worker a device"):
+    with pytest.raises(ValueError, match="Give it as a function of the axis"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=8, reducer=ddl.allreduce_mean())
+    with pytest.raises(ValueError, match="use algorithm='psum'"):
+        ring = lambda axis: ddl.allreduce_mean(axis, algorithm="ring")  # noqa: E731
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=8, reducer=ring)
+    with pytest.raises(TypeError, match="or a function of the workers' axis"):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer="top_k")
     with pytest.raises(ValueError, match="which islands do not"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(island=2, data=2), workers=8)
     with pytest.raises(ValueError, match="its group averages are permutes"):

@@ -535,7 +535,9 @@ def prepare(
       mesh: a ``jax.sharding.Mesh`` holding ``axis`` (unless ``axis`` is in ``add_axes``).
       axis: the worker axis.
       add_axes: axes the builder works on that the mesh may lack (they count as size 1).
-      reducer: the user's reducer, or ``None`` for ``default_reducer(axis)``.
+      reducer: the user's reducer, a function of the workers' axis returning one (called
+        with ``Kit.workers_axis``: with ``workers=``, ``(axis, VIRTUAL)``), or ``None`` for
+        ``default_reducer(workers_axis)``.
       default_reducer: the builder's default reducer (``ddl.allreduce_mean``), a function
         of the axis; ``None`` for a builder that takes no reducer.
       accumulate: micro-batches per worker per gradient, >= 1.
@@ -548,9 +550,14 @@ def prepare(
     if not (callable(loss_fn) or isinstance(loss_fn, ml.ModelLoss)):
         raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
     st.check_transform("optimizer", optimizer, "optax.adam(1e-3)")
-    if reducer is not None:
+    if reducer is not None and hasattr(reducer, "update"):
         st.check_transform(
             "reducer", reducer, "ddl.allreduce_mean() or ddl.compression.top_k(0.01)"
+        )
+    elif reducer is not None and not callable(reducer):
+        raise TypeError(
+            "reducer must be an optax.GradientTransformation (ddl.compression.top_k(0.01)) "
+            f"or a function of the workers' axis returning one; got {reducer!r}."
         )
     accumulate = st.check_int("accumulate", accumulate, minimum=1)
     if not isinstance(has_aux, bool):
@@ -579,12 +586,16 @@ def prepare(
             f"workers={n} runs several workers a device, which islands do not: give one "
             "worker a device (workers=None) with an island axis."
         )
-    if reducer is not None and kit.per_device > 1:
-        raise ValueError(
-            f"reducer= with workers={n} on {devices} devices: a reducer is built for one "
-            "worker a device. Drop reducer= (the mean over every worker is the default), or "
-            "workers=."
-        )
     if reducer is None and default_reducer is not None:
         reducer = default_reducer(kit.workers_axis)
+    elif reducer is not None and not hasattr(reducer, "update"):  # a function of the axis
+        reducer = reducer(kit.workers_axis)
+        st.check_transform("reducer(axis)", reducer, "ddl.compression.top_k(0.01, axis=axis)")
+    elif reducer is not None and kit.per_device > 1:
+        raise ValueError(
+            f"reducer= with workers={n} on {devices} devices: a reducer built for axis "
+            f"{axis!r} averages one worker a device. Give it as a function of the axis, which "
+            "the strategy calls with the one over every worker: reducer=lambda axis: "
+            "ddl.compression.top_k(0.01, axis=axis)."
+        )
     return kit._replace(reducer=reducer)

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
+from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
 
@@ -77,7 +77,7 @@ def _adasum_group(leaves: list[jax.Array], axis: str) -> list[jax.Array]:
     """Adasum of leaves of one dtype: one fused all-gather, then each leaf's own tree."""
     dtype = leaves[0].dtype
     flat = jnp.concatenate([x.reshape(-1) for x in leaves])
-    gathered = lax.all_gather(flat, axis, to="invarying")  # [N, D], the same on every worker
+    gathered = wire.gather_from_owners(flat, axis)  # [N, D], the same on every worker
     gathered = gathered.astype(jnp.promote_types(dtype, jnp.float32))
     bounds = np.cumsum([0] + [x.size for x in leaves])
     return [

@@ -179,6 +179,12 @@ def allreduce_mean(
         raise ValueError(
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
         )
+    if not isinstance(axis, str) and algorithm != "psum":
+        raise ValueError(
+            f"allreduce_mean: algorithm={algorithm!r} sends ppermute rounds between devices, "
+            f"one worker a device; over every worker of several a device ({axis!r}) use "
+            "algorithm='psum'."
+        )
     total = ALGORITHMS[algorithm]
     if bucket_mb is None or bucket_mb == "auto":
         bucket_bytes = bucket_mb

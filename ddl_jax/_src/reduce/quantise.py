@@ -19,15 +19,23 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView, pad_to, padded_size
-from ddl_jax._src.core.strategy import check_int
+from ddl_jax._src.core.strategy import VIRTUAL, check_int
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 
 
 def check_axis_name(fn: str, axis: Any) -> None:
-    """Raises ``TypeError`` unless ``axis`` is a mesh axis name."""
-    if not isinstance(axis, str):
-        raise TypeError(f"{fn}: axis must be a mesh axis name (str), got {axis!r}.")
+    """Raises ``TypeError`` unless ``axis`` is a mesh axis name, or ``(mesh axis,
+    VIRTUAL)``: every worker of a strategy built with ``workers=`` (it passes that to a
+    reducer given as a function of the axis)."""
+    if isinstance(axis, str):
+        return
+    if not (isinstance(axis, tuple) and len(axis) == 2 and isinstance(axis[0], str)
+            and axis[1] == VIRTUAL):  # fmt: skip
+        raise TypeError(
+            f"{fn}: axis must be a mesh axis name (str), or the axis a strategy built with "
+            f"workers= passes to a reducer given as a function of it; got {axis!r}."
+        )
 
 
 class CastState(NamedTuple):

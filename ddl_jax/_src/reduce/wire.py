@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView, varying_axes
+from ddl_jax._src.reduce.collectives import gather_workers
 
 # numpy, not jnp: a jnp array made at import time would start JAX's backend.
 _BIT = np.arange(8, dtype=np.uint8)
@@ -92,9 +93,13 @@ def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
 def scatter_to_owners(chunks: jax.Array, axis: str) -> jax.Array:
     """Row ``j`` of ``chunks [n, ...]`` goes to worker ``j``; returns ``[n, ...]`` by sender.
 
-    One ``all_to_all``: each device sends ``(n-1)/n`` of its payload.
+    One ``all_to_all``: each device sends ``(n-1)/n`` of its payload. Over ``(mesh axis,
+    VIRTUAL)`` (several workers a device), every worker's chunks gathered, each worker
+    taking the rows addressed to it: the simulation's bytes, not the reducer's.
     """
-    return lax.all_to_all(chunks, axis, 0, 0, tiled=False)
+    if isinstance(axis, str):
+        return lax.all_to_all(chunks, axis, 0, 0, tiled=False)
+    return gather_workers(chunks, axis)[:, lax.axis_index(axis)]
 
 
 def gather_from_owners(chunk: jax.Array, axis: str) -> jax.Array:
@@ -103,8 +108,11 @@ def gather_from_owners(chunk: jax.Array, axis: str) -> jax.Array:
     The result is typed invariant over ``axis`` (the same on every worker), so a reducer
     whose output is computed from gathered values only passes ``shard_map``'s
     replication check, inside ``optax.chain`` too: the compiled all-gather is the same.
+    Over ``(mesh axis, VIRTUAL)``: ``collectives.gather_workers``.
     """
-    return lax.all_gather(chunk, axis, to="invarying")
+    if isinstance(axis, str):
+        return lax.all_gather(chunk, axis, to="invarying")
+    return gather_workers(chunk, axis)
 
 
 def owner_slice(full: jax.Array, owner: jax.Array, size: int) -> jax.Array:

@@ -65,14 +65,17 @@ def data_parallel(
       optimizer: an optax transform, applied after the reduction on every worker.
       mesh: a mesh with axis ``axis`` (see ``ddl.make_mesh``).
       reducer: optax transform that turns per-worker gradients into one agreed update,
-        run inside ``shard_map``; default ``ddl.allreduce_mean(axis)``.
+        run inside ``shard_map``, or a function of the workers' axis returning one;
+        default ``ddl.allreduce_mean(axis)``.
       accumulate: micro-batches per worker per step (gradient accumulation); the global
         batch must divide by ``N * accumulate``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
       workers: N, a multiple of the devices on ``axis`` (default: one a device): each
         device runs N / devices workers through ``jax.vmap``, the run of N devices (their
-        keys, batch rows and model states); not with ``reducer``.
+        keys, batch rows and model states). A ``reducer`` then comes as a function of the
+        axis, ``reducer=lambda axis: ddl.compression.top_k(0.01, axis=axis)``: the
+        strategy calls it with the axis over every worker.
 
     Returns:
       A ``Strategy`` whose state is a ``DataParallelState`` and whose metrics hold

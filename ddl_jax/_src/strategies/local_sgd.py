@@ -162,7 +162,8 @@ def local_sgd(
       drop, churn: the probabilities that a worker misses a synchronisation, is absent.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
-        any reducer works, compressing ones included.
+        any reducer works, compressing ones included; or a function of the workers' axis
+        returning one.
       accumulate: micro-batches per worker per step (with ``inner``: the inner's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
         inner's).
@@ -170,8 +171,8 @@ def local_sgd(
         only one) with ``inner``.
       workers: N, a multiple of the devices on ``axis`` (default: one a device): each
         device runs N / devices replicas through ``jax.vmap``, the run of N devices (the
-        same keys, batch rows, masks and averages). Not with ``hierarchy``, ``inner`` or
-        ``reducer`` (the default mean over every worker only).
+        same keys, batch rows, masks and averages); a ``reducer`` then as a function of
+        the axis (``data_parallel``'s ``workers``). Not with ``hierarchy`` or ``inner``.
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``

@@ -163,13 +163,14 @@ def streaming_diloco(
         per-parameter optax optimizer); ``None`` is parameter averaging.
       reducer: how a fragment's outer gradient is averaged (default
         ``ddl.allreduce_mean(axis)``, ``"island"`` with ``inner``); any reducer,
-        compressing ones included.
+        compressing ones included, or a function of the workers' axis returning one.
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
       workers: N, a multiple of the devices on ``axis`` (default: one a device): each
-        device runs N / devices replicas through ``jax.vmap``, the run of N devices; not
-        with ``reducer`` or ``inner``.
+        device runs N / devices replicas through ``jax.vmap``, the run of N devices; a
+        ``reducer`` then as a function of the axis (``data_parallel``'s ``workers``); not
+        with ``inner``.
 
     Returns:
       A ``Strategy`` with ``StreamingDiLoCoState`` (with ``inner``: an ``IslandsState``
