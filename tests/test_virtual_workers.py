@@ -188,6 +188,9 @@ def test_workers_must_divide_over_the_devices_and_downpour_keeps_one_a_device():
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer="top_k")
     with pytest.raises(ValueError, match="which islands do not"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(island=2, data=2), workers=8)
+    inner = ddl.fsdp(loss_fn, optax.sgd(0.1), ddl.make_mesh(island=2, data=2))
+    with pytest.raises(ValueError, match="workers=16 is the inner strategy's to set"):
+        ddl.local_sgd(inner=inner, period=4, workers=16)
     with pytest.raises(ValueError, match="its group averages are permutes"):
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, hierarchy=((2, 4), (4, 8)), workers=8)
 

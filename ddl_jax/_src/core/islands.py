@@ -135,9 +135,10 @@ def check_outer_only(
     consensus_every: int | None = None,
 ) -> None:
     """With ``inner=``, the flat builder's arguments are the inner strategy's: each of
-    ``given`` (``loss_fn``, ``optimizer``, ``mesh``, ``accumulate``, ``has_aux``) must keep
-    its default, ``axis`` be one of ``axes``, and ``consensus_every`` (which measures whole
-    replicas, not a device's shard) be left unset."""
+    ``given`` (``loss_fn``, ``optimizer``, ``mesh``, ``accumulate``, ``has_aux``,
+    ``workers``) must keep its default, ``axis`` be one of ``axes``, and
+    ``consensus_every`` (which measures whole replicas, not a device's shard) be left
+    unset."""
     defaults = {"accumulate": 1, "has_aux": False}
     for key, value in (*given.items(), ("axis", axis)):
         if (value not in axes) if key == "axis" else (value != defaults.get(key)):

@@ -212,10 +212,8 @@ def local_sgd(
                 "the inner strategy keeps within its island; use warmup_sync_steps=0 with "
                 "inner=."
             )
-        if workers is not None:
-            raise ValueError("local_sgd: workers= is for flat local SGD, not with inner=.")
-        return _over_islands(inner, (loss_fn, optimizer, mesh, accumulate, has_aux, axis),
-                             reducer, settings)  # fmt: skip
+        flat = (loss_fn, optimizer, mesh, accumulate, has_aux, workers, axis)
+        return _over_islands(inner, flat, reducer, settings)
     axis = DATA if axis is None else axis
     kit = prepare(
         loss_fn,
@@ -624,8 +622,8 @@ def _over_islands(
 ) -> Strategy:
     """``local_sgd(inner=...)``: the outer method over an island-stacked inner strategy,
     each device running ``_exchange`` on its shard with ``axis="island"``."""
-    names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux")
-    check_outer_only("local_sgd", dict(zip(names, flat[:5], strict=True)), flat[5], (None, ISLAND))
+    names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "workers")
+    check_outer_only("local_sgd", dict(zip(names, flat[:6], strict=True)), flat[6], (None, ISLAND))
     if reducer is not None:
         check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
     reducer = allreduce_mean(ISLAND) if reducer is None else reducer
