@@ -81,7 +81,7 @@ def write(rows: list[dict], out: Path) -> None:
             f"| {r['workload']} | {r['processes']} | {r['rate']} | {r['strategy']} | "
             f"{r['steps']} | {r['seconds']:.3f} | {r['error']:+.0%} | "
             f"{r['calibrated_error']:+.0%} | {r['fitted']['bandwidth'] / 1e6:.3g}, "
-            f"{1e6 * r['fitted']['latency']:.0f}, {1e6 * r['fitted'].get('overhead', 0):.0f} |"
+            f"{1e6 * r['fitted']['latency']:.0f}, {1e6 * r['fitted']['overhead']:.0f} |"
         )
     within = [abs(r["calibrated_error"]) <= 0.25 for r in rows]
     lines += ["", f"Within 25% after calibration: {sum(within)} of {len(rows)}."]
