@@ -416,16 +416,14 @@ class _Program(NamedTuple):
         metrics = lax.psum(jax.tree.map(lambda x: x.sum(axis=0), metrics), axis)
         return workers, protocol, {k: v / count for k, v in metrics.items()}
 
-    def replay(
-        self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event
-    ) -> tuple[_Local, None]:
+    def replay_downpour(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
         """Downpour: one event on the parameters: accrue, push, apply, fetch."""
         mine = me == event.worker  # a lost push empties the sum as a received one does
         accrue = event.happens & ~event.rejoin & mine
         total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
         total = _select(accrue, total, local.protocol.gradient)
         local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
-        push = functools.partial(self.push, me, pushed)
+        push = functools.partial(self.push, me, None)  # its sums accrue here, none gathered
         local = lax.cond(event.push, push, _keep, local, event)
         return self.fetch(me, local, event.fetch), None
 
@@ -553,7 +551,7 @@ class _Program(NamedTuple):
         if self.downpour:  # one worker a device, its server shard and its accrued sum
             fields = ("params", "opt_state", "workers", "protocol")
             mine = {f: unstack(getattr(local, f)) for f in fields}
-            local, _ = lax.scan(functools.partial(self.replay, me[0], None),
+            local, _ = lax.scan(functools.partial(self.replay_downpour, me[0]),
                                 local._replace(**mine), events)  # fmt: skip
             local = local._replace(**{f: restack(getattr(local, f)) for f in fields})
         else:
