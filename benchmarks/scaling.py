@@ -4,11 +4,12 @@ by side in one run; and the asynchronous simulator's mean staleness.
 A 3-layer 64-wide MLP, 8 examples per worker (a global batch of 8N), on 8 simulated CPU
 devices in one process, every strategy with ``workers=N`` (N / 8 workers a device):
 ``data_parallel`` (SGD), ``local_sgd`` (Adam, period 16), ``gossip`` (SGD, ring) and
-``async_sgd`` (SGD, random compute times, spread 0.2). Per N: compile seconds, the median
-of 7 steady-state steps after 3 warm-up steps, and async's mean staleness over those
-steps (Gupta et al.: about N - 1 for naive async). Prints each one's growth exponent (the
-slope of log step time against log N from 64 workers up). Writes
-benchmarks/results/scaling.md.
+``async_sgd`` (SGD, random compute times, spread 0.2) with its server replicated (the
+default) and sharded (``server="sharded"``). Per N: compile seconds, the median of 7
+steady-state steps after 3 warm-up steps, async's step over data parallelism's, and its
+mean staleness over those steps (Gupta et al.: about N - 1 for naive async). Prints each
+one's growth exponent (the slope of log step time against log N from 64 workers up).
+Writes benchmarks/results/scaling.md.
 
     python -P benchmarks/scaling.py [--workers 8,16,32,64,128,256,512,1024]
 """
@@ -54,6 +55,9 @@ def measure(n: int) -> dict[str, dict[str, float]]:
         "local_sgd": ddl.local_sgd(loss_fn, optax.adam(1e-3), mesh, period=16, workers=n),
         "gossip": ddl.gossip(loss_fn, optax.sgd(0.1), mesh, workers=n, consensus_every=0),
         "async_sgd": ddl.async_sgd(loss_fn, optax.sgd(0.01), mesh, workers=n, compute_time=times),
+        "async_sharded": ddl.async_sgd(
+            loss_fn, optax.sgd(0.01), mesh, workers=n, compute_time=times, server="sharded"
+        ),
     }
     out = {}
     for name, strategy in strategies.items():
@@ -90,21 +94,24 @@ def main() -> None:
     parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
-    names = ("data_parallel", "local_sgd", "gossip", "async_sgd")
+    names = ("data_parallel", "local_sgd", "gossip", "async_sgd", "async_sharded")
     lines = [
         f"{os.cpu_count()} cores, 8 simulated CPU devices, one process. Step time in ms "
         "(compile seconds).",
         "",
-        "| workers | " + " | ".join(names) + " | async / data parallel | async mean staleness |",
+        "| workers | "
+        + " | ".join(names)
+        + " | async / data parallel (replicated, sharded) | async mean staleness |",
         "|---" * (len(names) + 3) + "|",
     ]
     rows = {}
     for n in ns:
         t = rows[n] = measure(n)
         cells = [f"{1e3 * t[k]['step']:.1f} ({t[k]['compile']:.1f})" for k in names]
-        ratio = t["async_sgd"]["step"] / t["data_parallel"]["step"]
+        ratios = [t[k]["step"] / t["data_parallel"]["step"] for k in ("async_sgd", "async_sharded")]
         staleness = t["async_sgd"]["staleness"]
-        lines.append(f"| {n} | {' | '.join(cells)} | {ratio:.2f}x | {staleness:.1f} |")
+        ratio = ", ".join(f"{r:.2f}x" for r in ratios)
+        lines.append(f"| {n} | {' | '.join(cells)} | {ratio} | {staleness:.1f} |")
         print(lines[-1], flush=True)
     lines.append("")
     for name in names:

@@ -127,8 +127,12 @@ def _mesh(devices):
     return ddl.make_mesh(data=devices, devices=jax.devices()[:devices])
 
 
-def _async(case):
-    return lambda loss, mesh: ddl.async_sgd(loss, optax.sgd(0.1), mesh, workers=W, **CASES[case])
+def _async(case, optimizer=None, **kwargs):
+    def build(loss, mesh):
+        chosen = optax.sgd(0.1) if optimizer is None else optimizer
+        return ddl.async_sgd(loss, chosen, mesh, workers=W, **CASES[case], **kwargs)
+
+    return build
 
 
 def _run(devices, build, pair=mlp_pair, steps=6):
@@ -155,6 +159,43 @@ def test_async_sgd_with_several_workers_a_device_is_the_run_of_one_each(case, de
     got = _run(devices, _async(case))
     _check_same(got, expected)
     assert max(h["pushes"] for h in got[1]) > 1  # events happened, several a step
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_sharded_server_is_the_replicated_one(case):
+    expected = _run(W, _async(case))
+    for devices in (W, 2):  # one worker a device, and four
+        _check_same(_run(devices, _async(case, server="sharded")), expected)
+
+
+def test_a_sharded_server_with_adam_momentum_and_model_state_is_the_replicated_one():
+    # Adam and momentum keep their state per shard, as on the whole model
+    for optimizer in (optax.adam(1e-2), optax.sgd(0.1, momentum=0.9)):
+        build = _async("softsync_2", optimizer)
+        _check_same(_run(2, _async("softsync_2", optimizer, server="sharded")), _run(W, build))
+    # the model state (batch norm) stays replicated and travels with the pushes (SGD: see
+    # test_model_state_and_dropout_keys_travel_as_with_one_worker_a_device)
+    sharded, build = _async("softsync_2", server="sharded"), _async("softsync_2")
+    _check_same(_run(2, sharded, pair=bn_dropout_pair), _run(W, build, pair=bn_dropout_pair))
+
+
+def test_a_sharded_server_holds_one_shard_a_device():
+    loss_fn, params = mlp_pair()
+    strategy = _async("async", server="sharded")(loss_fn, _mesh(2))
+    state = strategy.init(params)
+    size = sum(x.size for x in jax.tree.leaves(params))
+    assert state.params.shape == (2, -(-size // 2))
+    assert [s.data.shape for s in state.params.addressable_shards] == [(1, -(-size // 2))] * 2
+
+
+def test_bad_server_arguments_raise():
+    loss_fn, _ = mlp_pair()
+    mesh = _mesh(4)
+    with pytest.raises(ValueError, match='server must be "replicated" or "sharded"'):
+        ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, server="ps")
+    with pytest.raises(ValueError, match='keeps a sharded server: drop server="replicated"'):
+        ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, protocol=ddl.downpour(2, 2),
+                      server="replicated")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(SYNCHRONOUS))
@@ -195,9 +236,10 @@ def test_workers_must_divide_over_the_devices_and_downpour_keeps_one_a_device():
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, hierarchy=((2, 4), (4, 8)), workers=8)
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "gossip_ring", "async"])
+@pytest.mark.parametrize("name", ["local_sgd", "gossip_ring", "async", "async_sharded"])
 def test_several_workers_a_device_compile_once_and_resume_bitwise(name, tmp_path):
-    build = _async("async") if name == "async" else SYNCHRONOUS[name]
+    builds = {"async": _async("async"), "async_sharded": _async("async", server="sharded")}
+    build = builds.get(name) or SYNCHRONOUS[name]
     loss_fn, params = bn_dropout_pair()  # the model state and the keys resume too
     strategy = build(loss_fn, _mesh(2))
     batches = make_batches(6, 32, seed=3)

@@ -183,19 +183,40 @@ def durations(times: sl.ComputeTime, key: jax.Array, tasks: jax.Array) -> jax.Ar
     return jax.vmap(one)(jnp.arange(n), tasks)
 
 
-def _started(
-    times: sl.ComputeTime, key: jax.Array, tasks: jax.Array, start: jax.Array, w: jax.Array
-) -> jax.Array:
-    """``durations`` where it is read (``start``): for the arriving worker ``w`` alone when
-    no other starts (plain async: every event but a barrier's release), so that an event
-    costs O(1) draws, not N."""
-    n = tasks.shape[0]
-    alone = ~(start & (jnp.arange(n) != w)).any()
+class Draws(NamedTuple):
+    """A step's random draws, made at its start for every worker at once (``[N]`` each).
 
-    def one() -> jax.Array:
-        return jnp.full((n,), sl.duration(times, n, key, w, tasks[w]))
+    A worker completes at most one task in a step, so the task it starts in the step is
+    its ``tasks`` at the start (released from waiting, or rejoining) or the next one (it
+    arrived): both its durations are drawn here, and each event reads its worker's
+    instead of drawing. The values are ``durations`` and ``coin``'s, the same as drawn one
+    at a time.
 
-    return lax.cond(alone, one, lambda: durations(times, key, tasks))
+    Attributes:
+      tasks: each worker's ``Clock.tasks`` at the step's start.
+      now: ``d(i, tasks[i])``; next: ``d(i, tasks[i] + 1)``.
+      lost: whether the push of task ``tasks[i]`` is lost (``Rules.drop``).
+      leave: whether the worker leaves after task ``tasks[i]`` (``Rules.leave``).
+    """
+
+    tasks: jax.Array
+    now: jax.Array
+    next: jax.Array
+    lost: jax.Array
+    leave: jax.Array
+
+
+def draws(clock: Clock, rules: Rules, times: sl.ComputeTime) -> Draws:
+    """Every worker's draws of the step that starts at ``clock``."""
+    tasks, n = clock.tasks, clock.tasks.shape[0]
+    workers = jnp.arange(n)
+    return Draws(
+        tasks=tasks,
+        now=durations(times, clock.key, tasks),
+        next=durations(times, clock.key, tasks + 1),
+        lost=coin(clock.key, DROP, workers, tasks, rules.drop),
+        leave=coin(clock.key, LEAVE, workers, tasks + 1, rules.leave),
+    )
 
 
 def initial_clock(times: sl.ComputeTime, n: int) -> Clock:
@@ -225,7 +246,7 @@ def start_step(clock: Clock) -> tuple[Clock, jax.Array]:
     return clock._replace(ready=clock.ready | present), ~clock.ready & present
 
 
-def next_event(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
+def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     """Step phase 2, one event: the next arrival, what it does, and the clock after it.
 
     The arriving worker w completes a task (or rejoins, if it was away); if it pushes and
@@ -245,9 +266,9 @@ def next_event(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock
     t = clock.arrival[w]
     tasks = clock.tasks.at[w].add(jnp.where(rejoin, 0, 1))
     sent = ~rejoin & (tasks[w] % rules.n_push == 0)
-    lost = sent & coin(clock.key, DROP, w, clock.tasks[w], rules.drop)
+    lost = sent & drawn.lost[w]  # task clock.tasks[w] = drawn.tasks[w]: its first arrival
     push = sent & ~lost
-    leave = ~rejoin & coin(clock.key, LEAVE, w, tasks[w], rules.leave)
+    leave = ~rejoin & drawn.leave[w]
     tau = (clock.version - clock.fetched_version[w]).astype(jnp.float32)
     count = jnp.where(push, clock.group_count + 1, clock.group_count)
     tau_sum = jnp.where(push, clock.group_staleness + tau, clock.group_staleness)
@@ -264,7 +285,8 @@ def next_event(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock
         allowed &= lead <= rules.bound
     start = waiting & allowed
     fetch = start & ((tasks % rules.n_fetch == 0) | (me & rejoin))
-    arrival = jnp.where(start, t + _started(times, clock.key, tasks, start, w), clock.arrival)
+    took = jnp.where(tasks == drawn.tasks, drawn.now, drawn.next)
+    arrival = jnp.where(start, t + took, clock.arrival)
     after = Clock(
         now=t,
         arrival=jnp.where(me & leave, t + rules.away, arrival),
@@ -301,7 +323,8 @@ def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Cloc
     """Phase 2 of a step: ``next_event`` N times (2N with churn; a ``lax.scan``); the
     events stacked ``[N, ...]`` in order, the non-happening ones last."""
     n = clock.arrival.shape[0] * (2 if rules.churn else 1)
-    return lax.scan(lambda c, _: next_event(c, rules, times), clock, None, length=n)
+    drawn = draws(clock, rules, times)
+    return lax.scan(lambda c, _: next_event(c, rules, drawn), clock, None, length=n)
 
 
 def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, jax.Array, Event]:
@@ -309,6 +332,12 @@ def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock
     clock, computes = start_step(clock)
     clock, events = step_events(clock, rules, times)
     return clock, computes, events
+
+
+def last_fetch(events: Event) -> jax.Array:
+    """``[N]`` int32: the event at which each worker last fetched in the step, -1 if none."""
+    order = jnp.arange(events.fetch.shape[0])[:, None]
+    return jnp.max(jnp.where(events.fetch, order, -1), axis=0)
 
 
 class Summary(NamedTuple):

@@ -2,7 +2,8 @@
 
 The schedule (who arrives, pushes, fetches, when the server applies) is the pure event
 clock of ``events.py``; this module replays it on the parameters and model state,
-one worker per device, the server replicated (or sharded, under Downpour).
+several workers a device with ``workers=``, the server replicated on every device or
+sharded over them (``server="sharded"``, and always under Downpour).
 """
 
 from __future__ import annotations
@@ -85,15 +86,16 @@ class AsyncSGDState(NamedTuple):
     """State of :func:`async_sgd`: the server, the workers, the protocol's and the clock.
 
     Attributes:
-      params: the server's parameters, replicated ``P()``; under Downpour, the flattened
-        parameters (zero-padded to a multiple of N) as ``[N, ceil(size / N)]`` sharded
-        ``P(axis)``: device i holds the server's i-th shard.
-      opt_state: the server's optimizer state, replicated ``P()``; under Downpour, one
-        state per shard, ``[N, ...]`` sharded ``P(axis)``.
+      params: the server's parameters, replicated ``P()``; a sharded server (Downpour, or
+        ``server="sharded"``) holds the flattened parameters (zero-padded to a multiple
+        of the D devices on the axis) as ``[D, ceil(size / D)]`` sharded ``P(axis)``:
+        device i holds the server's i-th shard.
+      opt_state: the server's optimizer state, replicated ``P()``; sharded, one state
+        per shard, ``[D, ...]`` sharded ``P(axis)``.
       model: the server's model state (``P()``), the run's dropout key and the steps taken.
       workers: each worker's fetched parameters and model state and its task in flight.
-      protocol: ``Plain()``, a softsync ``Group``, Downpour's ``Accrued`` or
-        ``async_local``'s ``Inner``.
+      protocol: ``Plain()``, a softsync ``Group`` (its sum placed as ``params``),
+        Downpour's ``Accrued`` or ``async_local``'s ``Inner``.
       clock: the simulated clocks (``events.Clock``), replicated ``P()``: every
         device runs the same event schedule.
     """
@@ -167,6 +169,30 @@ def _held_mean(held: Any, size: int, like: Any) -> Any:
         return (h / size).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else h
 
     return jax.tree.map(one, held, like)
+
+
+def _shard(server: _Local, how: Callable[[Any], Any]) -> _Local:
+    """``unstack`` or ``restack`` a sharded server's state (softsync's held sum too)."""
+    protocol = server.protocol
+    if isinstance(protocol, Group):
+        protocol = protocol._replace(gradient=how(protocol.gradient))
+    return server._replace(params=how(server.params), opt_state=how(server.opt_state),
+                           protocol=protocol)  # fmt: skip
+
+
+def _check_server(server: str | None, protocol: sl.Protocol) -> bool:
+    """Whether the server is sharded: ``server="sharded"``, or Downpour's (always)."""
+    if server not in (None, "replicated", "sharded"):
+        raise ValueError(
+            f'server must be "replicated" or "sharded" (or None, the protocol\'s), got {server!r}.'
+        )
+    if isinstance(protocol, sl.Downpour):
+        if server == "replicated":
+            raise ValueError(
+                f'protocol={protocol!r} keeps a sharded server: drop server="replicated".'
+            )
+        return True
+    return server == "sharded"
 
 
 def _keep(local: _Local, *_: Any) -> _Local:
@@ -271,6 +297,12 @@ class _Program(NamedTuple):
     local: sl.AsyncLocal | None = None
     inner: optax.GradientTransformation | None = None
     counts: tuple[int, ...] | None = None
+    sharded: bool = False
+
+    @property
+    def shards(self) -> int:
+        """The server's shards under ``sharded``: one a device on the axis."""
+        return self.kit.n // self.kit.per_device
 
     @classmethod
     def build(
@@ -282,6 +314,7 @@ class _Program(NamedTuple):
         drop: float = 0.0,
         churn: sl.Churn | None = None,
         inner_optimizer: optax.GradientTransformation | None = None,
+        server: str | None = None,
     ) -> st.Strategy:
         """Checks the protocol, the faults and the compute times; the ``Strategy``."""
         times = sl.as_compute_time(compute_time, kit.n)
@@ -302,9 +335,12 @@ class _Program(NamedTuple):
             counts = sl.dynamic_steps(times, local, kit.n)
             counts = None if set(counts) == {local.steps} else counts
         times = sl.task_time(times, protocol)
-        program = cls(kit, rules, times, server_opt, downpour, local, inner_optimizer, counts)
+        sharded = _check_server(server, protocol)
+        program = cls(
+            kit, rules, times, server_opt, downpour, local, inner_optimizer, counts, sharded
+        )
         specs = program.specs()
-        params = kit.replicated(program.variables) if downpour else program.variables
+        params = kit.replicated(program.variables) if sharded else program.variables
         divisor, why = None, None
         if local is not None:  # each worker's shard splits into H inner micro-batches
             divisor = kit.n * kit.accumulate * local.steps
@@ -319,21 +355,24 @@ class _Program(NamedTuple):
 
     def specs(self) -> AsyncSGDState:
         axis = self.kit.axis
-        server = P(axis) if self.downpour else P()
+        server = P(axis) if self.sharded else P()
+        protocol = P(axis) if self.downpour or self.local else P()
+        if self.rules.group_size > 1:  # softsync's held sum lives with the server
+            protocol = Group(server, P())
         return AsyncSGDState(
             params=server,
             opt_state=server,
             model=ModelVars(P(), P(), P()),
             workers=P(axis),
-            protocol=P(axis) if self.downpour or self.local else P(),
+            protocol=protocol,
             clock=P(),
         )
 
     def make_state(self, params: st.Params, model: ModelVars) -> AsyncSGDState:
         kit = self.kit
         zeros = jax.tree.map(jnp.zeros_like, params)
-        if self.downpour:
-            server = _blocks(params, kit.n)
+        if self.sharded:
+            server = _blocks(params, self.shards)
             opt_state = jax.vmap(self.optimizer.init)(server)
         else:
             server, opt_state = params, self.optimizer.init(params)
@@ -343,7 +382,7 @@ class _Program(NamedTuple):
         elif self.local:
             protocol = Inner(kit.stack(self.inner.init(params)))
         elif self.rules.group_size > 1:
-            protocol = Group(zeros, _held_empty(model.state))
+            protocol = Group(jax.tree.map(jnp.zeros_like, server), _held_empty(model.state))
         stacked = kit.stack((params, model.state, zeros, model.state))
         return AsyncSGDState(
             server,
@@ -427,24 +466,32 @@ class _Program(NamedTuple):
         local = lax.cond(event.push, push, _keep, local, event)
         return self.fetch(me, local, event.fetch), None
 
-    def replay_server(self, me: jax.Array, local: _Local, events: ev.Event) -> _Local:
-        """The step's events on the replicated server: push and apply, in order; then each
-        of this device's workers ``me`` that fetched takes the server's parameters and
-        model state as they were at its last fetch.
+    def replay_server(
+        self, me: jax.Array, local: _Local, events: ev.Event, last: jax.Array
+    ) -> _Local:
+        """The step's events on the server: push and apply, in order; then each of this
+        device's workers ``me`` that fetched takes the server's parameters and model state
+        as they were at its last fetch (``last``, ``[N]``: its event, -1 none).
 
         The work is linear in the events: after event e the server's state is written to
-        one slot (of ``k + 1``, the last a scratch one), that of the first of this device's
-        workers whose last fetch is e; after the events each worker reads its slot."""
-        k = self.kit.per_device
-        fetched = events.fetch[:, me]  # [events, k]
-        order = jnp.arange(fetched.shape[0])[:, None]
-        last = jnp.max(jnp.where(fetched, order, -1), axis=0)  # [k], -1: no fetch
-        is_last = last[None, :] == order
-        writer = jnp.where(is_last.any(axis=1), jnp.argmax(is_last, axis=1), k)
-        slot = jnp.argmax(last[None, :] == last[:, None], axis=1)  # first with its event
-        server = (local.params, local.model_state)
-        slots = jax.tree.map(lambda x: jnp.zeros((k + 1, *x.shape), x.dtype), server)
-        push = functools.partial(self.push, me, self.gather_pushes(local))
+        one slot, that of the first worker whose last fetch is e, and after the events
+        each worker reads its slot. A replicated server keeps slots for this device's
+        workers (``k + 1``, the last a scratch one), from an all-gather of every push; a
+        sharded one keeps its shard of every worker's slot (``N + 1``), from an
+        all-to-all of the pushes' shards, and an all-to-all sends each worker its
+        shards."""
+        owners = last if self.sharded else last[me]  # the workers whose slots are here
+        m, count = owners.shape[0], events.worker.shape[0]
+        at = jnp.where(owners >= 0, owners, count)  # a worker that did not fetch: the end
+        first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
+        writer, slot = first[:count], first[at]  # slot m: a scratch one, never read
+        pushed = self.scatter_pushes(local) if self.sharded else self.gather_pushes(local)
+        push = functools.partial(self.push, me, pushed)
+        server = local._replace(workers=None)  # the events leave the workers' rows alone
+        if self.sharded:  # this device's shard, unstacked
+            server = _shard(server, unstack)
+        now = (server.params, server.model_state)
+        slots = jax.tree.map(lambda x: jnp.zeros((owners.shape[0] + 1, *x.shape), x.dtype), now)
 
         def one(carry: tuple[_Local, Any], xs: Any) -> tuple[tuple[_Local, Any], None]:
             local, slots = carry
@@ -454,15 +501,38 @@ class _Program(NamedTuple):
             write = lambda s, x: lax.dynamic_update_index_in_dim(s, x, at, 0)  # noqa: E731
             return (local, jax.tree.map(write, slots, now)), None
 
-        (local, slots), _ = lax.scan(one, (local, vary(slots, (self.kit.axis,))), (events, writer))
+        carry = (server, vary(slots, (self.kit.axis,)))
+        (server, slots), _ = lax.scan(one, carry, (events, writer))
         params, model_state = jax.tree.map(lambda s: s[slot], slots)
         workers = local.workers
-        return local._replace(
+        if self.sharded:
+            server = _shard(server, restack)
+            params = self.fetch_shards(params, workers.params)
+            model_state = jax.tree.map(lambda x: x[me], model_state)
+        fetched = last[me] >= 0
+        return server._replace(
             workers=workers._replace(
-                params=_select_rows(last >= 0, params, workers.params),
-                model_state=_select_rows(last >= 0, model_state, workers.model_state),
+                params=_select_rows(fetched, params, workers.params),
+                model_state=_select_rows(fetched, model_state, workers.model_state),
             )
         )
+
+    def scatter_pushes(self, local: _Local) -> Any:
+        """Sharded server: every worker's gradient's shard on this device, ``[N, chunk]``
+        (an all-to-all of the device's rows), and every new model state, ``[N, ...]``."""
+        view = FlatView.of(unstack(local.workers.gradient))
+        blocks = jax.vmap(lambda g: view.blocks(g, self.shards))(local.workers.gradient)
+        shard = lax.all_to_all(blocks, self.kit.axis, 1, 0, tiled=True)[:, 0]  # [N, chunk]
+        gather = functools.partial(
+            lax.all_gather, axis_name=self.kit.axis, tiled=True, to="invarying"
+        )
+        return shard, jax.tree.map(gather, local.workers.new_model_state)
+
+    def fetch_shards(self, shards: jax.Array, like: Any) -> Any:
+        """Sharded server: every worker's fetched shard (``[N, chunk]``) to this device's
+        workers' parameters (``[k, ...]``, the rows of ``like``), by an all-to-all."""
+        rows = lax.all_to_all(shards[:, None], self.kit.axis, 0, 1, tiled=True)  # [k, D, chunk]
+        return jax.vmap(FlatView.of(unstack(like)).from_blocks)(rows)
 
     def gather_pushes(self, local: _Local) -> Any:
         """Every worker's gradient and new model state, ``[N, ...]``, all-gathered once per
@@ -555,7 +625,7 @@ class _Program(NamedTuple):
                                 local._replace(**mine), events)  # fmt: skip
             local = local._replace(**{f: restack(getattr(local, f)) for f in fields})
         else:
-            local = self.replay_server(me, local, events)
+            local = self.replay_server(me, local, events, ev.last_fetch(events))
         server, protocol = (local.params, local.opt_state), local.protocol
         model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
         state = AsyncSGDState(*server, model, local.workers, protocol, clock)
@@ -578,7 +648,7 @@ class _Program(NamedTuple):
     def variables(self, state: AsyncSGDState) -> Any:
         """``Strategy.params``: the server's parameters (and model state)."""
         params = state.params
-        if self.downpour:
+        if self.sharded:
             replicated = jax.sharding.reshard(params, NamedSharding(self.kit.mesh, P()))
             params = FlatView.of(one_worker(state.workers.params)).from_blocks(replicated)
         return self.kit.variables(params, state.model)
@@ -598,6 +668,7 @@ def async_sgd(
     has_aux: bool = False,
     axis: str = "data",
     workers: int | None = None,
+    server: str | None = None,
 ) -> st.Strategy:
     """Asynchronous SGD against a parameter server, as an exact event-ordered simulation.
 
@@ -644,9 +715,12 @@ def async_sgd(
     fetched parameters and its ``B/N`` shard of the global batch (a worker in flight or
     waiting leaves its shard unused); (2) the server processes arrivals in time order up
     to the first whose gradient is not computed: 1 to N arrivals, at most one per worker,
-    exactly N with equal times. The workers' pushes are all-gathered once per step, each
-    push reading its worker's (Downpour: a reduce-scatter per push, and an all-gather per
-    fetching event): the bytes of the simulation, not of the system.
+    exactly N with equal times. A replicated server all-gathers the workers' pushes once
+    per step, each push reading its worker's: the bytes of the simulation, N x the
+    parameters on every device. A sharded server sends each device its shard of every
+    push and each worker its fetch, an all-to-all each way per step, as a sharded
+    parameter server would (Downpour: a reduce-scatter per push, and an all-gather per
+    fetching event).
     ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
     checkpoint resumes the same run.
 
@@ -688,10 +762,21 @@ def async_sgd(
       axis: the mesh axis the workers live on.
       workers: N, a multiple of the devices on ``axis`` (default: one a device). Each
         device runs N / devices of them (their tasks through ``jax.vmap``) and replays
-        the step's events once for all, so a step costs O(N x parameters) on each device:
+        the step's events once for all, so a step costs O(N x parameters) on each device
+        (``server="sharded"``: O(N x parameters / devices)):
         ``async_sgd(..., ddl.make_mesh(data=8), workers=1024)`` simulates 1,024 workers
         on 8 devices, with the results of 1,024 devices (the same keys, batches, events
         and updates). Not with Downpour, whose server keeps one shard a device.
+      server: ``"replicated"`` (the default, but for Downpour) or ``"sharded"``.
+        Replicated, every device holds the whole server and applies every push: exact
+        for any optax optimizer. Sharded (DistBelief's parameter server; Downpour's
+        always), device i holds the i-th block of the flattened parameters and its
+        optimizer state, and applies every push to it: elementwise optimizers (SGD,
+        momentum, Adam, ``ddl.scale_by_staleness``) act as on the whole model, to float
+        rounding, while a transform that reads several entries (global-norm clipping,
+        per-tensor norms, factored statistics) acts per block. Each device then does
+        1 / devices of the server's work and memory: at 1,024 workers on 8 devices the
+        step is several times faster (``benchmarks/scaling.py``).
 
     Returns:
       A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
@@ -715,4 +800,6 @@ def async_sgd(
     (0.2, 4.0)
     """
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, workers=workers)
-    return _Program.build(kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer)
+    return _Program.build(
+        kit, optimizer, compute_time, protocol, drop, churn, inner_optimizer, server
+    )
