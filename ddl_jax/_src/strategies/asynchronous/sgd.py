@@ -109,7 +109,7 @@ class AsyncSGDState(NamedTuple):
 
 
 class _Local(NamedTuple):
-    """Inside ``shard_map``: the server (its shard, under Downpour) and this worker."""
+    """Inside ``shard_map``: the server (its shard, if sharded) and this device's workers."""
 
     params: Any
     opt_state: Any
@@ -323,12 +323,6 @@ class _Program(NamedTuple):
         drop = check_probability("drop", drop)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
         downpour = isinstance(protocol, sl.Downpour)
-        if downpour and kit.per_device > 1:
-            raise ValueError(
-                f"workers={kit.n} runs {kit.per_device} workers a device, which "
-                f"protocol={protocol!r} cannot: its server keeps one shard a device. Give "
-                "Downpour one worker a device (workers=None)."
-            )
         server_opt = optax.with_extra_args_support(optimizer)
         counts = None  # DyLU's H_i, where they are not all H
         if local is not None and local.dynamic:
@@ -455,19 +449,8 @@ class _Program(NamedTuple):
         metrics = lax.psum(jax.tree.map(lambda x: x.sum(axis=0), metrics), axis)
         return workers, protocol, {k: v / count for k, v in metrics.items()}
 
-    def replay_downpour(self, me: jax.Array, local: _Local, event: ev.Event) -> tuple[_Local, None]:
-        """Downpour: one event on the parameters: accrue, push, apply, fetch."""
-        mine = me == event.worker  # a lost push empties the sum as a received one does
-        accrue = event.happens & ~event.rejoin & mine
-        total = jax.tree.map(jnp.add, local.protocol.gradient, local.workers.gradient)
-        total = _select(accrue, total, local.protocol.gradient)
-        local = local._replace(protocol=Accrued(_masked(total, ~(event.lost & mine))))
-        push = functools.partial(self.push, me, None)  # its sums accrue here, none gathered
-        local = lax.cond(event.push, push, _keep, local, event)
-        return self.fetch(me, local, event.fetch), None
-
     def replay_server(
-        self, me: jax.Array, local: _Local, events: ev.Event, last: jax.Array
+        self, me: jax.Array, local: _Local, events: ev.Event, last: jax.Array, pushed: Any
     ) -> _Local:
         """The step's events on the server: push and apply, in order; then each of this
         device's workers ``me`` that fetched takes the server's parameters and model state
@@ -485,8 +468,9 @@ class _Program(NamedTuple):
         at = jnp.where(owners >= 0, owners, count)  # a worker that did not fetch: the end
         first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
         writer, slot = first[:count], first[at]  # slot m: a scratch one, never read
-        pushed = self.scatter_pushes(local) if self.sharded else self.gather_pushes(local)
-        push = functools.partial(self.push, me, pushed)
+        rows = (pushed, local.workers.new_model_state)
+        exchanged = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
+        push = functools.partial(self.push, exchanged)
         server = local._replace(workers=None)  # the events leave the workers' rows alone
         if self.sharded:  # this device's shard, unstacked
             server = _shard(server, unstack)
@@ -517,16 +501,30 @@ class _Program(NamedTuple):
             )
         )
 
-    def scatter_pushes(self, local: _Local) -> Any:
-        """Sharded server: every worker's gradient's shard on this device, ``[N, chunk]``
-        (an all-to-all of the device's rows), and every new model state, ``[N, ...]``."""
-        view = FlatView.of(unstack(local.workers.gradient))
-        blocks = jax.vmap(lambda g: view.blocks(g, self.shards))(local.workers.gradient)
+    def accrue(self, me: jax.Array, local: _Local, events: ev.Event) -> tuple[Any, _Local]:
+        """Downpour: what this device's workers would push (``[k, ...]``), and the protocol
+        after the step. A worker completes at most one task a step: if it does, its
+        gradient joins its sum since its last push (Dean et al.'s accumulated Delta w), and
+        a push at that event, received or lost, sends the sum and empties it."""
+
+        def of_mine(flag: jax.Array) -> jax.Array:  # [events] to this device's workers, [k]
+            at = jnp.zeros(self.kit.n, jnp.int32).at[events.worker].max(flag.astype(jnp.int32))
+            return at[me] > 0
+
+        arrived = of_mine(events.happens & ~events.rejoin)
+        sent = of_mine(events.push | events.lost)
+        accrued = local.protocol.gradient
+        total = jax.tree.map(jnp.add, accrued, local.workers.gradient)
+        total = _select_rows(arrived, total, accrued)
+        return total, local._replace(protocol=Accrued(_masked_rows(total, ~sent)))
+
+    def scatter_pushes(self, gradient: Any, model_state: Any) -> Any:
+        """Sharded server: every worker's push's block on this device, ``[N, chunk]`` (an
+        all-to-all of the device's rows), and every new model state, ``[N, ...]``."""
+        view = FlatView.of(unstack(gradient))
+        blocks = jax.vmap(lambda g: view.blocks(g, self.shards))(gradient)
         shard = lax.all_to_all(blocks, self.kit.axis, 1, 0, tiled=True)[:, 0]  # [N, chunk]
-        gather = functools.partial(
-            lax.all_gather, axis_name=self.kit.axis, tiled=True, to="invarying"
-        )
-        return shard, jax.tree.map(gather, local.workers.new_model_state)
+        return shard, self.gather(model_state)
 
     def fetch_shards(self, shards: jax.Array, like: Any) -> Any:
         """Sharded server: every worker's fetched shard (``[N, chunk]``) to this device's
@@ -534,32 +532,19 @@ class _Program(NamedTuple):
         rows = lax.all_to_all(shards[:, None], self.kit.axis, 0, 1, tiled=True)  # [k, D, chunk]
         return jax.vmap(FlatView.of(unstack(like)).from_blocks)(rows)
 
-    def gather_pushes(self, local: _Local) -> Any:
-        """Every worker's gradient and new model state, ``[N, ...]``, all-gathered once per
-        step from each device's rows: a push reads its worker's (``None`` under Downpour,
-        whose pushes are sums accrued during the events)."""
-        if self.downpour:
-            return None
-        workers = local.workers
+    def gather(self, rows: Any) -> Any:
+        """Every worker's entry of ``rows`` (this device's ``[k, ...]``), ``[N, ...]``, by
+        one all-gather a step: a push reads its worker's."""
         # typed invariant: the same on every worker, as the server's state is
         gather = functools.partial(
             lax.all_gather, axis_name=self.kit.axis, tiled=True, to="invarying"
         )
-        return jax.tree.map(gather, (workers.gradient, workers.new_model_state))
+        return jax.tree.map(gather, rows)
 
-    def push(self, me: jax.Array, pushed: Any, local: _Local, event: ev.Event) -> _Local:
+    def push(self, pushed: Any, local: _Local, event: ev.Event) -> _Local:
         """The arriving worker sends its gradient (Downpour: its accrued sum) and its new
-        model state: read from the step's gathered pushes (Downpour: a reduce-scatter of
-        the accrued sum to the server's shards)."""
-        if not self.downpour:
-            gradient, model_state = jax.tree.map(lambda x: x[event.worker], pushed)
-            return self.receive(local, gradient, model_state, event)
-        kit, mine = self.kit, me == event.worker
-        model_state = lax.psum(_masked(local.workers.new_model_state, mine), kit.axis)
-        gradient = _masked(local.protocol.gradient, mine)
-        # each server shard receives its slice of the push
-        gradient = lax.psum_scatter(_blocks(gradient, kit.n), kit.axis, scatter_dimension=0)
-        local = local._replace(protocol=Accrued(_masked(local.protocol.gradient, ~mine)))
+        model state, read from the step's exchanged pushes."""
+        gradient, model_state = jax.tree.map(lambda x: x[event.worker], pushed)
         return self.receive(local, gradient, model_state, event)
 
     def receive(self, local: _Local, gradient: Any, model_state: Any, event: ev.Event) -> _Local:
@@ -593,23 +578,6 @@ class _Program(NamedTuple):
             protocol=protocol,
         )
 
-    def fetch(self, me: jax.Array, local: _Local, fetch: jax.Array) -> _Local:
-        """Downpour: workers in ``fetch`` take the server's parameters (an all-gather of
-        its shards, when someone fetches) and model state."""
-        workers = local.workers
-        server = lax.cond(
-            fetch.any(),
-            lambda: FlatView.of(workers.params).from_blocks(
-                lax.all_gather(local.params, self.kit.axis, tiled=True)
-            ),
-            lambda: workers.params,
-        )
-        workers = workers._replace(
-            params=_select(fetch[me], server, workers.params),
-            model_state=_select(fetch[me], local.model_state, workers.model_state),
-        )
-        return local._replace(workers=workers)
-
     def worker_step(
         self, state: AsyncSGDState, batch: st.Batch
     ) -> tuple[AsyncSGDState, st.Metrics]:
@@ -618,14 +586,10 @@ class _Program(NamedTuple):
         clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
         workers, protocol, metrics = self.compute(state, me, computes[me], batch)
         local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
-        if self.downpour:  # one worker a device, its server shard and its accrued sum
-            fields = ("params", "opt_state", "workers", "protocol")
-            mine = {f: unstack(getattr(local, f)) for f in fields}
-            local, _ = lax.scan(functools.partial(self.replay_downpour, me[0]),
-                                local._replace(**mine), events)  # fmt: skip
-            local = local._replace(**{f: restack(getattr(local, f)) for f in fields})
-        else:
-            local = self.replay_server(me, local, events, ev.last_fetch(events))
+        pushed = workers.gradient
+        if self.downpour:
+            pushed, local = self.accrue(me, local, events)
+        local = self.replay_server(me, local, events, ev.last_fetch(events), pushed)
         server, protocol = (local.params, local.opt_state), local.protocol
         model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
         state = AsyncSGDState(*server, model, local.workers, protocol, clock)
@@ -687,9 +651,8 @@ def async_sgd(
     * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
       gradients and pushes the sum of its last n_push (Dean et al.'s Delta w) every
       n_push, computing on what it has in between (their client-side local update is left
-      out). The server is sharded over ``axis`` as in DistBelief (device i holds shard i
-      of the flat parameters and its optimizer state; a push is a reduce-scatter, a fetch
-      an all-gather): elementwise optimizers act as on the whole model, clipping per shard.
+      out). The server is sharded over ``axis`` as in DistBelief (``server="sharded"``,
+      below): elementwise optimizers act as on the whole model, clipping per shard.
     * ``ddl.async_local(H)`` (Liu et al.): a task is H steps of ``inner_optimizer`` on the
       worker's copy, on H consecutive slices of its ``B/N`` rows (H must divide them),
       and the push is the pseudo-gradient ``theta_fetched - theta_local``; ``optimizer``
@@ -718,9 +681,9 @@ def async_sgd(
     exactly N with equal times. A replicated server all-gathers the workers' pushes once
     per step, each push reading its worker's: the bytes of the simulation, N x the
     parameters on every device. A sharded server sends each device its shard of every
-    push and each worker its fetch, an all-to-all each way per step, as a sharded
-    parameter server would (Downpour: a reduce-scatter per push, and an all-gather per
-    fetching event).
+    push and each worker its fetch, an all-to-all each way per step: a parameter server's
+    bytes, with every worker's row in each (under Downpour, those that do not push or
+    fetch in the step too).
     ``d(i, k)`` depends only on (seed, i, k), and the seed's key lives in the state: a
     checkpoint resumes the same run.
 
@@ -766,7 +729,7 @@ def async_sgd(
         (``server="sharded"``: O(N x parameters / devices)):
         ``async_sgd(..., ddl.make_mesh(data=8), workers=1024)`` simulates 1,024 workers
         on 8 devices, with the results of 1,024 devices (the same keys, batches, events
-        and updates). Not with Downpour, whose server keeps one shard a device.
+        and updates).
       server: ``"replicated"`` (the default, but for Downpour) or ``"sharded"``.
         Replicated, every device holds the whole server and applies every push: exact
         for any optax optimizer. Sharded (DistBelief's parameter server; Downpour's
