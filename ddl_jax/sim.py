@@ -1,7 +1,7 @@
 """Models for pricing a step on other hardware: an alpha-beta network model for its
 communication, a two-number device model for its computation."""
 
-from ddl_jax._src.measure.comm import CollectiveOp, split_islands, summarise
+from ddl_jax._src.measure.comm import CollectiveOp, per_worker, split_islands, summarise
 from ddl_jax._src.measure.compute import (
     A100,
     CPU_CORE,
@@ -35,6 +35,7 @@ __all__ = [
     "compute_stats",
     "estimate_compute_time",
     "estimate_step_time",
+    "per_worker",
     "split_islands",
     "summarise",
 ]

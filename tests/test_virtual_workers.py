@@ -211,6 +211,35 @@ def test_synchronous_strategies_with_several_workers_a_device_are_the_run_of_one
         _check_same(_run(devices, SYNCHRONOUS[name]), expected)
 
 
+def _collectives(devices, build):
+    loss_fn, params = mlp_pair()
+    strategy = build(loss_fn, _mesh(devices))
+    batch = make_batches(1, 32, seed=3)[0]
+    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    return ddl.sim.per_worker(stats, W // devices)
+
+
+def _priced(stats):
+    """Each collective as the network model prices it; conditional ones marked, not named
+    (XLA numbers its branches differently in different programs)."""
+    return sorted((op.kind, op.nbytes, op.group, op.count, op.rounds, max(op.sent),
+                   bool(op.branch)) for op in stats.ops)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["data_parallel", "local_sgd", "data_parallel_top_k", "data_parallel_power_sgd",
+     "sparseloco", "demo", "streaming_diloco_overlap", "gossip_ring"],
+)  # fmt: skip
+def test_bytes_per_worker_are_those_of_one_worker_a_device(name):
+    expected = _priced(_collectives(W, SYNCHRONOUS[name]))
+    assert expected  # the step communicates
+    got = _priced(_collectives(4, SYNCHRONOUS[name]))
+    assert got == expected
+    if name != "gossip_ring":  # on 2 devices the ring's two moves are one device shift
+        assert _priced(_collectives(2, SYNCHRONOUS[name])) == expected
+
+
 @pytest.mark.parametrize("build", [_async("async"), SYNCHRONOUS["data_parallel"]])
 def test_model_state_and_dropout_keys_travel_as_with_one_worker_a_device(build):
     # SGD: Adam's step on the bias before batch norm (a zero gradient) amplifies rounding

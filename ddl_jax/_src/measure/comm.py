@@ -168,15 +168,21 @@ def _collective(kind: str, line: str, nbytes: int, devices: int, count: int, bra
         sent = tuple(float(nbytes) if d in sources else 0.0 for d in range(devices))
         return CollectiveOp(kind, nbytes, count, 2, sent, 1, branch, groups=groups)
     g = len(groups[0])
+    per_device, rounds = _ring_cost(kind, nbytes, g)
+    op = CollectiveOp(kind, nbytes, count, g, (per_device,) * devices, rounds, branch)
+    return op._replace(groups=groups)
+
+
+def _ring_cost(kind: str, nbytes: float, g: int) -> tuple[float, int]:
+    """Bytes each of g members sends, and the rounds, for a result of ``nbytes`` (the
+    module's table)."""
     per_device = {
         "all-reduce": 2 * (g - 1) / g * nbytes,
         "all-gather": (g - 1) / g * nbytes,
         "reduce-scatter": (g - 1) * nbytes,
         "all-to-all": (g - 1) / g * nbytes,
     }[kind]
-    rounds = 2 * (g - 1) if kind == "all-reduce" else g - 1
-    op = CollectiveOp(kind, nbytes, count, g, (per_device,) * devices, rounds, branch)
-    return op._replace(groups=groups)
+    return per_device, 2 * (g - 1) if kind == "all-reduce" else g - 1
 
 
 def _operand(line: str, paren: int) -> str:
@@ -318,6 +324,45 @@ def summarise(ops: tuple[CollectiveOp, ...]) -> CommStats:
         ops=tuple(ops),
         branches={k: max(v) for k, v in branches.items()},
     )
+
+
+def per_worker(stats: CommStats, per_device: int) -> CommStats:
+    """What each worker sends when a program runs ``per_device`` workers a device (a
+    strategy's ``workers=``): the collectives of the same run on one device a worker, the
+    algorithm's bytes rather than the simulation's.
+
+    A collective over g devices becomes one over ``g * per_device`` workers. An
+    all-reduce's result is a worker's (a device sums its workers' values, then
+    all-reduces), and so is an all-gather's (every worker's rows); an all-to-all's, a
+    reduce-scatter's and a permute's carry the device's workers' rows, ``per_device``
+    times a worker's. Bytes and rounds then follow the module's table; a permute's
+    sources send 1 / ``per_device`` of their device's bytes each. Exact where each device
+    shift of a permutation is one worker shift: on 2 devices a ring's left and right
+    moves are the same device shift, one permute, and count once.
+
+    Args:
+      stats: what ``comm_stats`` read from the program.
+      per_device: workers a device, >= 1 (``workers / devices``).
+
+    Returns:
+      The ``CommStats`` of the ``devices * per_device`` workers, indexed by worker.
+    """
+    k = check_int("per_device", per_device, minimum=1)
+    if k == 1:
+        return stats
+    ops = []
+    for op in stats.ops:
+        if op.kind == "collective-permute":
+            sent = tuple(b / k for b in op.sent for _ in range(k))
+            pairs = tuple((s * k + j, t * k + j) for s, t in op.groups for j in range(k))
+            ops.append(op._replace(nbytes=op.nbytes // k, sent=sent, groups=pairs))
+            continue
+        nbytes = op.nbytes if op.kind in ("all-reduce", "all-gather") else op.nbytes // k
+        each, rounds = _ring_cost(op.kind, nbytes, op.group * k)
+        groups = tuple(tuple(d * k + j for d in g for j in range(k)) for g in op.groups)
+        ops.append(op._replace(nbytes=nbytes, group=op.group * k, rounds=rounds,
+                               sent=(each,) * (len(op.sent) * k), groups=groups))  # fmt: skip
+    return summarise(tuple(ops))
 
 
 def split_islands(stats: CommStats, island_devices: int) -> tuple[CommStats, CommStats]:
