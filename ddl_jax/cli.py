@@ -313,8 +313,9 @@ def _compare_parser(sub: Any) -> None:
     p.add_argument("--devices", help="workers, one per device (default 8)")
     p.add_argument(
         "--workers",
-        help="simulated workers, a multiple of --devices, several a device: the asynchronous "
-        "family only (e.g. --devices 8 --workers 256 --strategies async,softsync:8,ssp:4)",
+        help="simulated workers, a multiple of --devices, several a device, each priced as "
+        "one worker a device (e.g. --devices 8 --workers 256 --strategies "
+        "sync,local:16,gossip,async,softsync:8)",
     )
     p.add_argument("--steps", help="training steps per strategy (default: the workload's)")
     p.add_argument("--network", help=f"one of {', '.join(cs.NETWORKS)} (default 1gbps)")

@@ -82,7 +82,10 @@ BAD = [
     (["--islands", "3", "--strategies", "diloco/sync"], "devices=8 do not split into islands=3"),
     (["--inner-network", "5g"], "unknown inner_network '5g'; valid: 1gbps"),
     (["--workers", "12"], "workers=12 must be a multiple of devices=8"),
-    (["--workers", "16", "--strategies", "sync,async"], "only the asynchronous family"),
+    (["--workers", "16", "--strategies", "sync,fsdp:3"], "fsdp:3: fsdp splits its state over"),
+    (["--workers", "16", "--strategies", "ring"], "ring: allreduce_mean: algorithm='ring'"),
+    (["--workers", "16", "--strategies", "noloco"], "noloco:16: with several workers a device"),
+    (["--workers", "16", "--strategies", "diloco/sync"], "which islands do not"),
     (["--workers", "16", "--strategies", "async", "--measure"], "drop measure or workers"),
     (["--workers", "0"], "workers must be an integer >= 1, got 0"),
 ]
@@ -323,16 +326,22 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
 
 
 def test_several_workers_a_device_compare_as_one_each(tmp_path):
-    """--devices 4 --workers 8: the asynchronous family's run of 8 devices (the same
-    workload, events, updates and price), the header naming the workers."""
-    flags = ["--strategies", "async,softsync:4", "--steps", "8", "--target", "0.3"]
+    """--devices 4 --workers 8: the run of 8 devices (the same workload, events and
+    updates), each strategy priced as 8 workers (its collectives' and the server's), the
+    header naming the workers."""
+    flags = ["--strategies", "sync,local:4,gossip,topk:0.1,async,softsync:4", "--steps", "8",
+             "--target", "0.3"]  # fmt: skip
     one_each = _run(tmp_path / "one", "--devices", "8", *flags)
     several = _run(tmp_path / "two", "--devices", "4", "--workers", "8", *flags)
     for name, run in several.items():
         theirs = one_each[name]
         np.testing.assert_allclose(run["eval_values"], theirs["eval_values"], rtol=1e-6)
-        for key in ("steps_to_target", "events", "comm_bytes_per_event", "comm_s_per_event"):
-            assert run[key] == pytest.approx(theirs[key]), key
+        for key in ("steps_to_target", "events", "comm_bytes_per_event", "comm_s_per_event",
+                    "comm_bytes_per_step", "comm_s_per_step"):  # fmt: skip
+            assert run[key] == pytest.approx(theirs[key]), (name, key)
+        # a worker's compute: the same strategy's program with one worker a device (on 4
+        # devices: top-k sums 4 workers' values, not 8)
+        assert run["compute_ms_per_step"] == pytest.approx(theirs["compute_ms_per_step"], rel=0.1)
     assert "8 workers on 4 cpu devices" in (tmp_path / "two" / "results.md").read_text()
 
 

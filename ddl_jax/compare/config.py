@@ -59,8 +59,9 @@ class Config:
         devices / islands``, and ``network`` links the islands.
       inner_network: a key of ``NETWORKS``: the network inside an island.
       workers: simulated workers, a multiple of ``devices`` (``None``: one a device); more
-        than ``devices`` runs several a device, which only the asynchronous family
-        simulates (``async_sgd(workers=)``).
+        than ``devices`` runs several a device (the strategies' ``workers=``), each priced
+        as one worker of the same run on one device each (``ddl.sim.per_worker``); FSDP,
+        the ring and Adasum all-reduces and stacked specs keep one a device and refuse.
     """
 
     workload: str = "digits-mlp"
@@ -185,8 +186,8 @@ def make_config(values: Mapping[str, Any]) -> Config:
 
 
 def _workers(config: Config) -> None:
-    """Several workers a device: a multiple of the devices, asynchronous strategies only,
-    simulated only."""
+    """Several workers a device: a multiple of the devices, flat specs only, simulated
+    only (a strategy that keeps one worker a device refuses when it is built)."""
     if config.workers is None or config.workers == config.devices:
         return
     if config.workers % config.devices:
@@ -194,12 +195,12 @@ def _workers(config: Config) -> None:
             f"workers={config.workers} must be a multiple of devices={config.devices} (each "
             "device runs workers / devices of them)."
         )
-    others = [s.text for s in config.strategies if not FAMILIES[s.family].asynchronous]
-    if others:
+    stacked = [s.text for s in config.strategies if s.inner is not None]
+    if stacked:
         raise CompareError(
             f"workers={config.workers} runs {config.workers // config.devices} workers a "
-            f"device, which only the asynchronous family simulates (async, softsync, ssp, "
-            f"async_local); drop {', '.join(others)}, or workers."
+            f"device, which islands do not (each island is devices); drop "
+            f"{', '.join(stacked)}, or workers."
         )
     if config.measure:
         raise CompareError("measure runs one device per process: drop measure or workers.")

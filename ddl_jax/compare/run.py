@@ -283,6 +283,13 @@ def run_one(
         compute_s = gradient_s
         comm = _server_comm(_float_bytes(workload.params), config.worker_count, network)
     else:
+        per_device = config.worker_count // config.devices
+        if per_device > 1:  # a worker's compute, and what each worker sends
+            one_each = spec.build(
+                _context(workload, mesh, config, eval_every)._replace(workers=None)
+            )
+            work = _worker_compute(one_each.step, one_each.init(workload.params), batch, per_device)
+            stats = sim.per_worker(stats, per_device)
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
         if spec.inner is not None:  # an island's collectives on its own network
             within, stats = sim.split_islands(stats, mesh.size // config.islands)
@@ -451,15 +458,21 @@ def _check_strategies(
         )
 
 
+def _worker_compute(step: Any, state: Any, batch: Any, per_device: int) -> sim.ComputeStats:
+    """What one worker computes: ``step`` (one worker a device) on the rows of one worker
+    a device, the first 1 / ``per_device`` of ``batch``'s (with several workers a device,
+    a device's program shares its weights among its workers' rows)."""
+    rows = jax.tree.map(lambda x: x[: x.shape[0] // per_device], batch)
+    return sim.compute_stats(jax.jit(step), state, rows)
+
+
 def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
     """The modeled compute time of a synchronous data-parallel step of ``workload``: one
-    worker's gradient and update, the async family's unit of compute (with several
-    workers a device, a device's step over their rows, split among them)."""
+    worker's gradient and update, the async family's unit of compute."""
     strategy = ddl.data_parallel(workload.loss_fn, optax.adam(LEARNING_RATE), mesh)
-    state = strategy.init(workload.params)
-    work = sim.compute_stats(jax.jit(strategy.step), state, next(workload.batches(0)))
-    per_device = config.worker_count // config.devices
-    return sim.estimate_compute_time(work, DEVICES[config.compute]) / per_device
+    state, batch = strategy.init(workload.params), next(workload.batches(0))
+    work = _worker_compute(strategy.step, state, batch, config.worker_count // config.devices)
+    return sim.estimate_compute_time(work, DEVICES[config.compute])
 
 
 def run_compare(config: Config, workload: Workload | None = None) -> dict[str, Any]:

@@ -122,8 +122,7 @@ class BuildContext(NamedTuple):
       seed: the comparison's seed.
       consensus_every: steps between gossip's consensus-distance measurements.
       drop: the probability that a message is lost (families with ``unreliable``).
-      workers: the workers of the asynchronous family, several a device (``None``: one
-        a device).
+      workers: the workers, several a device (``None``: one a device).
     """
 
     loss_fn: Any
@@ -224,7 +223,13 @@ def _nesterov() -> optax.GradientTransformation:
 def _diloco(period: int, ctx: BuildContext) -> Strategy:
     inner = optax.adamw(LEARNING_RATE)
     return ddl.local_sgd(
-        ctx.loss_fn, inner, ctx.mesh, period=period, outer_optimizer=_nesterov(), drop=ctx.drop
+        ctx.loss_fn,
+        inner,
+        ctx.mesh,
+        period=period,
+        outer_optimizer=_nesterov(),
+        drop=ctx.drop,
+        workers=ctx.workers,
     )
 
 
@@ -242,6 +247,7 @@ def _streaming(fragments: int, ctx: BuildContext) -> Strategy:
         overlap=1,
         mix=0.5,
         outer_optimizer=_nesterov(),
+        workers=ctx.workers,
     )
 
 
@@ -260,7 +266,8 @@ def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
         ctx.mesh,
         period=16,
         outer_optimizer=optax.sgd(1.0),
-        reducer=compression.sparse_loco(ratio),
+        reducer=lambda axis: compression.sparse_loco(ratio, axis=axis),
+        workers=ctx.workers,
     )
 
 
@@ -268,37 +275,58 @@ def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
 DEMO_LEARNING_RATE = 1e-3
 
 
-def _reduced(make: Callable[[Any], Any]) -> Callable[[Any, BuildContext], Strategy]:
+def _reduced(make: Callable[[Any, Any], Any] | None) -> Callable[[Any, BuildContext], Strategy]:
+    """Data parallelism with Adam and the reducer ``make(param, axis)`` (``None``: the
+    mean), built over the workers' axis."""
+
     def build(param: Any, ctx: BuildContext) -> Strategy:
-        return ddl.data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=make(param))
+        reducer = None if make is None else (lambda axis: make(param, axis))
+        return ddl.data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=reducer,
+                                 workers=ctx.workers)  # fmt: skip
 
     return build
 
 
+def _one_a_device(why: str, build: Callable[[Any, BuildContext], Strategy]) -> Any:
+    """``build``, refusing several workers a device, ``why`` saying why."""
+
+    def checked(param: Any, ctx: BuildContext) -> Strategy:
+        if ctx.workers not in (None, ctx.mesh.shape["data"]):
+            raise ValueError(f"{why}: drop workers.")
+        return build(param, ctx)
+
+    return checked
+
+
 FAMILIES: dict[str, Family] = {
     "sync": Family(
-        _reduced(lambda _: None),
+        _reduced(None),
         _none,
         None,
         "",
         "synchronous data parallelism, XLA all-reduce",
     ),
     "ring": Family(
-        _reduced(lambda _: ddl.allreduce_mean(algorithm="ring")),
+        _reduced(lambda _, axis: ddl.allreduce_mean(axis, algorithm="ring")),
         _none,
         None,
         "",
         "synchronous data parallelism, explicit ring all-reduce",
     ),
     "fsdp": Family(
-        lambda stage, ctx: ddl.fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
+        _one_a_device(
+            "fsdp splits its state over the devices, one worker each",
+            lambda stage, ctx: ddl.fsdp(ctx.loss_fn, _adam(), ctx.mesh, stage=stage),
+        ),
         _stage,
         "3",
         "the ZeRO stage, 1, 2 or 3 (e.g. fsdp:3)",
         "sharded data parallelism (ZeRO / FSDP): state split over the workers",
     ),
     "local": Family(
-        lambda h, ctx: ddl.local_sgd(ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop),
+        lambda h, ctx: ddl.local_sgd(
+            ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop, workers=ctx.workers
+        ),
         _int(1),
         "16",
         "the period H, an integer >= 1 (e.g. local:16)",
@@ -328,6 +356,7 @@ FAMILIES: dict[str, Family] = {
             period=h,
             state_periods={"mu": 3 * h, "nu": 6 * h},
             drop=ctx.drop,
+            workers=ctx.workers,
         ),
         _int(1),
         "16",
@@ -343,12 +372,12 @@ FAMILIES: dict[str, Family] = {
         "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
     ),
     "noloco": Family(
-        lambda h, ctx: ddl.noloco(
-            ctx.loss_fn,
-            optax.adamw(LEARNING_RATE),
-            ctx.mesh,
-            period=h,
-            consensus_every=0,
+        _one_a_device(
+            "with several workers a device NoLoCo gathers every worker's values to read its "
+            "peer's, bytes the method does not send, so its price would be wrong",
+            lambda h, ctx: ddl.noloco(
+                ctx.loss_fn, optax.adamw(LEARNING_RATE), ctx.mesh, period=h, consensus_every=0
+            ),
         ),
         _int(1),
         "16",
@@ -360,7 +389,8 @@ FAMILIES: dict[str, Family] = {
             ctx.loss_fn,
             optax.chain(optax.scale_by_sign(), optax.scale(-DEMO_LEARNING_RATE)),
             ctx.mesh,
-            reducer=compression.demo(ratio),
+            reducer=lambda axis: compression.demo(ratio, axis=axis),
+            workers=ctx.workers,
         ),
         _ratio,
         "0.0625",
@@ -368,28 +398,28 @@ FAMILIES: dict[str, Family] = {
         "DeMo: top DCT coefficients of each worker's momentum, sign descent",
     ),
     "topk": Family(
-        _reduced(compression.top_k),
+        _reduced(lambda ratio, axis: compression.top_k(ratio, axis=axis)),
         _ratio,
         "0.01",
         "the ratio of entries sent, a number in (0, 1] (e.g. topk:0.01)",
         "top-k sparsified gradients with error feedback",
     ),
     "sign": Family(
-        _reduced(lambda _: compression.sign()),
+        _reduced(lambda _, axis: compression.sign(axis=axis)),
         _none,
         None,
         "",
         "1-bit sign compression with error feedback, then Adam (the naive scheme)",
     ),
     "powersgd": Family(
-        _reduced(compression.power_sgd),
+        _reduced(lambda rank, axis: compression.power_sgd(rank, axis=axis)),
         _int(1),
         "4",
         "the rank, an integer >= 1 (e.g. powersgd:4)",
         "PowerSGD low-rank gradients with error feedback",
     ),
     "adasum": Family(
-        _reduced(lambda _: ddl.adasum()),
+        _reduced(lambda _, axis: ddl.adasum(axis)),
         _none,
         None,
         "",
@@ -439,6 +469,7 @@ FAMILIES: dict[str, Family] = {
             topology=topology,
             consensus_every=ctx.consensus_every,
             drop=ctx.drop,
+            workers=ctx.workers,
         ),
         _topology,
         "ring",
