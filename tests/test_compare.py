@@ -342,7 +342,17 @@ def test_several_workers_a_device_compare_as_one_each(tmp_path):
         # a worker's compute: the same strategy's program with one worker a device (on 4
         # devices: top-k sums 4 workers' values, not 8)
         assert run["compute_ms_per_step"] == pytest.approx(theirs["compute_ms_per_step"], rel=0.1)
-    assert "8 workers on 4 cpu devices" in (tmp_path / "two" / "results.md").read_text()
+    table = (tmp_path / "two" / "results.md").read_text()
+    assert "8 workers on 4 cpu devices" in table and "| bytes / worker / step |" in table
+
+
+def test_many_workers_draw_more_rows_than_examples():
+    from ddl_jax.compare import make_workload
+
+    workload = make_workload("digits-mlp", seed=0, devices=128)  # 16 rows each: 2,048
+    first, again = next(workload.batches(0)), next(workload.batches(0))
+    assert first["label"].shape == (2048,) == (workload.batch_size,)
+    np.testing.assert_array_equal(first["image"], again["image"])  # a seeded stream
 
 
 def _bundled_params():

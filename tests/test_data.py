@@ -39,9 +39,25 @@ def test_batches_repeat_forever_by_default():
     assert len(list(itertools.islice(ddl.data.batches(data, 4), 10))) == 10
 
 
+def test_batches_with_replacement_are_larger_than_the_data_and_resume():
+    data = {"x": np.arange(10), "y": -np.arange(10)}
+    stream = ddl.data.batches(data, 25, seed=3, replace=True)
+    batches = list(itertools.islice(stream, 4))
+    assert all(b["x"].shape == (25,) and np.array_equal(b["y"], -b["x"]) for b in batches)
+    assert all(len(set(b["x"])) < 25 for b in batches)  # drawn with replacement
+    assert not np.array_equal(batches[0]["x"], batches[1]["x"])
+    resumed = ddl.data.batches(data, 25, seed=3, start=2, replace=True, rows=slice(5, 10))
+    for a, b in zip(batches[2:], resumed, strict=False):
+        np.testing.assert_array_equal(a["x"][5:10], b["x"])
+
+
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1 and <= 4, got 5"):
+    with pytest.raises(ValueError, match="batch_size=5 is more than the 4 examples; draw with"):
         ddl.data.batches({"x": np.arange(4)}, 5)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        ddl.data.batches({"x": np.arange(4)}, 0)
+    with pytest.raises(ValueError, match="with replace=True the stream is endless"):
+        ddl.data.batches({"x": np.arange(4)}, 5, epochs=1, replace=True)
     with pytest.raises(ValueError, match="disagree on the number of examples"):
         ddl.data.batches({"x": np.arange(4), "y": np.arange(3)}, 2)
     with pytest.raises(ValueError, match="test_fraction must be a finite real number > 0 and < 1"):

@@ -80,12 +80,14 @@ def markdown(results: dict[str, Any]) -> str:
     """The results table in markdown, with a line of context above and notes below."""
     c, w = results["config"], results["workload"]
     metric = w["metric"]
+    several = c.get("workers") not in (None, c["devices"])  # priced per worker
+    sender = "worker" if several else "device"
     lines = [
         f"{subtitle(results)}, network {_network(results)}, seed {c['seed']}; "
         f"target {metric} {'>=' if w['higher_is_better'] else '<='} {w['target']:g}.",
         "",
         f"| rank | strategy | final {metric} | steps to target | examples to target | "
-        f"bytes / device / step | compute / step (ms, {c['compute']}) | simulated time to "
+        f"bytes / {sender} / step | compute / step (ms, {c['compute']}) | simulated time to "
         f"target ({c['network']}) | consensus distance |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -95,7 +97,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Rank: by simulated time to target; `n=` marks a tie: the target was crossed "
         f"between two evaluations (every {c['eval_every']} steps), and these runs' "
-        "intervals overlap. Bytes: sent by the busiest device, read from the compiled "
+        f"intervals overlap. Bytes: sent by the busiest {sender}, read from the compiled "
         "step's HLO, averaged over the run (synchronisations included). Compute: the "
         "compiled step's flops and bytes on the device model (`ddl.sim.compute_stats`), "
         "the same in every run of this command. Simulated time: steps x (compute + the "

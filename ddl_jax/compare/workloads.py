@@ -76,8 +76,9 @@ def _classification(
     batch_size = 16 * devices
 
     def batches(start: int) -> Any:
-        if non_iid is None:
-            return data.batches(train, batch_size, seed=seed, start=start)
+        if non_iid is None:  # many workers: more rows than examples, drawn with replacement
+            replace = batch_size > len(train["label"])
+            return data.batches(train, batch_size, seed=seed, start=start, replace=replace)
         options = {"workers": devices, "alpha": non_iid, "seed": seed, "start": start}
         return data.non_iid_batches(train, batch_size, **options)
 

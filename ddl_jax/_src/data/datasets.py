@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ddl_jax._src.core.strategy import check_int, check_real
+from ddl_jax._src.core.strategy import check_bool, check_int, check_real
 
 Dataset = dict[str, np.ndarray]
 
@@ -54,6 +54,7 @@ def batches(
     epochs: int | None = None,
     start: int = 0,
     rows: slice | None = None,
+    replace: bool = False,
 ) -> Iterator[Dataset]:
     """Yields shuffled global batches of ``batch_size`` examples, reshuffled every epoch.
 
@@ -71,6 +72,9 @@ def batches(
       start: index of the first batch to yield, >= 0.
       rows: only these rows of each global batch (a slice of ``range(batch_size)``);
         ``None`` yields whole batches.
+      replace: draw each batch's examples with replacement instead, batch ``s`` from
+        ``(seed, s)`` alone, endlessly (``epochs`` must be ``None``): for a batch larger
+        than the data (many workers, each with its rows).
     """
     if not isinstance(data, dict) or not data:
         raise ValueError(
@@ -80,9 +84,30 @@ def batches(
     if len(set(sizes.values())) != 1:
         raise ValueError(f"batches: data arrays disagree on the number of examples: {sizes}.")
     n = next(iter(sizes.values()))
-    batch_size = check_int("batches: batch_size", batch_size, minimum=1, maximum=n)
+    check_bool("batches: replace", replace)
+    batch_size = check_int("batches: batch_size", batch_size, minimum=1)
+    if replace and epochs is not None:
+        raise ValueError(
+            f"batches: epochs={epochs!r} counts passes without replacement; with "
+            "replace=True the stream is endless: drop epochs."
+        )
+    if not replace and batch_size > n:
+        raise ValueError(
+            f"batches: batch_size={batch_size} is more than the {n} examples; draw with "
+            "replacement (replace=True) or give a smaller batch."
+        )
     epochs, start, rows = _check_stream("batches", batch_size, epochs, start, rows)
+    if replace:
+        return _sampled_batches(data, n, batch_size, seed, start, rows)
     return _shuffled_batches(data, n, batch_size, seed, epochs, start, rows)
+
+
+def _sampled_batches(data, n, batch_size, seed, start, rows) -> Iterator[Dataset]:
+    step = start
+    while True:
+        idx = np.random.default_rng((seed, step)).integers(0, n, batch_size)[rows]
+        yield {k: v[idx] for k, v in data.items()}
+        step += 1
 
 
 def _check_stream(
