@@ -33,6 +33,7 @@ from ddl_jax._src.core.strategy import (
     vary_over,
 )
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
+from ddl_jax._src.reduce import collectives
 from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
 
 
@@ -172,7 +173,7 @@ def local_sgd(
       workers: N, a multiple of the devices on ``axis`` (default: one a device): each
         device runs N / devices replicas through ``jax.vmap``, the run of N devices (the
         same keys, batch rows, masks and averages); a ``reducer`` then as a function of
-        the axis (``data_parallel``'s ``workers``). Not with ``hierarchy`` or ``inner``.
+        the axis (``data_parallel``'s ``workers``). Not with ``inner``.
 
     Returns:
       A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
@@ -226,11 +227,6 @@ def local_sgd(
         default_reducer=allreduce_mean,
         workers=workers,
     )
-    if hierarchy is not None and kit.per_device > 1:
-        raise ValueError(
-            f"local_sgd: hierarchy with workers={kit.n} on {kit.n // kit.per_device} devices: "
-            "its group averages are permutes between devices; give one worker a device."
-        )
     cfg = _configure(kit, optimizer, *settings)
     specs = LocalSGDState(P(axis), P(axis), P(), P(), P(axis), ModelVars(P(axis), P(), P()))
     return Strategy(
@@ -587,7 +583,7 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
 
 def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
     """Replicas (and model, optimizer states) averaged within blocks of ``size`` workers."""
-    mean = functools.partial(_block_mean, axis=cfg.kit.axis, n=cfg.kit.n, size=size)
+    mean = functools.partial(_block_mean, axis=cfg.kit.workers_axis, n=cfg.kit.n, size=size)
     opt_state = carry.opt_state
     if cfg.average_optimizer_state:
         opt_state = mean(opt_state)
@@ -596,12 +592,14 @@ def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
     )
 
 
-def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:
+def _block_mean(tree: Any, axis: str | tuple[str, ...], n: int, size: int) -> Any:
     """Each floating leaf's mean over the worker's block ``k size, ..., (k+1) size - 1``.
 
     ``shard_map`` collectives take no ``axis_index_groups``, so the block's members arrive
     by ``size - 1`` ``ppermute`` rounds within the block (round r: from the member r places
     before); each worker sums them in member order, so the block's results are equal.
+    Several workers a device (``axis`` a pair): each round is ``collectives.ppermute``'s,
+    a send per device shift.
     """
     me = lax.axis_index(axis)
     position = me % size
@@ -610,7 +608,7 @@ def _block_mean(tree: Any, axis: str, n: int, size: int) -> Any:
     def one(x: jax.Array) -> jax.Array:
         if not jnp.issubdtype(x.dtype, jnp.inexact) or size == 1:
             return x
-        arrived = jnp.stack([x] + [lax.ppermute(x, axis, perm) for perm in rounds])
+        arrived = jnp.stack([x] + [collectives.ppermute(x, axis, perm) for perm in rounds])
         by_member = arrived[(position - jnp.arange(size)) % size]  # member j's value at j
         return jnp.sum(by_member, axis=0) / size
 
