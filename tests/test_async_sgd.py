@@ -21,6 +21,7 @@ from ddl_jax._src.strategies.asynchronous.staleness import (
     SSP,
     Downpour,
     SoftSync,
+    as_protocol,
     compute_times,
     downpour,
     duration,
@@ -427,6 +428,42 @@ def test_event_clock_equals_a_plain_schedule_without_a_mesh(case):
         summary = ev.summarize(got)
         taus = [e[2] for e in events if e[2] is not None]
         assert summary.pushes == len(taus) and summary.staleness_max == max(taus, default=0)
+
+
+IN_ORDER = {  # protocols without a barrier or churn: (n, times, protocol, drop)
+    "one_worker": (1, compute_times(1.0), "async", 0.0),
+    "equal_times_all_tied": (5, compute_times(1.0), "async", 0.0),
+    "second_arrivals_tie_first_ones": (4, compute_times([2.0, 1.0, 2.0, 1.0]), "async", 0.0),
+    "zero_times": (4, compute_times([0.0, 1.0, 0.0, 2.0]), "async", 0.0),
+    "random_8": (8, compute_times(1.0, spread=0.8, seed=3), "async", 0.0),
+    "stragglers_drop": (7, compute_times([1.0] * 5 + [3.0, 0.5], spread=0.2), "async", 0.4),
+    "downpour_3_2_drop": (5, compute_times(1.0, spread=0.5, seed=2), downpour(3, 2), 0.2),
+    "downpour_1_3_16": (16, compute_times(1.0, spread=0.3, seed=9), downpour(1, 3), 0.0),
+    "softsync_1": (6, compute_times(1.0, spread=0.6, seed=5), softsync(1), 0.1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_ORDER))
+def test_events_in_arrival_order_are_the_scanned_ones(case):
+    """Without barriers or churn a step is computed at once from the arrivals' order: the
+    same clock and events, bitwise, as taking them one at a time."""
+    n, times, protocol, drop = IN_ORDER[case]
+    rules = ev.Rules.of(as_protocol(protocol, n), drop)
+
+    def both(clock):
+        clock, _ = ev.start_step(clock)
+        drawn = ev.draws(clock, rules, times)
+        return ev.events_in_order(clock, rules, drawn), ev.scanned_events(clock, rules, drawn)
+
+    step, clock, happened = jax.jit(both), ev.initial_clock(times, n), []
+    for _ in range(10):
+        (got, events), (expected, their_events) = step(clock)
+        chex.assert_trees_all_equal(got, expected)
+        chex.assert_trees_all_equal(events, their_events)
+        happened.append(int(events.happens.sum()))
+        clock = got
+    assert min(happened) >= 1  # a step always has an event; most have several
+    assert max(happened) > 1 or case in ("one_worker", "zero_times")
 
 
 def counting_loss(seed=7):

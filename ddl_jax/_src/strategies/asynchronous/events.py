@@ -18,7 +18,9 @@ Arrivals are taken in time order, ties broken by the lower worker index. One ste
 2. :func:`next_event`, N times (2N with churn): the next arrival is processed if its
    gradient is ready (or it is a rejoin); the first that is not (a worker that started a
    new task during this step) stops the step, and every later event is empty. Each
-   worker thus completes at most one task per step (and rejoins at most once).
+   worker thus completes at most one task per step (and rejoins at most once). Without
+   a barrier (softsync(n > 1), SSP) or churn, :func:`events_in_order` computes the
+   same events at once from the order of the arrivals.
 
 Unreliable workers (``Rules.drop``, ``Rules.leave`` / ``Rules.away``), both seeded by the
 clock's key and (worker i, task k) alone (:func:`coin`), so a resumed run and a plain
@@ -39,7 +41,7 @@ scheduler draw the same:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -320,11 +322,92 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
 
 
 def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
-    """Phase 2 of a step: ``next_event`` N times (2N with churn; a ``lax.scan``); the
-    events stacked ``[N, ...]`` in order, the non-happening ones last."""
-    n = clock.arrival.shape[0] * (2 if rules.churn else 1)
+    """Phase 2 of a step: ``next_event`` N times (2N with churn); the events stacked
+    ``[N, ...]`` in order, the non-happening ones last. Without a barrier or churn (every
+    protocol but softsync(n > 1) and SSP; Downpour and lost pushes included) the step is
+    computed at once from the arrivals' order (``events_in_order``), the same events and
+    clock in O(N log N); otherwise one event after another (``scanned_events``, O(N^2))."""
     drawn = draws(clock, rules, times)
+    if rules.group_size == 1 and rules.bound is None and not rules.churn:
+        return events_in_order(clock, rules, drawn)
+    return scanned_events(clock, rules, drawn)
+
+
+def scanned_events(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
+    """``next_event`` N times (2N with churn), in a ``lax.scan``."""
+    n = clock.arrival.shape[0] * (2 if rules.churn else 1)
     return lax.scan(lambda c, _: next_event(c, rules, drawn), clock, None, length=n)
+
+
+def _lexical_min(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array]) -> Any:
+    """The smaller of two (time, worker) pairs, elementwise: the earlier, ties to the lower
+    worker (``next_event``'s order)."""
+    first = (x[0] < y[0]) | ((x[0] == y[0]) & (x[1] < y[1]))
+    return jnp.where(first, x[0], y[0]), jnp.where(first, x[1], y[1])
+
+
+def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
+    """``scanned_events`` without a barrier or churn, at once: the same clock and events.
+
+    Then no worker waits or is away, so every worker is ready at the step's start and
+    starts its next task as it arrives. The first arrivals in (time, worker) order are
+    the events, up to the first that comes after a worker's second arrival (whose task
+    is not computed): event j happens while its arrival precedes every earlier event's
+    next one. An event's worker fetches, pushes (each ``n_push``-th task, unless lost)
+    and the server applies each push: versions, staleness and fetched versions are
+    prefix sums over the events."""
+    n = clock.arrival.shape[0]
+    workers = jnp.arange(n, dtype=jnp.int32)
+    w = jnp.lexsort((workers, clock.arrival)).astype(jnp.int32)  # by time, ties by worker
+    t = clock.arrival[w]
+    tasks = drawn.tasks[w] + 1
+    second = t + drawn.next[w]  # a worker's arrival after its event (it never waits)
+    before = lax.associative_scan(_lexical_min, (second, w))  # the earliest second arrival
+    before = (jnp.concatenate([jnp.full((1,), jnp.inf, t.dtype), before[0][:-1]]),
+              jnp.concatenate([jnp.full((1,), n, jnp.int32), before[1][:-1]]))  # fmt: skip
+    first = (t < before[0]) | ((t == before[0]) & (w < before[1]))
+    happens = jnp.cumsum(~first) == 0
+    sent = tasks % rules.n_push == 0
+    lost = happens & sent & drawn.lost[w]
+    push = happens & sent & ~lost
+    pushed = jnp.cumsum(push.astype(jnp.int32))
+    version = clock.version + pushed - push  # before each event
+    tau = (version - clock.fetched_version[w]).astype(jnp.float32)
+    fetch = happens & (tasks % rules.n_fetch == 0)
+    # the least task count at each event: its workers and earlier ones one task on
+    done = lax.cummin(jnp.where(happens, tasks, jnp.iinfo(jnp.int32).max))
+    waiting = lax.cummin(drawn.tasks[w], reverse=True)
+    rest = jnp.concatenate([waiting[1:], jnp.full((1,), jnp.iinfo(jnp.int32).max, jnp.int32)])
+    gap = jnp.where(happens, tasks - jnp.minimum(done, rest), 0).astype(jnp.float32)
+    staleness = jnp.where(push, tau, 0.0)
+    count = happens.sum()
+    clock = clock._replace(  # each worker at most once in ``w``: scatters by event
+        now=jnp.where(count > 0, t[jnp.maximum(count - 1, 0)], clock.now),
+        arrival=clock.arrival.at[w].set(jnp.where(happens, second, t)),
+        fetched_version=clock.fetched_version.at[w].set(
+            jnp.where(fetch, version + push, clock.fetched_version[w])
+        ),
+        tasks=clock.tasks.at[w].add(happens.astype(jnp.int32)),
+        ready=clock.ready.at[w].set(clock.ready[w] & ~happens),
+        version=clock.version + pushed[-1],
+    )
+    stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
+    false = jnp.zeros(n, bool)
+    events = Event(
+        happens=happens,
+        worker=jnp.where(happens, w, stop),
+        push=push,
+        apply=push,
+        staleness=staleness,
+        update_staleness=staleness,
+        start=(w[:, None] == workers) & happens[:, None],
+        fetch=(w[:, None] == workers) & fetch[:, None],
+        gap=gap,
+        lost=lost,
+        rejoin=false,
+        leave=false,
+    )
+    return clock, events
 
 
 def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, jax.Array, Event]:
