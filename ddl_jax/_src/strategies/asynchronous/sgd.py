@@ -127,10 +127,6 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _masked(tree: Any, keep: jax.Array) -> Any:
-    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
-
-
 def _rows(pred: jax.Array, x: jax.Array) -> jax.Array:
     """``pred`` (``[k]``) shaped to select rows of ``x`` (``[k, ...]``)."""
     return pred.reshape(pred.shape + (1,) * (x.ndim - 1))
