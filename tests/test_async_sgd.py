@@ -430,7 +430,7 @@ def test_event_clock_equals_a_plain_schedule_without_a_mesh(case):
         assert summary.pushes == len(taus) and summary.staleness_max == max(taus, default=0)
 
 
-IN_ORDER = {  # protocols without a barrier or churn: (n, times, protocol, drop)
+IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, drop)
     "one_worker": (1, compute_times(1.0), "async", 0.0),
     "equal_times_all_tied": (5, compute_times(1.0), "async", 0.0),
     "second_arrivals_tie_first_ones": (4, compute_times([2.0, 1.0, 2.0, 1.0]), "async", 0.0),
@@ -440,6 +440,16 @@ IN_ORDER = {  # protocols without a barrier or churn: (n, times, protocol, drop)
     "downpour_3_2_drop": (5, compute_times(1.0, spread=0.5, seed=2), downpour(3, 2), 0.2),
     "downpour_1_3_16": (16, compute_times(1.0, spread=0.3, seed=9), downpour(1, 3), 0.0),
     "softsync_1": (6, compute_times(1.0, spread=0.6, seed=5), softsync(1), 0.1),
+    "softsync_2_random": (6, compute_times(1.0, spread=0.6, seed=5), softsync(2), 0.0),
+    "softsync_3_stragglers_drop": (
+        7,
+        compute_times([1.0] * 5 + [3.0, 0.5], spread=0.3),
+        softsync(3),
+        0.3,
+    ),
+    "softsync_4_equal": (4, compute_times(1.0), softsync(4), 0.0),
+    "softsync_4_of_8_tied": (8, compute_times([2.0, 1.0] * 4), softsync(4), 0.2),
+    "softsync_5_of_16": (16, compute_times(1.0, spread=0.8, seed=1), softsync(5), 0.1),
 }
 
 

@@ -19,8 +19,8 @@ Arrivals are taken in time order, ties broken by the lower worker index. One ste
    gradient is ready (or it is a rejoin); the first that is not (a worker that started a
    new task during this step) stops the step, and every later event is empty. Each
    worker thus completes at most one task per step (and rejoins at most once). Without
-   a barrier (softsync(n > 1), SSP) or churn, :func:`events_in_order` computes the
-   same events at once from the order of the arrivals.
+   the SSP bound or churn, :func:`events_in_order` computes the same events at once
+   from the order of the arrivals.
 
 Unreliable workers (``Rules.drop``, ``Rules.leave`` / ``Rules.away``), both seeded by the
 clock's key and (worker i, task k) alone (:func:`coin`), so a resumed run and a plain
@@ -323,12 +323,12 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
 
 def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
     """Phase 2 of a step: ``next_event`` N times (2N with churn); the events stacked
-    ``[N, ...]`` in order, the non-happening ones last. Without a barrier or churn (every
-    protocol but softsync(n > 1) and SSP; Downpour and lost pushes included) the step is
-    computed at once from the arrivals' order (``events_in_order``), the same events and
-    clock in O(N log N); otherwise one event after another (``scanned_events``, O(N^2))."""
+    ``[N, ...]`` in order, the non-happening ones last. Without the SSP bound or churn
+    (async, softsync, Downpour, async_local, lost pushes) the step is computed at once from
+    the arrivals' order (``events_in_order``), the same events and clock in O(N log N);
+    otherwise one event after another (``scanned_events``, O(N^2))."""
     drawn = draws(clock, rules, times)
-    if rules.group_size == 1 and rules.bound is None and not rules.churn:
+    if rules.bound is None and not rules.churn:
         return events_in_order(clock, rules, drawn)
     return scanned_events(clock, rules, drawn)
 
@@ -346,63 +346,116 @@ def _lexical_min(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array])
     return jnp.where(first, x[0], y[0]), jnp.where(first, x[1], y[1])
 
 
-def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
-    """``scanned_events`` without a barrier or churn, at once: the same clock and events.
+def _first_by_index(at: jax.Array, time: jax.Array, worker: jax.Array, size: int) -> Any:
+    """Per index 0..size-1, the least (time, worker) pair scattered to it (``(inf, BIG)``
+    where none): the earliest time, ties to the lower worker."""
+    big = jnp.iinfo(jnp.int32).max
+    least = jnp.full(size, jnp.inf, time.dtype).at[at].min(time, mode="drop")
+    tied = jnp.where(time == least[jnp.minimum(at, size - 1)], worker, big)
+    return least, jnp.full(size, big, jnp.int32).at[at].min(tied, mode="drop")
 
-    Then no worker waits or is away, so every worker is ready at the step's start and
-    starts its next task as it arrives. The first arrivals in (time, worker) order are
-    the events, up to the first that comes after a worker's second arrival (whose task
-    is not computed): event j happens while its arrival precedes every earlier event's
-    next one. An event's worker fetches, pushes (each ``n_push``-th task, unless lost)
-    and the server applies each push: versions, staleness and fetched versions are
-    prefix sums over the events."""
-    n = clock.arrival.shape[0]
+
+def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
+    """``scanned_events`` without the SSP bound or churn, at once: the same clock and
+    events.
+
+    Then the only workers that wait are those whose push is in the open softsync group
+    (none with groups of one), and every other worker is ready at the step's start. The
+    events are those workers' first arrivals in (time, worker) order, up to the first
+    that comes after the second arrival of a worker that started a task during the step
+    (whose gradient is not computed): event j happens while its arrival precedes every
+    second arrival started by an earlier event. Pushes, the groups they complete, versions,
+    staleness and fetched versions are prefix sums over the events; a worker starts at
+    its own event (a lost push, or no group), or at the event that applies its group."""
+    n, big = clock.arrival.shape[0], jnp.iinfo(jnp.int32).max
     workers = jnp.arange(n, dtype=jnp.int32)
-    w = jnp.lexsort((workers, clock.arrival)).astype(jnp.int32)  # by time, ties by worker
-    t = clock.arrival[w]
+    held = clock.waiting  # the open group's workers, from earlier steps
+    w = jnp.lexsort((workers, jnp.where(held, jnp.inf, clock.arrival))).astype(jnp.int32)
+    t, valid = clock.arrival[w], ~held[w]
     tasks = drawn.tasks[w] + 1
-    second = t + drawn.next[w]  # a worker's arrival after its event (it never waits)
-    before = lax.associative_scan(_lexical_min, (second, w))  # the earliest second arrival
-    before = (jnp.concatenate([jnp.full((1,), jnp.inf, t.dtype), before[0][:-1]]),
-              jnp.concatenate([jnp.full((1,), n, jnp.int32), before[1][:-1]]))  # fmt: skip
-    first = (t < before[0]) | ((t == before[0]) & (w < before[1]))
-    happens = jnp.cumsum(~first) == 0
-    sent = tasks % rules.n_push == 0
-    lost = happens & sent & drawn.lost[w]
-    push = happens & sent & ~lost
-    pushed = jnp.cumsum(push.astype(jnp.int32))
-    version = clock.version + pushed - push  # before each event
-    tau = (version - clock.fetched_version[w]).astype(jnp.float32)
-    fetch = happens & (tasks % rules.n_fetch == 0)
-    # the least task count at each event: its workers and earlier ones one task on
-    done = lax.cummin(jnp.where(happens, tasks, jnp.iinfo(jnp.int32).max))
-    waiting = lax.cummin(drawn.tasks[w], reverse=True)
-    rest = jnp.concatenate([waiting[1:], jnp.full((1,), jnp.iinfo(jnp.int32).max, jnp.int32)])
-    gap = jnp.where(happens, tasks - jnp.minimum(done, rest), 0).astype(jnp.float32)
-    staleness = jnp.where(push, tau, 0.0)
+    sent = valid & (tasks % rules.n_push == 0)
+    lost = sent & drawn.lost[w]
+    push = sent & ~lost
+    pushes = clock.group_count + jnp.cumsum(push.astype(jnp.int32))
+    apply = push & (pushes % rules.group_size == 0)
+    applied = jnp.cumsum(apply.astype(jnp.int32)) - apply  # updates before each event
+    version = clock.version + applied
+    tau = version - clock.fetched_version[w]
+    # the event that starts each event's worker: its own, or the one applying its group
+    next_apply = lax.cummin(jnp.where(apply, workers, big), reverse=True)  # event indices
+    release = jnp.where(push, next_apply, workers)
+    first_apply = next_apply[0]  # releases the workers held from earlier steps
+    # a started worker's second arrival competes from the event after its start
+    took = jnp.where(held, drawn.now, drawn.next)
+    start_at = jnp.minimum(release, n - 1)
+    second = t[start_at] + took[w]
+    held_second = t[jnp.minimum(first_apply, n - 1)] + took
+    at = jnp.concatenate([jnp.where(valid & (release < n), release + 1, n + 1),
+                          jnp.where(held & (first_apply < n), first_apply + 1, n + 1)])  # fmt: skip
+    rivals = _first_by_index(at, jnp.concatenate([second, held_second]),
+                             jnp.concatenate([w, workers]), n + 1)  # fmt: skip
+    rival = lax.associative_scan(_lexical_min, rivals)
+    first = (t < rival[0][:n]) | ((t == rival[0][:n]) & (w < rival[1][:n]))
+    happens = jnp.cumsum(~(valid & first)) == 0
     count = happens.sum()
-    clock = clock._replace(  # each worker at most once in ``w``: scatters by event
-        now=jnp.where(count > 0, t[jnp.maximum(count - 1, 0)], clock.now),
-        arrival=clock.arrival.at[w].set(jnp.where(happens, second, t)),
-        fetched_version=clock.fetched_version.at[w].set(
-            jnp.where(fetch, version + push, clock.fetched_version[w])
-        ),
+    push, lost, apply = push & happens, lost & happens, apply & happens
+    started = happens & (release < count)
+    held_started = held & (first_apply < count)
+    # each worker's start event (big: none), its task count then, whether it fetches
+    start_of = jnp.full(n, big, jnp.int32).at[w].set(jnp.where(started, release, big))
+    start_of = jnp.where(held_started, first_apply, start_of)
+    now_tasks = jnp.where(held, drawn.tasks, drawn.tasks + 1)
+    fetches = (start_of < big) & (now_tasks % rules.n_fetch == 0)
+    after_start = clock.version + jnp.cumsum(apply.astype(jnp.int32))  # after each event
+    # the open group's staleness: integers, whose float32 sums (the scan's) are exact
+    taus = jnp.cumsum(jnp.where(push, tau, 0))
+    closed = jnp.where(apply, taus, 0)
+    before_group = lax.cummax(jnp.concatenate([jnp.zeros(1, jnp.int32), closed[:-1]]))
+    carried = jnp.where(applied == 0, clock.group_staleness, 0.0)
+    group_tau = (taus - before_group).astype(jnp.float32) + carried
+    # the largest lead of a starting worker at each event
+    done = lax.cummin(jnp.where(happens, tasks, big))
+    rest = lax.cummin(jnp.where(valid, drawn.tasks[w], big), reverse=True)
+    rest = jnp.minimum(jnp.concatenate([rest[1:], jnp.full(1, big, jnp.int32)]),
+                       jnp.min(jnp.where(held, drawn.tasks, big)))  # fmt: skip
+    most = (
+        jnp.full(n, -1, jnp.int32)
+        .at[jnp.where(start_of < big, start_of, n)]
+        .max(now_tasks, mode="drop")
+    )
+    gap = jnp.where(happens & (most >= 0), most - jnp.minimum(done, rest), 0)
+    last = jnp.maximum(count - 1, 0)
+    open_group = jnp.zeros(n, bool).at[w].set(happens & push & ~started) | (held & ~held_started)
+    fetched_at = after_start[jnp.minimum(start_of, n - 1)]
+    new_arrival = jnp.where(held, held_second, jnp.zeros_like(clock.arrival).at[w].set(second))
+    clock = clock._replace(
+        now=jnp.where(count > 0, t[last], clock.now),
+        arrival=jnp.where(start_of < big, new_arrival, clock.arrival),
+        fetched_version=jnp.where(fetches, fetched_at, clock.fetched_version),
         tasks=clock.tasks.at[w].add(happens.astype(jnp.int32)),
         ready=clock.ready.at[w].set(clock.ready[w] & ~happens),
-        version=clock.version + pushed[-1],
+        waiting=open_group,
+        version=clock.version + apply.sum(dtype=jnp.int32),
+        group_count=jnp.where(count > 0, pushes[last] % rules.group_size, clock.group_count),
+        group_staleness=jnp.where(
+            count > 0, jnp.where(apply[last], 0.0, group_tau[last]), clock.group_staleness
+        ),
+        grouped=open_group,
     )
     stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
+    staleness = jnp.where(push, tau.astype(jnp.float32), 0.0)
+    starts = (workers[:, None] == start_of[None, :]) & happens[:, None]
     false = jnp.zeros(n, bool)
     events = Event(
         happens=happens,
         worker=jnp.where(happens, w, stop),
         push=push,
-        apply=push,
+        apply=apply,
         staleness=staleness,
-        update_staleness=staleness,
-        start=(w[:, None] == workers) & happens[:, None],
-        fetch=(w[:, None] == workers) & fetch[:, None],
-        gap=gap,
+        update_staleness=jnp.where(apply, group_tau / rules.group_size, 0.0),
+        start=starts,
+        fetch=starts & fetches[None, :],
+        gap=gap.astype(jnp.float32),
         lost=lost,
         rejoin=false,
         leave=false,
