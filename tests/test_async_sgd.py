@@ -450,6 +450,15 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
     "softsync_4_equal": (4, compute_times(1.0), softsync(4), 0.0),
     "softsync_4_of_8_tied": (8, compute_times([2.0, 1.0] * 4), softsync(4), 0.2),
     "softsync_5_of_16": (16, compute_times(1.0, spread=0.8, seed=1), softsync(5), 0.1),
+    "ssp_0": (5, compute_times(1.0, spread=0.6, seed=4), ssp(0), 0.0),
+    "ssp_1_straggler": (6, compute_times([1.0] * 5 + [3.0]), ssp(1), 0.0),
+    "ssp_2_random_drop": (
+        8,
+        compute_times([1.0] * 6 + [2.0, 5.0], spread=0.8, seed=1),
+        ssp(2),
+        0.3,
+    ),
+    "ssp_3_of_16": (16, compute_times(1.0, spread=1.0, seed=7), ssp(3), 0.1),
 }
 
 

@@ -19,8 +19,8 @@ Arrivals are taken in time order, ties broken by the lower worker index. One ste
    gradient is ready (or it is a rejoin); the first that is not (a worker that started a
    new task during this step) stops the step, and every later event is empty. Each
    worker thus completes at most one task per step (and rejoins at most once). Without
-   the SSP bound or churn, :func:`events_in_order` computes the same events at once
-   from the order of the arrivals.
+   churn, :func:`events_in_order` computes the same events at once from the order of
+   the arrivals.
 
 Unreliable workers (``Rules.drop``, ``Rules.leave`` / ``Rules.away``), both seeded by the
 clock's key and (worker i, task k) alone (:func:`coin`), so a resumed run and a plain
@@ -323,12 +323,12 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
 
 def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
     """Phase 2 of a step: ``next_event`` N times (2N with churn); the events stacked
-    ``[N, ...]`` in order, the non-happening ones last. Without the SSP bound or churn
-    (async, softsync, Downpour, async_local, lost pushes) the step is computed at once from
-    the arrivals' order (``events_in_order``), the same events and clock in O(N log N);
-    otherwise one event after another (``scanned_events``, O(N^2))."""
+    ``[N, ...]`` in order, the non-happening ones last. Without churn (every protocol,
+    lost pushes included) the step is computed at once from the arrivals' order
+    (``events_in_order``), the same events and clock in O(N log N); with churn one event
+    after another (``scanned_events``, O(N^2))."""
     drawn = draws(clock, rules, times)
-    if rules.bound is None and not rules.churn:
+    if not rules.churn:
         return events_in_order(clock, rules, drawn)
     return scanned_events(clock, rules, drawn)
 
@@ -356,17 +356,17 @@ def _first_by_index(at: jax.Array, time: jax.Array, worker: jax.Array, size: int
 
 
 def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
-    """``scanned_events`` without the SSP bound or churn, at once: the same clock and
-    events.
+    """``scanned_events`` without churn, at once: the same clock and events.
 
-    Then the only workers that wait are those whose push is in the open softsync group
-    (none with groups of one), and every other worker is ready at the step's start. The
+    Then the only workers that wait are those whose push is in the open softsync group or
+    whom the SSP bound holds, and every other worker is ready at the step's start. The
     events are those workers' first arrivals in (time, worker) order, up to the first
     that comes after the second arrival of a worker that started a task during the step
     (whose gradient is not computed): event j happens while its arrival precedes every
     second arrival started by an earlier event. Pushes, the groups they complete, versions,
-    staleness and fetched versions are prefix sums over the events; a worker starts at
-    its own event (a lost push, or no group), or at the event that applies its group."""
+    staleness, fetched versions and the least task count are prefix sums (and minima) over
+    the events; a worker starts at its own event, at the one that applies its group, or at
+    the first after which the slowest worker is within the bound of it."""
     n, big = clock.arrival.shape[0], jnp.iinfo(jnp.int32).max
     workers = jnp.arange(n, dtype=jnp.int32)
     held = clock.waiting  # the open group's workers, from earlier steps
@@ -381,17 +381,29 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     applied = jnp.cumsum(apply.astype(jnp.int32)) - apply  # updates before each event
     version = clock.version + applied
     tau = version - clock.fetched_version[w]
-    # the event that starts each event's worker: its own, or the one applying its group
+    # the least task count after each event: its worker's and earlier ones one task on
+    done = lax.cummin(jnp.where(valid, tasks, big))
+    rest = lax.cummin(jnp.where(valid, drawn.tasks[w], big), reverse=True)
+    rest = jnp.minimum(jnp.concatenate([rest[1:], jnp.full(1, big, jnp.int32)]),
+                       jnp.min(jnp.where(held, drawn.tasks, big)))  # fmt: skip
+    least = jnp.minimum(done, rest)  # never decreases
+    # the event that starts each event's worker: its own, the one applying its group, or
+    # the first after which the slowest is within the SSP bound; n or more: none
     next_apply = lax.cummin(jnp.where(apply, workers, big), reverse=True)  # event indices
     release = jnp.where(push, next_apply, workers)
-    first_apply = next_apply[0]  # releases the workers held from earlier steps
+    held_release = jnp.full(n, next_apply[0])  # the held: the step's first update
+    if rules.bound is not None:  # held for the bound: the first event that frees them
+        free = lambda count: jnp.searchsorted(least, count - rules.bound).astype(jnp.int32)  # noqa: E731
+        release = jnp.maximum(release, free(tasks))
+        held_release = free(drawn.tasks)
     # a started worker's second arrival competes from the event after its start
     took = jnp.where(held, drawn.now, drawn.next)
-    start_at = jnp.minimum(release, n - 1)
-    second = t[start_at] + took[w]
-    held_second = t[jnp.minimum(first_apply, n - 1)] + took
-    at = jnp.concatenate([jnp.where(valid & (release < n), release + 1, n + 1),
-                          jnp.where(held & (first_apply < n), first_apply + 1, n + 1)])  # fmt: skip
+    second = t[jnp.minimum(release, n - 1)] + took[w]
+    held_second = t[jnp.minimum(held_release, n - 1)] + took
+    at = jnp.concatenate([
+        jnp.where(valid & (release < n), release + 1, n + 1),
+        jnp.where(held & (held_release < n), held_release + 1, n + 1),
+    ])  # fmt: skip
     rivals = _first_by_index(at, jnp.concatenate([second, held_second]),
                              jnp.concatenate([w, workers]), n + 1)  # fmt: skip
     rival = lax.associative_scan(_lexical_min, rivals)
@@ -400,10 +412,10 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     count = happens.sum()
     push, lost, apply = push & happens, lost & happens, apply & happens
     started = happens & (release < count)
-    held_started = held & (first_apply < count)
+    held_started = held & (held_release < count)
     # each worker's start event (big: none), its task count then, whether it fetches
     start_of = jnp.full(n, big, jnp.int32).at[w].set(jnp.where(started, release, big))
-    start_of = jnp.where(held_started, first_apply, start_of)
+    start_of = jnp.where(held_started, held_release, start_of)
     now_tasks = jnp.where(held, drawn.tasks, drawn.tasks + 1)
     fetches = (start_of < big) & (now_tasks % rules.n_fetch == 0)
     after_start = clock.version + jnp.cumsum(apply.astype(jnp.int32))  # after each event
@@ -414,18 +426,16 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     carried = jnp.where(applied == 0, clock.group_staleness, 0.0)
     group_tau = (taus - before_group).astype(jnp.float32) + carried
     # the largest lead of a starting worker at each event
-    done = lax.cummin(jnp.where(happens, tasks, big))
-    rest = lax.cummin(jnp.where(valid, drawn.tasks[w], big), reverse=True)
-    rest = jnp.minimum(jnp.concatenate([rest[1:], jnp.full(1, big, jnp.int32)]),
-                       jnp.min(jnp.where(held, drawn.tasks, big)))  # fmt: skip
     most = (
         jnp.full(n, -1, jnp.int32)
         .at[jnp.where(start_of < big, start_of, n)]
         .max(now_tasks, mode="drop")
     )
-    gap = jnp.where(happens & (most >= 0), most - jnp.minimum(done, rest), 0)
+    gap = jnp.where(happens & (most >= 0), most - least, 0)
     last = jnp.maximum(count - 1, 0)
-    open_group = jnp.zeros(n, bool).at[w].set(happens & push & ~started) | (held & ~held_started)
+    waiting = jnp.zeros(n, bool).at[w].set(happens & ~started) | (held & ~held_started)
+    unapplied = next_apply >= count  # pushes in a group still open at the step's end
+    grouped = jnp.zeros(n, bool).at[w].set(push & unapplied) | (clock.grouped & unapplied[0])
     fetched_at = after_start[jnp.minimum(start_of, n - 1)]
     new_arrival = jnp.where(held, held_second, jnp.zeros_like(clock.arrival).at[w].set(second))
     clock = clock._replace(
@@ -434,13 +444,13 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
         fetched_version=jnp.where(fetches, fetched_at, clock.fetched_version),
         tasks=clock.tasks.at[w].add(happens.astype(jnp.int32)),
         ready=clock.ready.at[w].set(clock.ready[w] & ~happens),
-        waiting=open_group,
+        waiting=waiting,
         version=clock.version + apply.sum(dtype=jnp.int32),
         group_count=jnp.where(count > 0, pushes[last] % rules.group_size, clock.group_count),
         group_staleness=jnp.where(
             count > 0, jnp.where(apply[last], 0.0, group_tau[last]), clock.group_staleness
         ),
-        grouped=open_group,
+        grouped=grouped,
     )
     stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
     staleness = jnp.where(push, tau.astype(jnp.float32), 0.0)
