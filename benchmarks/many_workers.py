@@ -50,22 +50,14 @@ def strategies(loss_fn, mesh, n):
     }
 
 
-def batches(n: int, seed: int = 0):
-    """Global batches of 16 examples per worker, drawn with replacement."""
-    train, _ = ddl.data.digits(flatten=True)
-    rng = np.random.default_rng(seed)
-    while True:
-        rows = rng.integers(0, len(train["label"]), size=16 * n)
-        yield {key: value[rows] for key, value in train.items()}
-
-
 def run(n: int, steps: int) -> dict[str, dict[str, float]]:
     workload = make_workload("digits-mlp", seed=0, devices=8)
     mesh = ddl.make_mesh(data=8)
     out = {}
     for name, strategy in strategies(workload.loss_fn, mesh, n).items():
         state, step = strategy.init(workload.params), jax.jit(strategy.step, donate_argnums=0)
-        stream, history = batches(n), []
+        train, _ = ddl.data.digits(flatten=True)  # 16 examples a worker, with replacement
+        stream, history = ddl.data.batches(train, 16 * n, replace=True), []
         tick = time.perf_counter()
         for _ in range(steps):
             state, metrics = step(state, next(stream))
