@@ -22,6 +22,7 @@ from ddl_jax._src.strategies.asynchronous.staleness import (
     Downpour,
     SoftSync,
     as_protocol,
+    churn,
     compute_times,
     downpour,
     duration,
@@ -459,6 +460,47 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
         0.3,
     ),
     "ssp_3_of_16": (16, compute_times(1.0, spread=1.0, seed=7), ssp(3), 0.1),
+    # churn: workers leave after a task and return ``away`` later, within a step or after
+    "churn": (8, compute_times(1.0, spread=0.5, seed=2), "async", 0.0, churn(0.3, 2.5)),
+    "churn_short_away": (6, compute_times(1.0, spread=0.5), "async", 0.2, churn(0.4, 0.3)),
+    "churn_equal_times": (5, compute_times(1.0), "async", 0.0, churn(0.5, 1.0)),
+    "churn_back_at_once": (5, compute_times([1.0] * 4 + [0.0]), ssp(1), 0.0, churn(0.5, 0.0)),
+    "ssp_0_churn_held_on_return": (
+        6,
+        compute_times(1.0, spread=0.6, seed=3),
+        ssp(0),
+        0.0,
+        churn(0.5, 0.5),
+    ),
+    "softsync_4_churn_held_on_return": (
+        8,
+        compute_times(1.0, spread=0.6, seed=4),
+        softsync(4),
+        0.0,
+        churn(0.5, 0.2),
+    ),
+    "softsync_2_churn_drop": (
+        8,
+        compute_times(1.0, spread=0.5, seed=3),
+        softsync(2),
+        0.2,
+        churn(0.3, 1.5),
+    ),
+    "ssp_1_churn": (7, compute_times([1.0] * 6 + [2.0], spread=0.3), ssp(1), 0.0, churn(0.2, 2.0)),
+    "downpour_3_2_churn": (
+        6,
+        compute_times(1.0, spread=0.4, seed=6),
+        downpour(3, 2),
+        0.1,
+        churn(0.3, 1.0),
+    ),
+    "softsync_3_of_16_churn": (
+        16,
+        compute_times(1.0, spread=0.8, seed=8),
+        softsync(3),
+        0.1,
+        churn(0.2, 0.7),
+    ),
 }
 
 
@@ -466,8 +508,8 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
 def test_events_in_arrival_order_are_the_scanned_ones(case):
     """Without barriers or churn a step is computed at once from the arrivals' order: the
     same clock and events, bitwise, as taking them one at a time."""
-    n, times, protocol, drop = IN_ORDER[case]
-    rules = ev.Rules.of(as_protocol(protocol, n), drop)
+    n, times, protocol, drop, *away = IN_ORDER[case]
+    rules = ev.Rules.of(as_protocol(protocol, n), drop, *away)
 
     def both(clock):
         clock, _ = ev.start_step(clock)

@@ -18,9 +18,10 @@ Arrivals are taken in time order, ties broken by the lower worker index. One ste
 2. :func:`next_event`, N times (2N with churn): the next arrival is processed if its
    gradient is ready (or it is a rejoin); the first that is not (a worker that started a
    new task during this step) stops the step, and every later event is empty. Each
-   worker thus completes at most one task per step (and rejoins at most once). Without
-   churn, :func:`events_in_order` computes the same events at once from the order of
-   the arrivals.
+   worker thus completes at most one task per step (and rejoins at most once). The
+   strategy runs :func:`events_in_order`, which computes the same events at once from
+   the order of the arrivals; :func:`scanned_events`, one event after another, is the
+   reference it is tested against.
 
 Unreliable workers (``Rules.drop``, ``Rules.leave`` / ``Rules.away``), both seeded by the
 clock's key and (worker i, task k) alone (:func:`coin`), so a resumed run and a plain
@@ -323,18 +324,15 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
 
 def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
     """Phase 2 of a step: ``next_event`` N times (2N with churn); the events stacked
-    ``[N, ...]`` in order, the non-happening ones last. Without churn (every protocol,
-    lost pushes included) the step is computed at once from the arrivals' order
-    (``events_in_order``), the same events and clock in O(N log N); with churn one event
-    after another (``scanned_events``, O(N^2))."""
-    drawn = draws(clock, rules, times)
-    if not rules.churn:
-        return events_in_order(clock, rules, drawn)
-    return scanned_events(clock, rules, drawn)
+    ``[N, ...]`` in order, the non-happening ones last: ``events_in_order``, the events
+    and clock of ``scanned_events`` (one event after another, O(N^2)) at once, in
+    O(N log N)."""
+    return events_in_order(clock, rules, draws(clock, rules, times))
 
 
 def scanned_events(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
-    """``next_event`` N times (2N with churn), in a ``lax.scan``."""
+    """``next_event`` N times (2N with churn), in a ``lax.scan``: the event model as it
+    reads, the reference ``events_in_order`` is tested against (bitwise)."""
     n = clock.arrival.shape[0] * (2 if rules.churn else 1)
     return lax.scan(lambda c, _: next_event(c, rules, drawn), clock, None, length=n)
 
@@ -355,69 +353,94 @@ def _first_by_index(at: jax.Array, time: jax.Array, worker: jax.Array, size: int
     return least, jnp.full(size, big, jnp.int32).at[at].min(tied, mode="drop")
 
 
-def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
-    """``scanned_events`` without churn, at once: the same clock and events.
+def _per_worker(w: jax.Array, flag: jax.Array, n: int) -> jax.Array:
+    """``[N]``: whether any event of each worker (``w``, its events' workers) has ``flag``."""
+    return jnp.zeros(n, jnp.int32).at[w].max(flag.astype(jnp.int32)) > 0
 
-    Then the only workers that wait are those whose push is in the open softsync group or
-    whom the SSP bound holds, and every other worker is ready at the step's start. The
-    events are those workers' first arrivals in (time, worker) order, up to the first
-    that comes after the second arrival of a worker that started a task during the step
-    (whose gradient is not computed): event j happens while its arrival precedes every
-    second arrival started by an earlier event. Pushes, the groups they complete, versions,
-    staleness, fetched versions and the least task count are prefix sums (and minima) over
-    the events; a worker starts at its own event, at the one that applies its group, or at
-    the first after which the slowest worker is within the bound of it."""
+
+def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
+    """``scanned_events`` at once: the same clock and events, in O(N log N).
+
+    Every worker has at most two candidate events in a step, known at its start: its
+    first (its arrival if it is ready, its return if it is away; none if it waits at the
+    server), and, if it leaves after that arrival, its return ``away`` later. The events
+    are the candidates in (time, worker) order, up to the first that comes after the
+    second arrival of a worker started earlier in the step (whose gradient is not
+    computed). A worker starts at its arrival (unless it leaves) or its return, or later
+    at the event that applies its softsync group, or at the first event after which the
+    slowest worker is within the SSP bound of it (the least task count never decreases).
+    Pushes, groups, versions, staleness, fetches and the least task count are prefix sums
+    and minima over the events."""
     n, big = clock.arrival.shape[0], jnp.iinfo(jnp.int32).max
     workers = jnp.arange(n, dtype=jnp.int32)
-    held = clock.waiting  # the open group's workers, from earlier steps
-    w = jnp.lexsort((workers, jnp.where(held, jnp.inf, clock.arrival))).astype(jnp.int32)
-    t, valid = clock.arrival[w], ~held[w]
-    tasks = drawn.tasks[w] + 1
-    sent = valid & (tasks % rules.n_push == 0)
+    held, away = clock.waiting, clock.away  # waiting at the server; away (to return)
+    # candidates: each worker's first event, then (churn) the return of one that leaves
+    leaves = drawn.leave & ~away & ~held
+    time = jnp.where(held, jnp.inf, clock.arrival)
+    if rules.churn:
+        time = jnp.concatenate([time, jnp.where(leaves, clock.arrival + rules.away, jnp.inf)])
+    size = time.shape[0]
+    second = workers if size == n else jnp.concatenate([workers, workers])
+    kind = (jnp.arange(size) >= n) | jnp.tile(away, size // n)  # a return
+    order = jnp.lexsort((kind, second, time)).astype(jnp.int32)
+    w, is_return, t = second[order], kind[order], time[order]
+    valid = jnp.isfinite(t)
+    index = jnp.arange(size, dtype=jnp.int32)
+    arrives = valid & ~is_return
+    returned_after_arriving = is_return & ~away[w]  # its arrival was earlier this step
+    tasks = drawn.tasks[w] + (arrives | returned_after_arriving)
+    sent = arrives & (tasks % rules.n_push == 0)
     lost = sent & drawn.lost[w]
     push = sent & ~lost
+    leave = arrives & leaves[w]
     pushes = clock.group_count + jnp.cumsum(push.astype(jnp.int32))
     apply = push & (pushes % rules.group_size == 0)
     applied = jnp.cumsum(apply.astype(jnp.int32)) - apply  # updates before each event
     version = clock.version + applied
     tau = version - clock.fetched_version[w]
-    # the least task count after each event: its worker's and earlier ones one task on
-    done = lax.cummin(jnp.where(valid, tasks, big))
-    rest = lax.cummin(jnp.where(valid, drawn.tasks[w], big), reverse=True)
-    rest = jnp.minimum(jnp.concatenate([rest[1:], jnp.full(1, big, jnp.int32)]),
-                       jnp.min(jnp.where(held, drawn.tasks, big)))  # fmt: skip
+    # the least task count after each event: the arrivals so far one task on
+    done = lax.cummin(jnp.where(arrives, tasks, big))
+    rest = lax.cummin(jnp.where(arrives, drawn.tasks[w], big), reverse=True)
+    still = jnp.min(jnp.where(held | away, drawn.tasks, big))  # no arrival this step
+    rest = jnp.minimum(jnp.concatenate([rest[1:], jnp.full(1, big, jnp.int32)]), still)
     least = jnp.minimum(done, rest)  # never decreases
-    # the event that starts each event's worker: its own, the one applying its group, or
-    # the first after which the slowest is within the SSP bound; n or more: none
-    next_apply = lax.cummin(jnp.where(apply, workers, big), reverse=True)  # event indices
-    release = jnp.where(push, next_apply, workers)
-    held_release = jnp.full(n, next_apply[0])  # the held: the step's first update
-    if rules.bound is not None:  # held for the bound: the first event that frees them
+    # the event that starts each event's worker (big: none): its own, the one applying
+    # its group, or the first after which the slowest is within the SSP bound
+    next_apply = lax.cummin(jnp.where(apply, index, big), reverse=True)
+    arrival_of = jnp.full(n, big, jnp.int32).at[w].min(jnp.where(arrives, index, big))
+    j = jnp.minimum(arrival_of, size - 1)
+    pushed_at = jnp.where((arrival_of < big) & push[j], next_apply[j], 0)  # its group's update
+    group = jnp.where(clock.grouped, next_apply[0], pushed_at)  # the update it waits for
+    free = lambda count: jnp.zeros_like(count)  # noqa: E731
+    if rules.bound is not None:
         free = lambda count: jnp.searchsorted(least, count - rules.bound).astype(jnp.int32)  # noqa: E731
-        release = jnp.maximum(release, free(tasks))
-        held_release = free(drawn.tasks)
+    release = jnp.maximum(jnp.maximum(index, group[w]), free(tasks))
+    release = jnp.where(leave | ~valid, big, release)
+    held_release = jnp.maximum(group, free(drawn.tasks))
     # a started worker's second arrival competes from the event after its start
-    took = jnp.where(held, drawn.now, drawn.next)
-    second = t[jnp.minimum(release, n - 1)] + took[w]
-    held_second = t[jnp.minimum(held_release, n - 1)] + took
+    took = jnp.where(held | away, drawn.now, drawn.next)
+    arrival = t[jnp.minimum(release, size - 1)] + took[w]
+    held_arrival = t[jnp.minimum(held_release, size - 1)] + took
     at = jnp.concatenate([
-        jnp.where(valid & (release < n), release + 1, n + 1),
-        jnp.where(held & (held_release < n), held_release + 1, n + 1),
+        jnp.where(release < size, release + 1, size + 1),
+        jnp.where(held & (held_release < size), held_release + 1, size + 1),
     ])  # fmt: skip
-    rivals = _first_by_index(at, jnp.concatenate([second, held_second]),
-                             jnp.concatenate([w, workers]), n + 1)  # fmt: skip
+    rivals = _first_by_index(at, jnp.concatenate([arrival, held_arrival]),
+                             jnp.concatenate([w, workers]), size + 1)  # fmt: skip
     rival = lax.associative_scan(_lexical_min, rivals)
-    first = (t < rival[0][:n]) | ((t == rival[0][:n]) & (w < rival[1][:n]))
+    first = (t < rival[0][:size]) | ((t == rival[0][:size]) & (w < rival[1][:size]))
     happens = jnp.cumsum(~(valid & first)) == 0
     count = happens.sum()
-    push, lost, apply = push & happens, lost & happens, apply & happens
+    push, lost, apply, leave = push & happens, lost & happens, apply & happens, leave & happens
     started = happens & (release < count)
     held_started = held & (held_release < count)
     # each worker's start event (big: none), its task count then, whether it fetches
-    start_of = jnp.full(n, big, jnp.int32).at[w].set(jnp.where(started, release, big))
+    start_of = jnp.full(n, big, jnp.int32).at[w].min(jnp.where(started, release, big))
     start_of = jnp.where(held_started, held_release, start_of)
-    now_tasks = jnp.where(held, drawn.tasks, drawn.tasks + 1)
-    fetches = (start_of < big) & (now_tasks % rules.n_fetch == 0)
+    arrived = _per_worker(w, arrives & happens, n)
+    now_tasks = drawn.tasks + arrived
+    own_return = _per_worker(w, started & is_return & (release == index), n)
+    fetches = (start_of < big) & ((now_tasks % rules.n_fetch == 0) | own_return)
     after_start = clock.version + jnp.cumsum(apply.astype(jnp.int32))  # after each event
     # the open group's staleness: integers, whose float32 sums (the scan's) are exact
     taus = jnp.cumsum(jnp.where(push, tau, 0))
@@ -427,50 +450,57 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     group_tau = (taus - before_group).astype(jnp.float32) + carried
     # the largest lead of a starting worker at each event
     most = (
-        jnp.full(n, -1, jnp.int32)
-        .at[jnp.where(start_of < big, start_of, n)]
+        jnp.full(size, -1, jnp.int32)
+        .at[jnp.where(start_of < big, start_of, size)]
         .max(now_tasks, mode="drop")
     )
     gap = jnp.where(happens & (most >= 0), most - least, 0)
     last = jnp.maximum(count - 1, 0)
-    waiting = jnp.zeros(n, bool).at[w].set(happens & ~started) | (held & ~held_started)
+    left = _per_worker(w, leave, n)
+    returned = _per_worker(w, is_return & happens, n)
+    now_away = (away | left) & ~returned
+    starts = start_of < big
+    waiting = ~now_away & ~starts & (held | arrived | returned)
     unapplied = next_apply >= count  # pushes in a group still open at the step's end
-    grouped = jnp.zeros(n, bool).at[w].set(push & unapplied) | (clock.grouped & unapplied[0])
-    fetched_at = after_start[jnp.minimum(start_of, n - 1)]
-    new_arrival = jnp.where(held, held_second, jnp.zeros_like(clock.arrival).at[w].set(second))
+    grouped = _per_worker(w, push & unapplied, n) | (clock.grouped & unapplied[0])
+    new_arrival = (
+        jnp.zeros_like(clock.arrival).at[jnp.where(started, w, n)].set(arrival, mode="drop")
+    )
+    new_arrival = jnp.where(held_started, held_arrival, new_arrival)
+    # one that left returns ``away`` after its arrival (unchanged by its return)
+    pending = jnp.where(left, clock.arrival + rules.away, clock.arrival)
+    fetched_at = after_start[jnp.minimum(start_of, size - 1)]
     clock = clock._replace(
         now=jnp.where(count > 0, t[last], clock.now),
-        arrival=jnp.where(start_of < big, new_arrival, clock.arrival),
+        arrival=jnp.where(starts, new_arrival, pending),
         fetched_version=jnp.where(fetches, fetched_at, clock.fetched_version),
-        tasks=clock.tasks.at[w].add(happens.astype(jnp.int32)),
-        ready=clock.ready.at[w].set(clock.ready[w] & ~happens),
+        tasks=clock.tasks + arrived,
+        ready=clock.ready & ~arrived & ~returned,
         waiting=waiting,
         version=clock.version + apply.sum(dtype=jnp.int32),
         group_count=jnp.where(count > 0, pushes[last] % rules.group_size, clock.group_count),
         group_staleness=jnp.where(
             count > 0, jnp.where(apply[last], 0.0, group_tau[last]), clock.group_staleness
         ),
+        away=now_away,
         grouped=grouped,
     )
     stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
-    staleness = jnp.where(push, tau.astype(jnp.float32), 0.0)
-    starts = (workers[:, None] == start_of[None, :]) & happens[:, None]
-    false = jnp.zeros(n, bool)
-    events = Event(
+    starting = (index[:, None] == start_of[None, :]) & happens[:, None]
+    return clock, Event(
         happens=happens,
         worker=jnp.where(happens, w, stop),
         push=push,
         apply=apply,
-        staleness=staleness,
+        staleness=jnp.where(push, tau.astype(jnp.float32), 0.0),
         update_staleness=jnp.where(apply, group_tau / rules.group_size, 0.0),
-        start=starts,
-        fetch=starts & fetches[None, :],
+        start=starting,
+        fetch=starting & fetches[None, :],
         gap=gap.astype(jnp.float32),
         lost=lost,
-        rejoin=false,
-        leave=false,
+        rejoin=happens & is_return,
+        leave=leave,
     )
-    return clock, events
 
 
 def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, jax.Array, Event]:
