@@ -380,10 +380,10 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     if rules.churn:
         time = jnp.concatenate([time, jnp.where(leaves, clock.arrival + rules.away, jnp.inf)])
     size = time.shape[0]
-    second = workers if size == n else jnp.concatenate([workers, workers])
+    owner = workers if size == n else jnp.concatenate([workers, workers])
     kind = (jnp.arange(size) >= n) | jnp.tile(away, size // n)  # a return
-    order = jnp.lexsort((kind, second, time)).astype(jnp.int32)
-    w, is_return, t = second[order], kind[order], time[order]
+    order = jnp.lexsort((kind, owner, time)).astype(jnp.int32)
+    w, is_return, t = owner[order], kind[order], time[order]
     valid = jnp.isfinite(t)
     index = jnp.arange(size, dtype=jnp.int32)
     arrives = valid & ~is_return
