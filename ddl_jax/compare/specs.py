@@ -201,8 +201,10 @@ def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext
         if ctx.straggler != 1.0:  # the last worker is the straggler
             times = ddl.compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
         chosen = protocol(param) if callable(protocol) else protocol
+        # the server's optimizers here act elementwise: a sharded server is the same run,
+        # each device applying every push to its block of the parameters
         options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop,
-                   "workers": ctx.workers}  # fmt: skip
+                   "workers": ctx.workers, "server": "sharded"}  # fmt: skip
         if not local:
             return ddl.async_sgd(ctx.loss_fn, _adam(), ctx.mesh, **options)
         # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
