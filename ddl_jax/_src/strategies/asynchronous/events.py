@@ -353,7 +353,7 @@ def _first_by_index(at: jax.Array, time: jax.Array, worker: jax.Array, size: int
     return least, jnp.full(size, big, jnp.int32).at[at].min(tied, mode="drop")
 
 
-def _per_worker(w: jax.Array, flag: jax.Array, n: int) -> jax.Array:
+def of_workers(w: jax.Array, flag: jax.Array, n: int) -> jax.Array:
     """``[N]``: whether any event of each worker (``w``, its events' workers) has ``flag``."""
     return jnp.zeros(n, jnp.int32).at[w].max(flag.astype(jnp.int32)) > 0
 
@@ -437,9 +437,9 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     # each worker's start event (big: none), its task count then, whether it fetches
     start_of = jnp.full(n, big, jnp.int32).at[w].min(jnp.where(started, release, big))
     start_of = jnp.where(held_started, held_release, start_of)
-    arrived = _per_worker(w, arrives & happens, n)
+    arrived = of_workers(w, arrives & happens, n)
     now_tasks = drawn.tasks + arrived
-    own_return = _per_worker(w, started & is_return & (release == index), n)
+    own_return = of_workers(w, started & is_return & (release == index), n)
     fetches = (start_of < big) & ((now_tasks % rules.n_fetch == 0) | own_return)
     after_start = clock.version + jnp.cumsum(apply.astype(jnp.int32))  # after each event
     # the open group's staleness: integers, whose float32 sums (the scan's) are exact
@@ -456,13 +456,13 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     )
     gap = jnp.where(happens & (most >= 0), most - least, 0)
     last = jnp.maximum(count - 1, 0)
-    left = _per_worker(w, leave, n)
-    returned = _per_worker(w, is_return & happens, n)
+    left = of_workers(w, leave, n)
+    returned = of_workers(w, is_return & happens, n)
     now_away = (away | left) & ~returned
     starts = start_of < big
     waiting = ~now_away & ~starts & (held | arrived | returned)
     unapplied = next_apply >= count  # pushes in a group still open at the step's end
-    grouped = _per_worker(w, push & unapplied, n) | (clock.grouped & unapplied[0])
+    grouped = of_workers(w, push & unapplied, n) | (clock.grouped & unapplied[0])
     new_arrival = (
         jnp.zeros_like(clock.arrival).at[jnp.where(started, w, n)].set(arrival, mode="drop")
     )

@@ -503,12 +503,8 @@ class _Program(NamedTuple):
         gradient joins its sum since its last push (Dean et al.'s accumulated Delta w), and
         a push at that event, received or lost, sends the sum and empties it."""
 
-        def of_mine(flag: jax.Array) -> jax.Array:  # [events] to this device's workers, [k]
-            at = jnp.zeros(self.kit.n, jnp.int32).at[events.worker].max(flag.astype(jnp.int32))
-            return at[me] > 0
-
-        arrived = of_mine(events.happens & ~events.rejoin)
-        sent = of_mine(events.push | events.lost)
+        arrived = ev.of_workers(events.worker, events.happens & ~events.rejoin, self.kit.n)[me]
+        sent = ev.of_workers(events.worker, events.push | events.lost, self.kit.n)[me]
         accrued = local.protocol.gradient
         total = jax.tree.map(jnp.add, accrued, local.workers.gradient)
         total = _select_rows(arrived, total, accrued)
