@@ -39,6 +39,20 @@ CASES = {
 }
 
 
+def _data_parallel_with(reducer):
+    """SGD data parallelism over W workers, ``reducer`` a function of the workers' axis."""
+    return lambda loss, mesh: ddl.data_parallel(
+        loss, optax.sgd(0.1), mesh, workers=W, reducer=reducer
+    )
+
+
+def _local_sgd_with(reducer):
+    """Local SGD (Adam, period 2) over W workers, ``reducer`` a function of the axis."""
+    return lambda loss, mesh: ddl.local_sgd(
+        loss, optax.adam(1e-2), mesh, period=2, workers=W, reducer=reducer
+    )
+
+
 SYNCHRONOUS = {
     "data_parallel": lambda loss, mesh: ddl.data_parallel(loss, optax.sgd(0.1), mesh, workers=W),
     "local_sgd": lambda loss, mesh: ddl.local_sgd(
@@ -87,39 +101,13 @@ SYNCHRONOUS = {
     "noloco_uniform_no_pull": lambda loss, mesh: ddl.noloco(
         loss, optax.adam(1e-2), mesh, period=3, workers=W, pairing="uniform", anchor_pull=0.0
     ),
-    "data_parallel_top_k": lambda loss, mesh: ddl.data_parallel(
-        loss,
-        optax.sgd(0.1),
-        mesh,
-        workers=W,
-        reducer=lambda axis: ddl.compression.top_k(0.1, axis=axis),
+    "data_parallel_top_k": _data_parallel_with(lambda axis: ddl.compression.top_k(0.1, axis=axis)),
+    "data_parallel_power_sgd": _data_parallel_with(
+        lambda axis: ddl.compression.power_sgd(2, axis=axis)
     ),
-    "data_parallel_power_sgd": lambda loss, mesh: ddl.data_parallel(
-        loss,
-        optax.sgd(0.1),
-        mesh,
-        workers=W,
-        reducer=lambda axis: ddl.compression.power_sgd(2, axis=axis),
-    ),
-    "data_parallel_sign": lambda loss, mesh: ddl.data_parallel(
-        loss, optax.sgd(0.1), mesh, workers=W, reducer=lambda axis: ddl.compression.sign(axis=axis)
-    ),
-    "sparseloco": lambda loss, mesh: ddl.local_sgd(
-        loss,
-        optax.adam(1e-2),
-        mesh,
-        period=2,
-        workers=W,
-        reducer=lambda axis: ddl.compression.sparse_loco(0.1, axis=axis),
-    ),
-    "demo": lambda loss, mesh: ddl.local_sgd(
-        loss,
-        optax.adam(1e-2),
-        mesh,
-        period=2,
-        workers=W,
-        reducer=lambda axis: ddl.compression.demo(0.25, axis=axis),
-    ),
+    "data_parallel_sign": _data_parallel_with(lambda axis: ddl.compression.sign(axis=axis)),
+    "sparseloco": _local_sgd_with(lambda axis: ddl.compression.sparse_loco(0.1, axis=axis)),
+    "demo": _local_sgd_with(lambda axis: ddl.compression.demo(0.25, axis=axis)),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
         loss, optax.sgd(0.1), mesh, topology="ring", workers=W, consensus_every=2
     ),
