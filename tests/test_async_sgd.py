@@ -409,7 +409,8 @@ def test_event_clock_equals_a_plain_schedule_without_a_mesh(case):
     clock = ev.initial_clock(times, n)
     expected = plain_schedule(n, times, protocol, steps=12)
     for computes, events, plain in expected:
-        clock, got_computes, got = step(clock)
+        clock, got_computes, got, last = step(clock)
+        assert last.tolist() == ev.last_fetch(got).tolist()
         got = jax.device_get(got)
         assert got_computes.tolist() == computes
         happened = np.flatnonzero(got.happens)
@@ -506,21 +507,22 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
 
 @pytest.mark.parametrize("case", sorted(IN_ORDER))
 def test_events_in_arrival_order_are_the_scanned_ones(case):
-    """Without barriers or churn a step is computed at once from the arrivals' order: the
-    same clock and events, bitwise, as taking them one at a time."""
+    """A step computed at once from the arrivals' order: the same clock and events,
+    bitwise, as taking them one at a time, and each worker's last fetch."""
     n, times, protocol, drop, *away = IN_ORDER[case]
     rules = ev.Rules.of(as_protocol(protocol, n), drop, *away)
 
     def both(clock):
-        clock, _ = ev.start_step(clock)
-        drawn = ev.draws(clock, rules, times)
-        return ev.events_in_order(clock, rules, drawn), ev.scanned_events(clock, rules, drawn)
+        started, _ = ev.start_step(clock)
+        drawn = ev.draws(started, rules, times)
+        return ev.events_in_order(started, rules, drawn), ev.scanned_events(started, rules, drawn)
 
     step, clock, happened = jax.jit(both), ev.initial_clock(times, n), []
     for _ in range(10):
-        (got, events), (expected, their_events) = step(clock)
+        (got, events, last), (expected, their_events) = step(clock)
         chex.assert_trees_all_equal(got, expected)
         chex.assert_trees_all_equal(events, their_events)
+        assert last.tolist() == ev.last_fetch(their_events).tolist()
         happened.append(int(events.happens.sum()))
         clock = got
     assert min(happened) >= 1  # a step always has an event; most have several

@@ -322,14 +322,6 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     return clock, event
 
 
-def step_events(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, Event]:
-    """Phase 2 of a step: ``next_event`` N times (2N with churn); the events stacked
-    ``[N, ...]`` in order, the non-happening ones last: ``events_in_order``, the events
-    and clock of ``scanned_events`` (one event after another, O(N^2)) at once, in
-    O(N log N)."""
-    return events_in_order(clock, rules, draws(clock, rules, times))
-
-
 def scanned_events(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     """``next_event`` N times (2N with churn), in a ``lax.scan``: the event model as it
     reads, the reference ``events_in_order`` is tested against (bitwise)."""
@@ -358,8 +350,10 @@ def of_workers(w: jax.Array, flag: jax.Array, n: int) -> jax.Array:
     return jnp.zeros(n, jnp.int32).at[w].max(flag.astype(jnp.int32)) > 0
 
 
-def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
-    """``scanned_events`` at once: the same clock and events, in O(N log N).
+def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event, jax.Array]:
+    """``scanned_events`` at once: the same clock and events, and ``last_fetch`` of the
+    events, in O(N log N) (the events' ``start`` and ``fetch`` flags, ``[events, N]``,
+    cost O(N^2) where they are read; ``last_fetch`` is computed in O(N)).
 
     Every worker has at most two candidate events in a step, known at its start: its
     first (its arrival if it is ready, its return if it is away; none if it waits at the
@@ -487,7 +481,7 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     )
     stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
     starting = (index[:, None] == start_of[None, :]) & happens[:, None]
-    return clock, Event(
+    events = Event(
         happens=happens,
         worker=jnp.where(happens, w, stop),
         push=push,
@@ -501,13 +495,17 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
         rejoin=happens & is_return,
         leave=leave,
     )
+    return clock, events, jnp.where(fetches, start_of, -1)  # a worker starts once a step
 
 
-def step_clock(clock: Clock, rules: Rules, times: sl.ComputeTime) -> tuple[Clock, jax.Array, Event]:
-    """One whole step of the schedule: ``(clock, computes, events)`` (see the module)."""
+def step_clock(
+    clock: Clock, rules: Rules, times: sl.ComputeTime
+) -> tuple[Clock, jax.Array, Event, jax.Array]:
+    """One whole step of the schedule: ``(clock, computes, events, last_fetch(events))``
+    (see the module), every part in O(N log N)."""
     clock, computes = start_step(clock)
-    clock, events = step_events(clock, rules, times)
-    return clock, computes, events
+    clock, events, last = events_in_order(clock, rules, draws(clock, rules, times))
+    return clock, computes, events, last
 
 
 def last_fetch(events: Event) -> jax.Array:

@@ -482,6 +482,8 @@ class _Program(NamedTuple):
             return (local, jax.tree.map(write, slots, now)), None
 
         carry = (server, vary(slots, (self.kit.axis,)))
+        # not the events' [events, N] start and fetch flags: O(N^2), read through ``last``
+        events = events._replace(start=None, fetch=None)
         (server, slots), _ = lax.scan(one, carry, (events, writer))
         params, model_state = jax.tree.map(lambda s: s[slot], slots)
         workers = local.workers
@@ -575,13 +577,13 @@ class _Program(NamedTuple):
     ) -> tuple[AsyncSGDState, st.Metrics]:
         """One ``Strategy.step`` on one device (under ``shard_map``)."""
         me = self.kit.device_workers()
-        clock, computes, events = ev.step_clock(state.clock, self.rules, self.times)
+        clock, computes, events, last = ev.step_clock(state.clock, self.rules, self.times)
         workers, protocol, metrics = self.compute(state, me, computes[me], batch)
         local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
         pushed = workers.gradient
         if self.downpour:
             pushed, local = self.accrue(me, local, events)
-        local = self.replay_server(me, local, events, ev.last_fetch(events), pushed)
+        local = self.replay_server(me, local, events, last, pushed)
         server, protocol = (local.params, local.opt_state), local.protocol
         model = ModelVars(local.model_state, state.model.key, state.model.step + 1)
         state = AsyncSGDState(*server, model, local.workers, protocol, clock)
