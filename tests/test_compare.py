@@ -83,7 +83,7 @@ BAD = [
     (["--inner-network", "5g"], "unknown inner_network '5g'; valid: 1gbps"),
     (["--workers", "12"], "workers=12 must be a multiple of devices=8"),
     (["--workers", "16", "--strategies", "sync,fsdp:3"], "fsdp:3: fsdp splits its state over"),
-    (["--workers", "16", "--strategies", "ring"], "ring: allreduce_mean: algorithm='ring'"),
+    (["--workers", "16", "--strategies", "ring"], "ring: a worker's compute in the ring grows"),
     (["--workers", "16", "--strategies", "noloco"], "noloco:16: with several workers a device"),
     (["--workers", "16", "--strategies", "diloco/sync"], "which islands do not"),
     (["--workers", "16", "--strategies", "async", "--measure"], "drop measure or workers"),

@@ -106,6 +106,12 @@ SYNCHRONOUS = {
         lambda axis: ddl.compression.power_sgd(2, axis=axis)
     ),
     "data_parallel_sign": _data_parallel_with(lambda axis: ddl.compression.sign(axis=axis)),
+    **{
+        f"data_parallel_{algorithm}": _data_parallel_with(
+            lambda axis, algorithm=algorithm: ddl.allreduce_mean(axis, algorithm=algorithm)
+        )
+        for algorithm in ("ring", "tree", "ps")
+    },
     "sparseloco": _local_sgd_with(lambda axis: ddl.compression.sparse_loco(0.1, axis=axis)),
     "demo": _local_sgd_with(lambda axis: ddl.compression.demo(0.25, axis=axis)),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
@@ -220,7 +226,7 @@ def _priced(stats):
 @pytest.mark.parametrize(
     "name",
     ["data_parallel", "local_sgd", "data_parallel_top_k", "data_parallel_power_sgd",
-     "sparseloco", "demo", "streaming_diloco_overlap", "gossip_ring"],
+     "sparseloco", "demo", "streaming_diloco_overlap", "gossip_ring", "data_parallel_ring"],
 )  # fmt: skip
 def test_bytes_per_worker_are_those_of_one_worker_a_device(name):
     expected = _priced(_collectives(W, SYNCHRONOUS[name]))
@@ -246,9 +252,6 @@ def test_workers_must_divide_over_the_devices():
         ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, workers=0)
     with pytest.raises(ValueError, match="Give it as a function of the axis"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=8, reducer=ddl.allreduce_mean())
-    with pytest.raises(ValueError, match="use algorithm='psum'"):
-        ring = lambda axis: ddl.allreduce_mean(axis, algorithm="ring")  # noqa: E731
-        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, workers=8, reducer=ring)
     with pytest.raises(TypeError, match="or a function of the workers' axis"):
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer="top_k")
     with pytest.raises(ValueError, match="which islands do not"):

@@ -309,7 +309,11 @@ FAMILIES: dict[str, Family] = {
         "synchronous data parallelism, XLA all-reduce",
     ),
     "ring": Family(
-        _reduced(lambda _, axis: ddl.allreduce_mean(axis, algorithm="ring")),
+        _one_a_device(
+            "a worker's compute in the ring grows with its 2 (N - 1) rounds, which one "
+            "worker a device on fewer devices does not price",
+            _reduced(lambda _, axis: ddl.allreduce_mean(axis, algorithm="ring")),
+        ),
         _none,
         None,
         "",

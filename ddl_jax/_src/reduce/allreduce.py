@@ -142,11 +142,15 @@ def allreduce_mean(
     """Averages updates over the workers of mesh axis ``axis``: ``g <- (1/N) sum_i g_i``.
 
     Args:
-      axis: mesh axis the workers live on.
+      axis: mesh axis the workers live on; with a strategy's ``workers=`` (several
+        workers a device), the strategy's ``(axis, VIRTUAL)``: give the reducer as a
+        function of it, ``reducer=lambda axis: ddl.allreduce_mean(axis, algorithm="ring")``.
       algorithm: how the sum travels. ``"psum"``: XLA's all-reduce (the backend picks the
         implementation, NCCL/ICI/gloo). ``"ring"``, ``"tree"``, ``"ps"``: the explicit
         algorithms of ``ddl.collectives`` (ring, binomial tree, central parameter server),
-        whose rounds and bytes show up in ``ddl.comm_stats``.
+        whose rounds and bytes show up in ``ddl.comm_stats`` (with ``workers=``,
+        ``ddl.sim.per_worker`` gives a worker's exactly for the ring; the tree's moves
+        within a device and the parameter server's gather are the simulation's).
       bucket_mb: with ``"psum"``, the leaves of a dtype travel packed in flat buckets of
         at most this many MiB (a larger leaf alone), one all-reduce each, as DDP's
         gradient buckets. ``None``: one all-reduce per leaf, which XLA may combine into
@@ -178,12 +182,6 @@ def allreduce_mean(
     if algorithm not in ALGORITHMS:
         raise ValueError(
             f"allreduce_mean: algorithm={algorithm!r} is not known; valid: {list(ALGORITHMS)}."
-        )
-    if not isinstance(axis, str) and algorithm != "psum":
-        raise ValueError(
-            f"allreduce_mean: algorithm={algorithm!r} sends ppermute rounds between devices, "
-            f"one worker a device; over every worker of several a device ({axis!r}) use "
-            "algorithm='psum'."
         )
     total = ALGORITHMS[algorithm]
     if bucket_mb is None or bucket_mb == "auto":

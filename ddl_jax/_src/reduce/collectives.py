@@ -3,6 +3,10 @@
 Each function sums a pytree over the devices of one mesh axis and equals ``lax.psum``
 (exactly for integers). Leaves of one dtype are fused into a single flat buffer first, as
 Horovod's tensor fusion does, so a model costs one algorithm run per dtype, not per leaf.
+Over ``(mesh axis, VIRTUAL)`` (a strategy's ``workers=``, several workers a device) the
+rounds run between workers through :func:`ppermute`, with the results of one worker a
+device: a move within a device is local, and a device's moves to its neighbours travel
+as one permute per device shift, all its workers' rows in it.
 
 The results are equal on every device, but JAX types them as *varying* over the axis (it
 cannot prove that values received from neighbours agree). Use them where per-device values
@@ -23,8 +27,11 @@ from jax import lax
 from ddl_jax._src.core.flat import map_fused
 from ddl_jax._src.core.strategy import VIRTUAL
 
+#: A mesh axis, or ``(mesh axis, VIRTUAL)``: every worker, several a device.
+Axis = str | tuple[str, ...]
 
-def check_axis_in_scope(axis: str | tuple[str, ...], *, arg: str = "axis") -> int:
+
+def check_axis_in_scope(axis: Axis, *, arg: str = "axis") -> int:
     """Returns the size of the enclosing ``shard_map``'s mesh axis ``axis``, or raises.
     ``(axis, VIRTUAL)``: every worker, several a device (a strategy's ``workers=``)."""
     names = jax.sharding.get_abstract_mesh().axis_names
@@ -37,7 +44,7 @@ def check_axis_in_scope(axis: str | tuple[str, ...], *, arg: str = "axis") -> in
     return lax.axis_size(axis)
 
 
-def ppermute(x: jax.Array, axis: str | tuple[str, ...], perm: Any) -> jax.Array:
+def ppermute(x: jax.Array, axis: Axis, perm: Any) -> jax.Array:
     """``lax.ppermute(x, axis, perm)``; over ``(mesh axis, VIRTUAL)`` (several workers a
     device, inside the ``vmap`` over them), whose pairs ``lax.ppermute`` cannot take, the
     same move: the device's workers' values gathered, sent once per distinct device
@@ -63,7 +70,7 @@ def ppermute(x: jax.Array, axis: str | tuple[str, ...], perm: Any) -> jax.Array:
     return out
 
 
-def gather_workers(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
+def gather_workers(x: jax.Array, axis: Axis) -> jax.Array:
     """Every worker's ``x``, ``[N, ...]`` in worker order, over ``axis`` or ``(mesh axis,
     VIRTUAL)`` (several workers a device: gathered within the device, then across)."""
     if isinstance(axis, str) or VIRTUAL not in axis:
@@ -72,14 +79,18 @@ def gather_workers(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
     return lax.all_gather(lax.all_gather(x, VIRTUAL), mesh_axis, tiled=True)
 
 
-def _allreduce(tree: Any, axis_name: str, algorithm: Callable[[jax.Array, str, int], jax.Array]):
+def _allreduce(tree: Any, axis_name: Axis, algorithm: Callable[[jax.Array, Axis, int], jax.Array]):
     n = check_axis_in_scope(axis_name, arg="axis_name")
     if n == 1:  # the sum over one device is its own value: no buffers, no rounds
         return jax.tree.map(jnp.asarray, tree)
-    return map_fused(lambda flat: algorithm(flat, axis_name, n), tree)
+    total = map_fused(lambda flat: algorithm(flat, axis_name, n), tree)
+    if isinstance(axis_name, str) or VIRTUAL not in axis_name:
+        return total
+    # a device's workers hold the same sum: one copy of it, shared by them (unmapped)
+    return jax.tree.map(lambda x: lax.all_gather(x, VIRTUAL)[0], total)
 
 
-def _ring(x: jax.Array, axis: str, n: int) -> jax.Array:
+def _ring(x: jax.Array, axis: Axis, n: int) -> jax.Array:
     size = x.size
     chunk = -(-size // n)
     buf = jnp.pad(x, (0, chunk * n - size)).reshape(n, chunk)
@@ -87,11 +98,11 @@ def _ring(x: jax.Array, axis: str, n: int) -> jax.Array:
     to_right = [(j, (j + 1) % n) for j in range(n)]
 
     def reduce_scatter(r, buf):  # send chunk me-r, add the chunk me-r-1 arriving from the left
-        arrived = lax.ppermute(buf[(me - r) % n], axis, to_right)
+        arrived = ppermute(buf[(me - r) % n], axis, to_right)
         return buf.at[(me - r - 1) % n].add(arrived)
 
     def all_gather(r, buf):  # pass the finished chunk me+1-r on, store chunk me-r
-        arrived = lax.ppermute(buf[(me + 1 - r) % n], axis, to_right)
+        arrived = ppermute(buf[(me + 1 - r) % n], axis, to_right)
         return buf.at[(me - r) % n].set(arrived)
 
     buf = lax.fori_loop(0, n - 1, reduce_scatter, buf)  # now chunk me+1 is the full sum
@@ -99,7 +110,7 @@ def _ring(x: jax.Array, axis: str, n: int) -> jax.Array:
     return buf.reshape(-1)[:size]
 
 
-def ring_allreduce(x: Any, axis_name: str) -> Any:
+def ring_allreduce(x: Any, axis_name: Axis) -> Any:
     """Sums ``x`` over ``axis_name`` with the ring algorithm (Patarasuk & Yuan 2009; Horovod).
 
     The flat buffer is cut into N chunks. Reduce-scatter: in each of N-1 rounds every device
@@ -116,7 +127,8 @@ def ring_allreduce(x: Any, axis_name: str) -> Any:
 
     Args:
       x: pytree of arrays, this device's values.
-      axis_name: mesh axis of the enclosing ``shard_map`` to sum over.
+      axis_name: mesh axis of the enclosing ``shard_map`` to sum over, or ``(axis,
+        VIRTUAL)``: every worker, several a device.
 
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
@@ -141,20 +153,20 @@ def ring_allreduce(x: Any, axis_name: str) -> Any:
     return _allreduce(x, axis_name, _ring)
 
 
-def _tree(x: jax.Array, axis: str, n: int) -> jax.Array:
+def _tree(x: jax.Array, axis: Axis, n: int) -> jax.Array:
     me = lax.axis_index(axis)
     d = 1
     while d < n:  # reduce: the right child of each subtree sends its partial sum left
-        x = x + lax.ppermute(x, axis, [(j, j - d) for j in range(d, n, 2 * d)])
+        x = x + ppermute(x, axis, [(j, j - d) for j in range(d, n, 2 * d)])
         d *= 2
     while d > 1:  # broadcast the root's sum back down the same tree
         d //= 2
-        arrived = lax.ppermute(x, axis, [(j, j + d) for j in range(0, n - d, 2 * d)])
+        arrived = ppermute(x, axis, [(j, j + d) for j in range(0, n - d, 2 * d)])
         x = jnp.where(me % (2 * d) == d, arrived, x)
     return x
 
 
-def tree_allreduce(x: Any, axis_name: str) -> Any:
+def tree_allreduce(x: Any, axis_name: Axis) -> Any:
     """Sums ``x`` over ``axis_name`` with a binomial tree: reduce to device 0, broadcast back.
 
     Reduce: in round k (k = 0, 1, ...) every device whose index is ``2^k`` modulo
@@ -168,7 +180,8 @@ def tree_allreduce(x: Any, axis_name: str) -> Any:
 
     Args:
       x: pytree of arrays, this device's values.
-      axis_name: mesh axis of the enclosing ``shard_map`` to sum over.
+      axis_name: mesh axis of the enclosing ``shard_map`` to sum over, or ``(axis,
+        VIRTUAL)``: every worker, several a device.
 
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
@@ -176,17 +189,20 @@ def tree_allreduce(x: Any, axis_name: str) -> Any:
     return _allreduce(x, axis_name, _tree)
 
 
-def _ps(x: jax.Array, axis: str, n: int) -> jax.Array:
+def _ps(x: jax.Array, axis: Axis, n: int) -> jax.Array:
+    if not isinstance(axis, str) and VIRTUAL in axis:  # N - 1 permutes of all rows: O(N^2)
+        rows = gather_workers(x, axis)  # the server's arrivals, in worker order
+        return lax.scan(lambda total, row: (total + row, None), rows[0], rows[1:])[0]
     me = lax.axis_index(axis)
     total = x
     for j in range(1, n):  # every worker pushes to the server, one at a time
-        total = total + lax.ppermute(x, axis, [(j, 0)])
+        total = total + ppermute(x, axis, [(j, 0)])
     for j in range(1, n):  # the server sends the sum back to each worker
-        total = jnp.where(me == j, lax.ppermute(total, axis, [(0, j)]), total)
+        total = jnp.where(me == j, ppermute(total, axis, [(0, j)]), total)
     return total
 
 
-def ps_allreduce(x: Any, axis_name: str) -> Any:
+def ps_allreduce(x: Any, axis_name: Axis) -> Any:
     """Sums ``x`` over ``axis_name`` through a central parameter server (device 0).
 
     Every worker sends its values to device 0, which sums them and sends the sum back to
@@ -194,14 +210,18 @@ def ps_allreduce(x: Any, axis_name: str) -> Any:
     server's link as the bottleneck.
 
     Cost for a K-byte buffer: ``2 (N-1)`` rounds; each worker sends K bytes and device 0
-    sends ``(N-1) K`` bytes (and receives as many), growing with N.
+    sends ``(N-1) K`` bytes (and receives as many), growing with N. Over ``(axis,
+    VIRTUAL)`` (several workers a device) the server's arrivals come from one gather of
+    every worker's values, added in the same order: the sum of N devices, the
+    simulation's bytes rather than the method's.
 
     References:
       Dean et al., "Large Scale Distributed Deep Networks", NeurIPS 2012.
 
     Args:
       x: pytree of arrays, this device's values.
-      axis_name: mesh axis of the enclosing ``shard_map`` to sum over.
+      axis_name: mesh axis of the enclosing ``shard_map`` to sum over, or ``(axis,
+        VIRTUAL)``: every worker, several a device.
 
     Returns:
       The sum over the axis, same structure, shapes and dtypes as ``x``.
