@@ -261,7 +261,11 @@ def test_workers_must_divide_over_the_devices():
         ddl.local_sgd(inner=inner, period=4, workers=16)
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "gossip_ring", "async", "async_sharded"])
+@pytest.mark.parametrize(
+    "name",
+    ["local_sgd", "gossip_ring", "async", "async_sharded", "data_parallel_ring",
+     "data_parallel_power_sgd", "streaming_diloco_overlap", "noloco_uniform_no_pull"],
+)  # fmt: skip
 def test_several_workers_a_device_compile_once_and_resume_bitwise(name, tmp_path):
     builds = {"async": _async("async"), "async_sharded": _async("async", server="sharded")}
     build = builds.get(name) or SYNCHRONOUS[name]
