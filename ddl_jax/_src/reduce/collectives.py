@@ -190,7 +190,8 @@ def tree_allreduce(x: Any, axis_name: Axis) -> Any:
 
 
 def _ps(x: jax.Array, axis: Axis, n: int) -> jax.Array:
-    if not isinstance(axis, str) and VIRTUAL in axis:  # N - 1 permutes of all rows: O(N^2)
+    if not isinstance(axis, str) and VIRTUAL in axis:
+        # N - 1 permutes, each of every device's rows, would cost O(N^2): one gather
         rows = gather_workers(x, axis)  # the server's arrivals, in worker order
         return lax.scan(lambda total, row: (total + row, None), rows[0], rows[1:])[0]
     me = lax.axis_index(axis)
