@@ -5,8 +5,10 @@ A 3-layer 64-wide MLP, 8 examples per worker (a global batch of 8N), on 8 simula
 devices in one process, every strategy with ``workers=N`` (N / 8 workers a device):
 ``data_parallel`` (SGD), ``local_sgd`` (Adam, period 16), ``gossip`` (SGD, ring) and
 ``async_sgd`` (SGD, random compute times, spread 0.2) with its server replicated (the
-default) and sharded (``server="sharded"``). Per N: compile seconds, the median of 7
-steady-state steps after 3 warm-up steps, async's step over data parallelism's, and its
+default) and sharded (``server="sharded"``). Per N: compile seconds, the median of 15
+steady-state steps after 3 warm-up steps (3 rounds of the strategies in turn, 5 steps
+each after an untimed one, so a slow spell of the machine meets them all), async's step
+over data parallelism's, and its
 mean staleness over those steps (Gupta et al.: about N - 1 for naive async). Prints each
 one's growth exponent (the slope of log step time against log N from 64 workers up).
 Writes benchmarks/results/scaling.md.
@@ -31,6 +33,7 @@ from flax import nnx
 import ddl_jax as ddl
 
 HERE = Path(__file__).parent
+ROUNDS, BLOCK = 3, 5  # rounds of the strategies in turn; steps timed per strategy a round
 
 
 def _loss(model, batch):
@@ -59,24 +62,30 @@ def measure(n: int) -> dict[str, dict[str, float]]:
             loss_fn, optax.sgd(0.01), mesh, workers=n, compute_time=times, server="sharded"
         ),
     }
-    out = {}
+    runs, out = {}, {}
     for name, strategy in strategies.items():
         state = strategy.init(params)
         tick = time.perf_counter()
         step = jax.jit(strategy.step, donate_argnums=0).lower(state, batch).compile()
-        compile_s = time.perf_counter() - tick
+        out[name] = {"compile": time.perf_counter() - tick}
         for _ in range(3):
             state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
-        seconds, staleness = [], []
-        for _ in range(7):
-            tick = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready(metrics)
-            seconds.append(time.perf_counter() - tick)
-            staleness.append(float(metrics.get("staleness_mean", np.nan)))
-        out[name] = {"compile": compile_s, "step": statistics.median(seconds),
-                     "staleness": float(np.mean(staleness))}  # fmt: skip
+        runs[name] = [step, state, [], []]
+    # the strategies in turn, a block of steps each (the first, which finds the caches
+    # holding another strategy's arrays, untimed), so a slow spell meets them all
+    for _ in range(ROUNDS):
+        for run in runs.values():
+            step, _, seconds, staleness = run
+            for timed in (False,) + (True,) * BLOCK:
+                tick = time.perf_counter()
+                run[1], metrics = step(run[1], batch)
+                jax.block_until_ready(metrics)
+                if timed:
+                    seconds.append(time.perf_counter() - tick)
+                    staleness.append(float(metrics.get("staleness_mean", np.nan)))
+    for name, (_, _, seconds, staleness) in runs.items():
+        out[name] |= {"step": statistics.median(seconds), "staleness": float(np.mean(staleness))}
     return out
 
 
