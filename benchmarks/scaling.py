@@ -8,9 +8,9 @@ devices in one process, every strategy with ``workers=N`` (N / 8 workers a devic
 default) and sharded (``server="sharded"``). Per N: compile seconds, the median of 15
 steady-state steps after 3 warm-up steps (3 rounds of the strategies in turn, 5 steps
 each after an untimed one, so a slow spell of the machine meets them all), async's step
-over data parallelism's, and its
-mean staleness over those steps (Gupta et al.: about N - 1 for naive async). Prints each
-one's growth exponent (the slope of log step time against log N from 64 workers up).
+over data parallelism's, and its mean staleness over those steps (Gupta et al.: about
+N - 1 for naive async). Prints each one's growth exponent (the slope of log step time
+against log N from 64 workers up).
 Writes benchmarks/results/scaling.md.
 
     python -P benchmarks/scaling.py [--workers 8,16,32,64,128,256,512,1024]
