@@ -288,8 +288,13 @@ def run_one(
             one_each = spec.build(
                 _context(workload, mesh, config, eval_every)._replace(workers=None)
             )
-            work = _worker_compute(one_each.step, one_each.init(workload.params), batch, per_device)
+            one_state, rows = one_each.init(workload.params), _worker_rows(batch, per_device)
+            work = sim.compute_stats(jax.jit(one_each.step), one_state, rows)
             stats = sim.per_worker(stats, per_device)
+            if family.exchange_one_a_device:  # its exchange as one worker a device sends it
+                one = ddl.comm_stats(jax.jit(one_each.step), one_state, rows)
+                ops = [op for op in stats.ops if not op.branch]
+                stats = sim.summarise((*ops, *(op for op in one.ops if op.branch)))
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
         if spec.inner is not None:  # an island's collectives on its own network
             within, stats = sim.split_islands(stats, mesh.size // config.islands)
@@ -458,12 +463,11 @@ def _check_strategies(
         )
 
 
-def _worker_compute(step: Any, state: Any, batch: Any, per_device: int) -> sim.ComputeStats:
-    """What one worker computes: ``step`` (one worker a device) on the rows of one worker
-    a device, the first 1 / ``per_device`` of ``batch``'s (with several workers a device,
-    a device's program shares its weights among its workers' rows)."""
-    rows = jax.tree.map(lambda x: x[: x.shape[0] // per_device], batch)
-    return sim.compute_stats(jax.jit(step), state, rows)
+def _worker_rows(batch: Any, per_device: int) -> Any:
+    """The rows of one worker a device: the first 1 / ``per_device`` of ``batch``'s. What
+    one worker computes is a program with one worker a device on them (with several
+    workers a device, a device's program shares its weights among its workers' rows)."""
+    return jax.tree.map(lambda x: x[: x.shape[0] // per_device], batch)
 
 
 def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
@@ -471,7 +475,8 @@ def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
     worker's gradient and update, the async family's unit of compute."""
     strategy = ddl.data_parallel(workload.loss_fn, optax.adam(LEARNING_RATE), mesh)
     state, batch = strategy.init(workload.params), next(workload.batches(0))
-    work = _worker_compute(strategy.step, state, batch, config.worker_count // config.devices)
+    rows = _worker_rows(batch, config.worker_count // config.devices)
+    work = sim.compute_stats(jax.jit(strategy.step), state, rows)
     return sim.estimate_compute_time(work, DEVICES[config.compute])
 
 

@@ -145,6 +145,11 @@ class Family(NamedTuple):
       describe: one line saying what the strategy does.
       asynchronous: simulated by ``ddl.async_sgd`` (gets the straggler's compute time).
       unreliable: has a model of lost messages (takes ``--drop``).
+      exchange_one_a_device: with several workers a device (``--workers``), the
+        collectives of its events (those in branches) are priced from its program with
+        one worker a device, not by ``ddl.sim.per_worker``: there a worker sends its peer
+        what it sends whatever the worker count, where the program with several a device
+        gathers every worker's values (NoLoCo), which the method does not send.
     """
 
     build: Callable[[Any, BuildContext], Strategy]
@@ -154,6 +159,7 @@ class Family(NamedTuple):
     describe: str
     asynchronous: bool = False
     unreliable: bool = False
+    exchange_one_a_device: bool = False
 
 
 def _int(minimum: int) -> Callable[[str], int]:
@@ -378,17 +384,19 @@ FAMILIES: dict[str, Family] = {
         "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
     ),
     "noloco": Family(
-        _one_a_device(
-            "with several workers a device NoLoCo gathers every worker's values to read its "
-            "peer's, bytes the method does not send, so its price would be wrong",
-            lambda h, ctx: ddl.noloco(
-                ctx.loss_fn, optax.adamw(LEARNING_RATE), ctx.mesh, period=h, consensus_every=0
-            ),
+        lambda h, ctx: ddl.noloco(
+            ctx.loss_fn,
+            optax.adamw(LEARNING_RATE),
+            ctx.mesh,
+            period=h,
+            consensus_every=0,
+            workers=ctx.workers,
         ),
         _int(1),
         "16",
         "the period H, an integer >= 1 (e.g. noloco:16)",
         "NoLoCo: every H steps an outer step (lr 0.7, momentum 0.5) with one random peer",
+        exchange_one_a_device=True,
     ),
     "demo": Family(
         lambda ratio, ctx: ddl.data_parallel(
