@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import child_env
@@ -129,6 +130,43 @@ def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
     assert "each in a network namespace, 100mbit" in stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not re.search(r"^d\d+(n\d+|br)\b", names, re.M), names  # all removed
+
+
+def _namespaces(tag):
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return re.findall(rf"^{tag}\w+", listed, re.M) + [p for p in os.listdir("/etc/netns")
+                                                     if p.startswith(tag)]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
+    reason="network namespaces and tc need root",
+)
+def test_a_terminated_emulation_removes_its_network(tmp_path):
+    """A SIGTERM while the processes run on the emulated network (a job scheduler's stop,
+    ``kill``) removes the namespaces, as an error does."""
+    cmd = [sys.executable, "-m", "ddl_jax.cli", "compare", "--devices", "2", "--out",
+           str(tmp_path), "--workload", "digits-mlp", "--steps", "8", "--target", "0.3",
+           "--strategies", "sync", "--emulate", "100mbit"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    tag = f"d{proc.pid % 100000}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _namespaces(tag):  # the simulated run trains first
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        time.sleep(1.0)  # the calibration's processes start on it
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "terminated; removing the emulated network" in stderr
+    assert _namespaces(tag) == []
 
 
 def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most_of_it(capsys):

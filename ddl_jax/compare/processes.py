@@ -17,13 +17,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ddl_jax.compare.specs import CompareError
 
@@ -127,16 +128,38 @@ def _qdiscs(ns: str, dev: str, emulation: Emulation) -> None:
 
 
 @contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Inside, a SIGTERM (``kill``, a job scheduler's stop) raises ``SystemExit(143)`` in
+    the main thread, so that the ``finally`` blocks it unwinds through run: Python's own
+    handling of SIGTERM ends the process without them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        print("ddl-jax compare: terminated; removing the emulated network", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def emulated(n: int, emulation: Emulation) -> Iterator[Cluster]:
     """N network namespaces on a bridge, every link limited to ``emulation``; removed on
-    exit (also after an error)."""
+    exit (also after an error, an interrupt or a SIGTERM, which stops the processes on
+    it first)."""
     check_emulation_possible()
     tag = f"d{os.getpid() % 100000}"
     bridge = f"{tag}br"
     names = [(f"{tag}n{i}", f"{tag}v{i}", f"{tag}b{i}", f"10.77.0.{i + 1}", f"{tag}h{i}")
              for i in range(n)]  # fmt: skip
     hosts = "127.0.0.1 localhost\n" + "".join(f"{ip} {host}\n" for *_, ip, host in names)
-    try:
+    with _terminate_as_exit(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(_remove, names, bridge)
         _sh("ip", "netns", "add", bridge)
         _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", bridge, "link", "set", "br0", "up")
@@ -161,11 +184,14 @@ def emulated(n: int, emulation: Emulation) -> Iterator[Cluster]:
         )  # fmt: skip
         link = emulation.rate + (f", {emulation.delay} delay" if emulation.delay else "")
         yield Cluster(prefixes, names[0][3], f"{n} processes, each in a network namespace, {link}")
-    finally:
-        for ns, *_ in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        subprocess.run(["ip", "netns", "del", bridge], capture_output=True)
+
+
+def _remove(names: list[tuple[str, ...]], bridge: str) -> None:
+    """The namespaces ``names`` (and their hosts files) and ``bridge`` removed."""
+    for ns, *_ in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    subprocess.run(["ip", "netns", "del", bridge], capture_output=True)
 
 
 def _free_port() -> int:
