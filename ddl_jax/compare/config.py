@@ -61,7 +61,7 @@ class Config:
       workers: simulated workers, a multiple of ``devices`` (``None``: one a device); more
         than ``devices`` runs several a device (the strategies' ``workers=``), each priced
         as one worker of the same run on one device each (``ddl.sim.per_worker``); FSDP,
-        the ring all-reduce, NoLoCo and stacked specs keep one a device and refuse.
+        the ring all-reduce and stacked specs keep one a device and refuse.
     """
 
     workload: str = "digits-mlp"

@@ -276,23 +276,25 @@ def run_one(
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
     stats = ddl.comm_stats(jitted, state, batch)
-    work = sim.compute_stats(jitted, state, batch)
     events = _event_metrics(history[0])
     event = "+".join(events) or None
+    per_device = config.worker_count // config.devices
+    if family.asynchronous or per_device == 1:
+        work = sim.compute_stats(jitted, state, batch)
     if family.asynchronous:
         compute_s = gradient_s
         comm = _server_comm(_float_bytes(workload.params), config.worker_count, network)
     else:
-        per_device = config.worker_count // config.devices
         if per_device > 1:  # a worker's compute, and what each worker sends
             one_each = spec.build(
                 _context(workload, mesh, config, eval_every)._replace(workers=None)
             )
-            one_state, rows = one_each.init(workload.params), _worker_rows(batch, per_device)
-            work = sim.compute_stats(jax.jit(one_each.step), one_state, rows)
+            one_step, rows = jax.jit(one_each.step), _worker_rows(batch, per_device)
+            one_state = one_each.init(workload.params)
+            work = sim.compute_stats(one_step, one_state, rows)
             stats = sim.per_worker(stats, per_device)
             if family.exchange_one_a_device:  # its exchange as one worker a device sends it
-                one = ddl.comm_stats(jax.jit(one_each.step), one_state, rows)
+                one = ddl.comm_stats(one_step, one_state, rows)
                 ops = [op for op in stats.ops if not op.branch]
                 stats = sim.summarise((*ops, *(op for op in one.ops if op.branch)))
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])

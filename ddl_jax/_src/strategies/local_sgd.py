@@ -592,7 +592,7 @@ def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
     )
 
 
-def _block_mean(tree: Any, axis: str | tuple[str, ...], n: int, size: int) -> Any:
+def _block_mean(tree: Any, axis: collectives.Axis, n: int, size: int) -> Any:
     """Each floating leaf's mean over the worker's block ``k size, ..., (k+1) size - 1``.
 
     ``shard_map`` collectives take no ``axis_index_groups``, so the block's members arrive
