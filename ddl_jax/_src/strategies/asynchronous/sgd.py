@@ -140,6 +140,19 @@ def _masked_rows(tree: Any, keep: jax.Array) -> Any:
     return jax.tree.map(lambda x: jnp.where(_rows(keep, x), x, jnp.zeros_like(x)), tree)
 
 
+def _write(slots: Any, x: Any, at: jax.Array) -> Any:
+    """``x`` written to row ``at`` of ``slots`` (leaves ``[rows, ...]``)."""
+    return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, at, 0), slots, x)
+
+
+def _write_over(rows: jax.Array, x: jax.Array, at: jax.Array) -> jax.Array:
+    """``x`` written to row ``at`` of ``rows`` (``[m, ...]``); nothing for ``at == m``."""
+    m = rows.shape[0]
+    row = jnp.minimum(at, m - 1)
+    old = lax.dynamic_index_in_dim(rows, row, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(rows, jnp.where(at < m, x, old), row, 0)
+
+
 def _held_empty(model_state: Any) -> Any:
     """An empty group's model state: zero sums (at least float32), integers at their min."""
 
@@ -455,37 +468,44 @@ class _Program(NamedTuple):
         The work is linear in the events: after event e the server's state is written to
         one slot, that of the first worker whose last fetch is e, and after the events
         each worker reads its slot. A replicated server keeps slots for this device's
-        workers (``k + 1``, the last a scratch one), from an all-gather of every push; a
-        sharded one keeps its shard of every worker's slot (``N + 1``), from an
-        all-to-all of the pushes' shards, and an all-to-all sends each worker its
-        shards."""
+        workers (``k + 1``, the last a scratch one), from an all-gather of every push. A
+        sharded one receives its shard of every push by an all-to-all and writes its
+        shard of the parameters over the pushes' own rows: a worker's push is read at its
+        arrival, which comes before its last fetch or is that event (the push is read
+        first), so its row is free when its slot is written. Each event then has at most
+        one fetching worker, its own, unless softsync groups or the SSP bound release
+        several at once; an all-to-all sends each worker its shards."""
         owners = last if self.sharded else last[me]  # the workers whose slots are here
         m, count = owners.shape[0], events.worker.shape[0]
         at = jnp.where(owners >= 0, owners, count)  # a worker that did not fetch: the end
         first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
-        writer, slot = first[:count], first[at]  # slot m: a scratch one, never read
+        writer, slot = first[:count], first[at]  # slot m: none (a scratch row, or clamped)
         rows = (pushed, local.workers.new_model_state)
         exchanged = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
-        push = functools.partial(self.push, exchanged)
+        gradients, model_states = exchanged
         server = local._replace(workers=None)  # the events leave the workers' rows alone
         if self.sharded:  # this device's shard, unstacked
             server = _shard(server, unstack)
-        now = (server.params, server.model_state)
-        slots = jax.tree.map(lambda x: jnp.zeros((owners.shape[0] + 1, *x.shape), x.dtype), now)
+        empty = lambda x: jnp.zeros((m + 1, *x.shape), x.dtype)  # noqa: E731
+        slots = jax.tree.map(empty, (server.params, server.model_state))
+        if self.sharded:  # the parameters' slots are the pushes' rows
+            slots = (gradients, slots[1])
 
         def one(carry: tuple[_Local, Any], xs: Any) -> tuple[tuple[_Local, Any], None]:
-            local, slots = carry
+            local, (params, model_state) = carry
             event, at = xs
-            local = lax.cond(event.push, push, _keep, local, event)
-            now = (local.params, local.model_state)
-            write = lambda s, x: lax.dynamic_update_index_in_dim(s, x, at, 0)  # noqa: E731
-            return (local, jax.tree.map(write, slots, now)), None
+            pushes = (params if self.sharded else gradients, model_states)
+            local = lax.cond(event.push, functools.partial(self.push, pushes), _keep, local, event)
+            params = (_write_over if self.sharded else _write)(params, local.params, at)
+            return (local, (params, _write(model_state, local.model_state, at))), None
 
         carry = (server, vary(slots, (self.kit.axis,)))
         # not the events' [events, N] start and fetch flags: O(N^2), read through ``last``
         events = events._replace(start=None, fetch=None)
-        (server, slots), _ = lax.scan(one, carry, (events, writer))
-        params, model_state = jax.tree.map(lambda s: s[slot], slots)
+        (server, (params, model_state)), _ = lax.scan(one, carry, (events, writer))
+        model_state = jax.tree.map(lambda s: s[slot], model_state)
+        if not (self.sharded and self.rules.group_size == 1 and self.rules.bound is None):
+            params = jax.tree.map(lambda s: s[slot], params)  # else each row is its worker's
         workers = local.workers
         if self.sharded:
             server = _shard(server, restack)
