@@ -468,7 +468,8 @@ class _Program(NamedTuple):
         The work is linear in the events: after event e the server's state is written to
         one slot, that of the first worker whose last fetch is e, and after the events
         each worker reads its slot. A replicated server keeps slots for this device's
-        workers (``k + 1``, the last a scratch one), from an all-gather of every push. A
+        workers (``k + 1``, the last a scratch one), from an all-gather of every push
+        (typed the same on every device, as the server's updates read from it must be). A
         sharded one receives its shard of every push by an all-to-all and writes its
         shard of the parameters over the pushes' own rows: a worker's push is read at its
         arrival, which comes before its last fetch or is that event (the push is read
