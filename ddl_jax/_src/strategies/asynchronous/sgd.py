@@ -488,9 +488,9 @@ class _Program(NamedTuple):
         if self.sharded:  # this device's shard, unstacked
             server = _shard(server, unstack)
         empty = lambda x: jnp.zeros((m + 1, *x.shape), x.dtype)  # noqa: E731
-        slots = jax.tree.map(empty, (server.params, server.model_state))
-        if self.sharded:  # the parameters' slots are the pushes' rows
-            slots = (gradients, slots[1])
+        # a sharded server's slots for the parameters are the pushes' rows
+        params = gradients if self.sharded else jax.tree.map(empty, server.params)
+        slots = (params, jax.tree.map(empty, server.model_state))
 
         def one(carry: tuple[_Local, Any], xs: Any) -> tuple[tuple[_Local, Any], None]:
             local, (params, model_state) = carry
