@@ -574,6 +574,8 @@ class _Program(NamedTuple):
             model_state = _held_mean(held.model_state, size, model_state)
             local = local._replace(protocol=held)
         staleness = event.update_staleness
+        if self.rules.group_size == 1:  # every push is an update: event.apply is event.push
+            return self.apply(local, gradient, model_state, staleness)
         return lax.cond(event.apply, self.apply, _keep, local, gradient, model_state, staleness)
 
     def apply(self, local: _Local, gradient: Any, model_state: Any, staleness: jax.Array) -> _Local:
