@@ -5,7 +5,9 @@ The digits MLP workload of ``ddl-jax compare`` (its model, test set and Adam lea
 rate; 16 examples per worker each step, drawn with replacement from the 1,437 training
 images, as 1,024 workers' batches outnumber them), every strategy with ``workers=N``
 (N / 8 workers a device): naive ``async`` SGD, ``softsync(8)``, ``ssp(4)`` (random
-compute times, spread 0.2), ``gossip`` on a ring, and local SGD (period 16) whose
+compute times, spread 0.2), async and softsync(8) with Zhang et al.'s staleness-aware
+learning rate (``ddl.scale_by_staleness()`` after Adam: lr / tau), ``gossip`` on a ring,
+and local SGD (period 16) whose
 synchronisations drop 10% of the workers' messages and whose workers leave with
 probability 10% a step. Each trains ``--steps`` steps; per run: the test accuracy after
 them, the async family's mean staleness over the last 10 steps, and the replicas'
@@ -37,12 +39,17 @@ HERE = Path(__file__).parent
 def strategies(loss_fn, mesh, n):
     """The strategies of the study, each with ``n`` workers on ``mesh``."""
     adam = optax.adam(LEARNING_RATE)
+    aware = optax.chain(adam, ddl.scale_by_staleness())  # Zhang et al.: lr / tau
     times = ddl.compute_times(1.0, spread=0.2, seed=0)
-    server = {"compute_time": times, "workers": n}
+    # Adam acts elementwise: a sharded server is the same run, each device a block
+    server = {"compute_time": times, "workers": n, "server": "sharded"}
+    softsync = {"protocol": ddl.softsync(8), **server}
     return {
         "async": ddl.async_sgd(loss_fn, adam, mesh, **server),
-        "softsync:8": ddl.async_sgd(loss_fn, adam, mesh, protocol=ddl.softsync(8), **server),
+        "softsync:8": ddl.async_sgd(loss_fn, adam, mesh, **softsync),
         "ssp:4": ddl.async_sgd(loss_fn, adam, mesh, protocol=ddl.ssp(4), **server),
+        "async, lr / tau": ddl.async_sgd(loss_fn, aware, mesh, **server),
+        "softsync:8, lr / tau": ddl.async_sgd(loss_fn, aware, mesh, **softsync),
         "gossip:ring": ddl.gossip(loss_fn, adam, mesh, workers=n, consensus_every=1),
         "local:16, drop 0.1, churn 0.1": ddl.local_sgd(
             loss_fn, adam, mesh, period=16, drop=0.1, churn=0.1, workers=n

@@ -35,6 +35,8 @@ def test_the_choices_compare_offers_are_the_librarys():
         ("topk:0.01", Spec("topk:0.01", "topk", 0.01)),
         ("powersgd:2", Spec("powersgd:2", "powersgd", 2)),
         ("ssp:0", Spec("ssp:0", "ssp", 0)),
+        ("async", Spec("async", "async", None)),
+        ("async:inverse", Spec("async:inverse", "async", "inverse")),  # an optional one
         ("fsdp", Spec("fsdp:3", "fsdp", 3)),
         ("gossip:torus", Spec("gossip:torus", "gossip", "torus")),
         ("diloco/fsdp", Spec("diloco:16/fsdp:3", "diloco", 16, Spec("fsdp:3", "fsdp", 3))),
@@ -56,6 +58,7 @@ BAD = [
     (["--strategies", "gossip:star"], "expected a topology, one of ring, torus"),
     (["--strategies", "fsdp:4"], "expected the ZeRO stage, 1, 2 or 3"),
     (["--strategies", "sync:3"], "strategy 'sync' takes no parameter"),
+    (["--strategies", "async:fast"], "expected a staleness rule for the server's step, inverse"),
     (["--strategies", "sync,sync"], "strategy 'sync' is listed twice"),
     (["--strategies", ""], "strategies must be a comma-separated list"),
     (["--network", "5g"], "unknown network '5g'; valid: 1gbps, 10gbps, 100gbps, ici"),
@@ -322,6 +325,16 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
     assert (tmp_path / "time_vs_bandwidth.png").read_bytes()[:4] == b"\x89PNG"
     for name in ("sync", "local_4", "async"):
         assert list((tensorboard / name).glob("events.out.tfevents.*")), name
+
+
+def test_async_with_a_staleness_rule_scales_the_servers_step(tmp_path):
+    """64 workers: pushes about 63 updates stale. Plain async with Adam does not learn;
+    with Zhang et al.'s lr / tau (``async:inverse``) it trains."""
+    flags = ["--workers", "64", "--strategies", "async,async:inverse", "--steps", "8"]
+    runs = _run(tmp_path, *flags, "--target", "0.5")
+    assert runs["async"]["final"] < 0.2
+    assert not runs["async:inverse"]["diverged"] and runs["async:inverse"]["final"] > 0.6
+    assert "Zhang et al." in runs["async:inverse"]["description"]
 
 
 def test_several_workers_a_device_compare_as_one_each(tmp_path):
