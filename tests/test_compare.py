@@ -37,6 +37,8 @@ def test_the_choices_compare_offers_are_the_librarys():
         ("ssp:0", Spec("ssp:0", "ssp", 0)),
         ("async", Spec("async", "async", None)),
         ("async:inverse", Spec("async:inverse", "async", "inverse")),  # an optional one
+        ("softsync:8", Spec("softsync:8", "softsync", (8, None))),
+        ("softsync:8:exp", Spec("softsync:8:exp", "softsync", (8, "exp"))),
         ("fsdp", Spec("fsdp:3", "fsdp", 3)),
         ("gossip:torus", Spec("gossip:torus", "gossip", "torus")),
         ("diloco/fsdp", Spec("diloco:16/fsdp:3", "diloco", 16, Spec("fsdp:3", "fsdp", 3))),
@@ -59,6 +61,7 @@ BAD = [
     (["--strategies", "fsdp:4"], "expected the ZeRO stage, 1, 2 or 3"),
     (["--strategies", "sync:3"], "strategy 'sync' takes no parameter"),
     (["--strategies", "async:fast"], "expected a staleness rule for the server's step, inverse"),
+    (["--strategies", "softsync:8:fast"], "an integer >= 1, then optionally a staleness rule"),
     (["--strategies", "sync,sync"], "strategy 'sync' is listed twice"),
     (["--strategies", ""], "strategies must be a comma-separated list"),
     (["--network", "5g"], "unknown network '5g'; valid: 1gbps, 10gbps, 100gbps, ici"),
@@ -328,13 +331,17 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
 
 
 def test_async_with_a_staleness_rule_scales_the_servers_step(tmp_path):
-    """64 workers: pushes about 63 updates stale. Plain async with Adam does not learn;
-    with Zhang et al.'s lr / tau (``async:inverse``) it trains."""
-    flags = ["--workers", "64", "--strategies", "async,async:inverse", "--steps", "8"]
+    """64 workers: pushes about 63 updates stale (softsync(4)'s groups about 16). Plain
+    async and softsync with Adam do not learn; with Zhang et al.'s lr / tau
+    (``async:inverse``, ``softsync:4:inverse``) they train."""
+    strategies = "async,async:inverse,softsync:4,softsync:4:inverse"
+    flags = ["--workers", "64", "--strategies", strategies, "--steps", "8"]
     runs = _run(tmp_path, *flags, "--target", "0.5")
-    assert runs["async"]["final"] < 0.2
-    assert not runs["async:inverse"]["diverged"] and runs["async:inverse"]["final"] > 0.6
-    assert "Zhang et al." in runs["async:inverse"]["description"]
+    for plain in ("async", "softsync:4"):
+        aware = runs[f"{plain}:inverse"]
+        assert runs[plain]["final"] < 0.2, plain
+        assert not aware["diverged"] and aware["final"] > 0.6, plain
+        assert "Zhang et al." in aware["description"]
 
 
 def test_several_workers_a_device_compare_as_one_each(tmp_path):

@@ -207,6 +207,12 @@ def _staleness_rule(text: str) -> str:
     return text
 
 
+def _group_and_rule(text: str) -> tuple[int, str | None]:
+    """``softsync``'s ``N`` or ``N:RULE``: the group size, and a staleness rule or none."""
+    size, colon, rule = text.partition(":")
+    return _int(1)(size), _staleness_rule(rule) if colon else None
+
+
 def _adam() -> optax.GradientTransformation:
     return optax.adam(LEARNING_RATE)
 
@@ -217,6 +223,11 @@ def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext
         times: Any = 1.0
         if ctx.straggler != 1.0:  # the last worker is the straggler
             times = ddl.compute_times([1.0] * (n - 1) + [ctx.straggler], seed=ctx.seed)
+        rule = None  # async:RULE, softsync:N:RULE: Zhang et al.'s staleness-aware step
+        if protocol == "async":
+            rule = param
+        elif protocol is softsync:
+            param, rule = param
         chosen = protocol(param) if callable(protocol) else protocol
         # the server's optimizers here act elementwise: a sharded server is the same run,
         # each device applying every push to its block of the parameters
@@ -224,8 +235,8 @@ def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext
                    "workers": ctx.workers, "server": "sharded"}  # fmt: skip
         if not local:
             server = _adam()
-            if protocol == "async" and param is not None:  # async:RULE, Zhang et al.
-                server = optax.chain(server, ddl.scale_by_staleness(param))
+            if rule is not None:
+                server = optax.chain(server, ddl.scale_by_staleness(rule))
             return ddl.async_sgd(ctx.loss_fn, server, ctx.mesh, **options)
         # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
         # momentum 0.5, as DiLoCo's 0.9 overshoots at H = 4 here (0.906 against 0.967 test
@@ -475,10 +486,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "softsync": Family(
         _async(softsync),
-        _int(1),
+        _group_and_rule,
         "2",
-        "gradients per server update, an integer >= 1 (e.g. softsync:2)",
-        "n-softsync: the server averages every n arrivals",
+        "gradients per server update, an integer >= 1, then optionally a staleness rule "
+        "for the server's step, inverse or exp (e.g. softsync:2, softsync:8:inverse)",
+        "n-softsync: the server averages every n arrivals (softsync:N:RULE: Adam's step "
+        "scaled by the group's mean staleness tau, Zhang et al.)",
         asynchronous=True,
         unreliable=True,
     ),
