@@ -482,8 +482,7 @@ class _Program(NamedTuple):
         first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
         writer, slot = first[:count], first[at]  # slot m: none (a scratch row, or clamped)
         rows = (pushed, local.workers.new_model_state)
-        exchanged = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
-        gradients, model_states = exchanged
+        gradients, model_states = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
         server = local._replace(workers=None)  # the events leave the workers' rows alone
         if self.sharded:  # this device's shard, unstacked
             server = _shard(server, unstack)
