@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,49 @@ def test_measured_processes_train_what_the_simulator_priced(tmp_path):
         "skipped": "asynchronous: simulated as a parameter server, not run as one"
     }
     assert "not measured: asynchronous" in stdout
+
+
+SWEEP_THEN_LOOK = """
+import os, sys, time
+from ddl_jax._src.xla_cpu import gloo_threads
+from ddl_jax.compare import worker
+
+worker.main(sys.argv[1:])
+time.sleep(1.0)  # the watcher looks twice a second
+loops = set()
+for _ in range(100):  # a loop thread spends moments outside epoll_wait
+    loops |= set(gloo_threads.loop_threads())
+    time.sleep(0.01)
+idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
+print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_measured_processes_idle_their_gloo_threads(tmp_path):
+    """The calibration sweep's processes (the tunings off) lower gloo's transport threads
+    to SCHED_IDLE: processes on one host stand for hosts of their own."""
+    script = tmp_path / "sweep_then_look.py"
+    script.write_text(SWEEP_THEN_LOOK)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{free.getsockname()[1]}"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), coordinator, "2", str(rank), "sweep"],
+                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stderr[-2000:]
+        loops = re.search(r"gloo loop threads (\d+) all at SCHED_IDLE (\w+)", stdout)
+        assert loops and int(loops[1]) >= 1 and loops[2] == "True", stdout[-2000:]
 
 
 @pytest.mark.skipif(

@@ -160,6 +160,20 @@ def initialize(
     return True
 
 
+def idle_gloo_threads() -> None:
+    """Lowers this process's gloo TCP transport threads to ``SCHED_IDLE`` (Linux), those
+    running now and those XLA starts later (one per group of devices a collective first
+    runs over), so that they run only when the process's step waits.
+
+    One of the XLA:CPU tunings (``xla_cpu_tunings``), on its own. A loop thread spins while
+    a peer's message waits to be received; where processes share a host's cores it takes a
+    core from a step, its own process's or another's. ``ddl-jax compare --measure`` runs
+    its processes so: they stand for hosts of their own (``docs/figures.md``). A no-op off
+    Linux and in a process without gloo.
+    """
+    gloo_threads.start_idling()
+
+
 def _wait_for_coordinator(address: str, timeout: int, process_id: int, count: int) -> None:
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
