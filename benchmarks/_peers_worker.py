@@ -112,6 +112,8 @@ def run_jax() -> None:
             heartbeat_timeout_seconds=30,
             initialization_timeout=60,
         )
+        if os.environ.get("PEERS_IDLE_GLOO_THREADS") == "1":
+            ddl.launch.idle_gloo_threads()
     import jax.numpy as jnp
     import optax
     from jax.sharding import NamedSharding

@@ -4,9 +4,10 @@ to share the machine's cores.
 
 The same MLP (784-1024-1024-10), the same initial weights (drawn once with numpy and
 loaded into every framework), the same synthetic batches (256 examples per process) and
-plain SGD (lr 0.01) train under four programs: ``ddl.data_parallel`` as a user gets it
+plain SGD (lr 0.01) train under five programs: ``ddl.data_parallel`` as a user gets it
 (JAX's distributed runtime with gloo CPU collectives, via ``ddl.launch.initialize``), the
-same with the XLA:CPU tunings on (``DDL_JAX_XLA_CPU_TUNINGS=1``), PyTorch
+same with the XLA:CPU tunings on (``DDL_JAX_XLA_CPU_TUNINGS=1``), the same with one of
+them alone, gloo's transport threads idled (``ddl.launch.idle_gloo_threads``), PyTorch
 ``DistributedDataParallel`` (gloo), and a hand-written ``jax.shard_map`` + ``pmean`` step
 (leaf by leaf). Each runs with N = 1 and N = 2 processes in each setting: *pinned*, each
 process on its own core with ``taskset`` and one thread; *free*, no ``taskset`` and JAX's
@@ -36,6 +37,7 @@ from _pinned import free_port, run_pinned
 PROGRAMS = {
     "ddl": "ddl.data_parallel (default)",
     "ddl-tuned": "ddl.data_parallel, XLA:CPU tunings on",
+    "ddl-idle": "ddl.data_parallel, gloo threads idled (only)",
     "torch": "PyTorch DDP",
     "hand": "hand-written shard_map + pmean",
 }
@@ -52,9 +54,12 @@ def run_once(
     report or an error."""
     port = str(free_port())
     worker = Path(__file__).parent / "_peers_worker.py"
-    framework = "ddl" if program == "ddl-tuned" else program
+    framework = "ddl" if program.startswith("ddl") else program
     argvs = [[framework, str(n), str(i), port, json.dumps(config)] for i in range(n)]
-    env = {"DDL_JAX_XLA_CPU_TUNINGS": "1" if program == "ddl-tuned" else "0"}
+    env = {
+        "DDL_JAX_XLA_CPU_TUNINGS": "1" if program == "ddl-tuned" else "0",
+        "PEERS_IDLE_GLOO_THREADS": "1" if program == "ddl-idle" else "0",
+    }
     try:
         outs, errors, codes = run_pinned(
             worker, argvs, cores if setting == "pinned" else None, timeout, env
@@ -172,6 +177,8 @@ def setting_lines(setting: str, programs: list[str], by: dict, efficiency: dict)
             f"{fmt(ratio(by, setting, 'ddl-tuned', 'torch', n), '.2f')}",
             f"ddl / hand-written pmean {fmt(ratio(by, setting, 'ddl', 'hand', n), '.2f')}",
             f"ddl with the tunings / ddl {fmt(ratio(by, setting, 'ddl-tuned', 'ddl', n), '.2f')}",
+            f"ddl with idled gloo threads / ddl "
+            f"{fmt(ratio(by, setting, 'ddl-idle', 'ddl', n), '.2f')}",
         ]
         lines.append(f"N={n}: " + "; ".join(parts) + "  ")
     return [*lines, ""]
@@ -289,6 +296,9 @@ def main() -> None:
         },
         "tuned_over_torch": {
             f"{s} N={n}": ratio(by, s, "ddl-tuned", "torch", n) for s in settings for n in (1, 2)
+        },
+        "idle_over_ddl": {
+            f"{s} N={n}": ratio(by, s, "ddl-idle", "ddl", n) for s in settings for n in (1, 2)
         },
         "matrix_products_ms": dots.get("dots"),
     }
