@@ -167,9 +167,13 @@ def idle_gloo_threads() -> None:
 
     One of the XLA:CPU tunings (``xla_cpu_tunings``), on its own. A loop thread spins while
     a peer's message waits to be received; where processes share a host's cores it takes a
-    core from a step, its own process's or another's. ``ddl-jax compare --measure`` runs
-    its processes so: they stand for hosts of their own (``docs/figures.md``). A no-op off
-    Linux and in a process without gloo.
+    core from a step, its own process's or another's: 2 processes of
+    ``benchmarks/peers.py`` ran 2.16x faster pinned one a core and 1.56x free to share
+    them (``docs/figures.md``), with the same results. Off by default, as the tunings are:
+    a thread at ``SCHED_IDLE`` runs only on a core nothing else wants, and would starve on
+    a host whose cores other work keeps busy. ``ddl-jax compare --measure`` runs its
+    processes so: they stand for hosts of their own. A no-op off Linux and in a process
+    without gloo.
     """
     gloo_threads.start_idling()
 
