@@ -16,7 +16,11 @@ def simulate_cpu_devices(n: int) -> None:
     """Makes JAX's CPU backend expose ``n`` devices (call before any JAX computation).
 
     The devices share the host's cores: use them to check that a distributed program is
-    correct, not to measure speed-up.
+    correct, not to measure speed-up. A loop of your own over a compiled step should wait
+    for one every few steps (``jax.block_until_ready``), as ``ddl.fit`` does: with about a
+    hundred steps dispatched ahead, XLA:CPU's collectives among these devices can
+    deadlock, and XLA ends the process after 40 s ("Expected N threads to join the
+    rendezvous"; seen with 2 devices on 2 cores and a program of two ``psum``).
 
     Args:
       n: number of CPU devices, >= 1.
