@@ -15,7 +15,7 @@ import pytest
 from conftest import child_env
 
 from ddl_jax import cli
-from ddl_jax.compare import processes
+from ddl_jax.compare import measured, processes
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import CompareError
 
@@ -104,6 +104,15 @@ def _check_measured(results, stdout):
             simulated = got["simulated_seconds" if key == "error" else "calibrated_seconds"]
             assert got[key] == pytest.approx(simulated / got["seconds"] - 1)
     assert "| strategy | steps | measured |" in stdout
+    assert m["cores"] == len(os.sched_getaffinity(0)) and f"on {m['cores']} CPU cores" in stdout
+    assert ("warning: 2 processes on" in stdout) == (m["cores"] < 2)  # the crowding warning
+
+
+def test_more_processes_than_cores_are_warned_of():
+    assert measured.crowding(2, 2) is None and measured.crowding(4, 16) is None
+    warning = measured.crowding(4, 2)
+    assert warning.startswith("measure: warning: 4 processes on 2 cores: at most 2 run at once")
+    assert "give each process a core" in warning
 
 
 def test_measured_processes_train_what_the_simulator_priced(tmp_path):

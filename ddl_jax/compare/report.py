@@ -131,7 +131,8 @@ def _measured(results: dict[str, Any]) -> list[str]:
     nominal, fitted = m["nominal_network"], m["fitted_network"]
     lines = [
         "",
-        f"Measured: {m['cluster']}. Simulated, nominal: {nominal['bandwidth'] / 1e6:.4g} MB/s, "
+        f"Measured: {m['cluster']}, on {m['cores']} CPU cores. Simulated, nominal: "
+        f"{nominal['bandwidth'] / 1e6:.4g} MB/s, "
         f"{1e6 * nominal['latency']:.3g} us per message, the {results['config']['compute']} "
         f"model. Calibrated: fitted to a sweep of all-reduces and permutes across the "
         f"processes, {fitted['bandwidth'] / 1e6:.4g} MB/s, {1e6 * fitted['latency']:.3g} us "
