@@ -12,8 +12,8 @@ the digits MLP 5.4 to 6.8 ms, 24.5 ms with each process pinned to a core; idled,
 1.2 ms).
 
 ``sweep``: all-reduces across the processes, of 4 B to 16 MB, of 4 and 16 buffers
-combined, and 32 scalar all-reduces in turn; and scalar permutes (each process sends to
-the next), 1 and 32 in turn: per program, the messages, collectives and bytes
+combined, and 32 of 64 B in turn; and permutes (each process sends to the next), one of
+4 B and 32 of 64 B in turn: per program, the messages, collectives and bytes
 ``ddl.comm_stats`` reads from it and its median seconds.
 
 ``compute``: a probe step (each worker's gradient and Adam update on its own replica, only
@@ -45,13 +45,18 @@ import ddl_jax as ddl
 SWEEP_BYTES = (4, 64, 2**10, 2**14, 2**18, 2**20, 2**22, 2**24)
 #: Buffers of the sweep's combined all-reduces (of 1 kB and 64 kB each).
 SWEEP_BUFFERS = (4, 16)
-#: Scalar collectives in turn in one of the sweep's programs: their seconds beyond one's
+#: Small collectives in turn in one of the sweep's programs: their seconds beyond one's
 #: are latency and overhead (told apart by an all-reduce's 2 (N - 1) rounds and a
 #: permute's one).
-SCALARS = 32
-#: Permute sizes of the sweep, in bytes: scalars only, to tell overhead from latency.
-#: Larger permutes moved at about half the all-reduces' bandwidth (XLA:CPU's gloo, 2
-#: processes, 1 MB: 16 ms against 8.8 ms at 1 Gb/s), which one bandwidth cannot fit.
+IN_TURN = 32
+#: Their size, in bytes: not scalars. gloo all-reduces a scalar faster than any larger
+#: buffer (2 processes at 1 Gb/s: 0.11 ms against 0.15 to 0.36 ms for 64 B to 16 kB), so
+#: scalars in turn priced a gradient's buffers at half what they cost (16 of 1 kB
+#: combined: 1.9 ms priced, 3.5 ms measured) and the CNN's synchronous step 37% low.
+IN_TURN_BYTES = 64
+#: Sizes of the sweep's single permutes, in bytes: small only. Larger permutes moved at
+#: about half the all-reduces' bandwidth (XLA:CPU's gloo, 2 processes, 1 MB: 16 ms against
+#: 8.8 ms at 1 Gb/s), which one bandwidth cannot fit.
 PERMUTE_BYTES = (4,)
 #: Steps of the compute probe, and its runs (the median is kept).
 PROBE_STEPS = 40
@@ -117,8 +122,9 @@ def sweep() -> dict[str, Any]:
 
     shapes = [("all-reduce", 1, 1, b) for b in SWEEP_BYTES]
     shapes += [("all-reduce", 1, k, b) for k in SWEEP_BUFFERS for b in (2**10, 2**16)]
-    shapes += [("all-reduce", SCALARS, 1, 4)]
-    shapes += [("permute", 1, 1, b) for b in PERMUTE_BYTES] + [("permute", SCALARS, 1, 4)]
+    shapes += [("all-reduce", IN_TURN, 1, IN_TURN_BYTES)]
+    shapes += [("permute", 1, 1, b) for b in PERMUTE_BYTES]
+    shapes += [("permute", IN_TURN, 1, IN_TURN_BYTES)]
     samples = []
     for kind, count, buffers, size in shapes:
         fn, x = program(kind, count, buffers), arrays(size, buffers)
