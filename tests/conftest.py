@@ -38,6 +38,20 @@ from flax import nnx  # noqa: E402
 from ddl_jax._src.measure import comm  # noqa: E402
 from ddl_jax._src.reduce import allreduce as reducers  # noqa: E402
 
+#: The tail of a child process's script: gloo's transport loop threads found over a
+#: second, printed as "gloo loop threads N all at SCHED_IDLE True|False".
+GLOO_LOOPS_REPORT = """
+import os, time
+from ddl_jax._src.xla_cpu import gloo_threads
+time.sleep(1.0)  # the watcher looks twice a second
+loops = set()
+for _ in range(100):  # a loop thread spends moments outside epoll_wait
+    loops |= set(gloo_threads.loop_threads())
+    time.sleep(0.01)
+idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
+print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
+"""
+
 
 def child_env() -> dict[str, str]:
     """The environment of a process a test launches: CPU, the compile settings above, and

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import child_env
+from conftest import GLOO_LOOPS_REPORT, child_env
 
 from ddl_jax import cli
 from ddl_jax.compare import measured, processes
@@ -128,20 +128,15 @@ def test_measured_processes_train_what_the_simulator_priced(tmp_path):
     assert "not measured: asynchronous" in stdout
 
 
-SWEEP_THEN_LOOK = """
-import os, sys, time
-from ddl_jax._src.xla_cpu import gloo_threads
+SWEEP_THEN_LOOK = (
+    """
+import sys
 from ddl_jax.compare import worker
 
 worker.main(sys.argv[1:])
-time.sleep(1.0)  # the watcher looks twice a second
-loops = set()
-for _ in range(100):  # a loop thread spends moments outside epoll_wait
-    loops |= set(gloo_threads.loop_threads())
-    time.sleep(0.01)
-idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
-print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
 """
+    + GLOO_LOOPS_REPORT
+)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import child_env, mlp_loss
+from conftest import GLOO_LOOPS_REPORT, child_env, mlp_loss
 from flax import nnx
 
 import ddl_jax as ddl
@@ -35,11 +35,11 @@ STEPS, BATCH, EVERY = 8, 32, 2
 # from the checkpoints in CHECKPOINT_DIR (rank 1 kills itself with SIGKILL when asked for
 # batch KILL_AT in the launcher's first attempt), then uninterrupted from scratch. Process 0
 # saves both final params.
-WORKER = textwrap.dedent(
-    f"""
+WORKER = (
+    textwrap.dedent(
+        f"""
     import os, signal, sys
     from ddl_jax._src.train import launch
-    from ddl_jax._src.xla_cpu import gloo_threads
     launch.initialize()
     import jax, numpy as np, optax
     from flax import nnx
@@ -75,16 +75,10 @@ WORKER = textwrap.dedent(
     uninterrupted = train_params()
     if jax.process_index() == 0:
         np.savez(out, *resumed, *uninterrupted)
-    import time
-    time.sleep(1.0)  # initialize's watcher looks twice a second
-    loops = set()
-    for _ in range(100):  # a loop thread spends moments outside epoll_wait
-        loops |= set(gloo_threads.loop_threads())
-        time.sleep(0.01)
-    idle = [os.sched_getscheduler(t) == os.SCHED_IDLE for t in loops]
-    print("gloo loop threads", len(loops), "all at SCHED_IDLE", all(idle))
     """
-)
+    )
+    + GLOO_LOOPS_REPORT
+)  # initialize's watcher idles them with the tunings on
 
 
 def run_launcher(tmp_path, name: str, kill_at: int, *extra: str):
