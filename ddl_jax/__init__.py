@@ -44,6 +44,7 @@ from ddl_jax._src.strategies.streaming_diloco import StreamingDiLoCoState, strea
 from ddl_jax._src.strategies.tensor_parallel import TensorParallelState, tensor_parallel
 from ddl_jax._src.strategies.zero_one_adam import ZeroOneAdamState, zero_one_adam
 from ddl_jax._src.train.fit import fit, guard_nonfinite
+from ddl_jax._src.train.log import LossGrowthWarning
 from ddl_jax._src.train.precision import mixed_precision
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "GossipState",
     "IslandsState",
     "LocalSGDState",
+    "LossGrowthWarning",
     "ModelLoss",
     "ModelVars",
     "NoLoCoState",

@@ -70,10 +70,12 @@ BAD = [
     (["--steps", "-3"], "steps must be an integer >= 1, got -3"),
     (["--steps", "ten"], "steps must be an integer >= 1, got 'ten'"),
     (["--straggler", "0.5"], "straggler must be a number >= 1, got 0.5"),
-    (["--devices", str(DEVICES + 1)], f"more than the {DEVICES} cpu device(s) available"),
+    (["--devices", str(DEVICES + 1)], f"than the {DEVICES} cpu device(s) JAX started with; "),
     (["--strategies", f"softsync:{DEVICES + 1}"], f"softsync:{DEVICES + 1}: softsync n="),
     (["--devices", "3", "--strategies", "sync,adasum"], "adasum: adasum: the mesh axis"),
     (["--target", "95"], "target 95 is not an accuracy in (0, 1]"),
+    (["--target", "95", "--steps", "3"], "test accuracy); e.g. --target 0.95."),
+    (["--target", "0"], "test accuracy); e.g. --target 0.9."),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
     (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, isl"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
@@ -251,7 +253,55 @@ def vector_metric(seed, devices):
     return w._replace(evaluate=lambda params: w.evaluate(params) * jnp.ones(3))
 
 
+def any_keywords(**options):
+    return make(options["seed"], options["devices"])
+
+
+def loss_raises(seed, devices):
+    def loss(params, batch):
+        raise RuntimeError("my loss is broken")
+
+    return make(seed, devices)._replace(loss_fn=loss)
+
+
+def _loss(seed, devices, change):
+    w = make(seed, devices)
+    return w._replace(loss_fn=lambda params, batch: change(w.loss_fn(params, batch)))
+
+
+def negative_loss(seed, devices):  # the same gradients, a loss below 0 that falls
+    return _loss(seed, devices, lambda loss: loss - 2.3)
+
+
+def nan_loss_later(seed, devices):
+    return _loss(seed, devices, lambda loss: jnp.where(loss < 1.0, jnp.nan, loss))
+
+
+def nan_metric_later(seed, devices):  # nan once the parameters moved
+    w = make(seed, devices)
+    first = jax.tree.leaves(w.params)[0]
+    moved = lambda params: jnp.abs(jax.tree.leaves(params)[0] - first).max() > 0
+    return w._replace(evaluate=lambda p: jnp.where(moved(p), jnp.nan, w.evaluate(p)))
+
+
+def few_batches(seed, devices):
+    w = make(seed, devices)
+    return w._replace(batches=lambda start: itertools.islice(w.batches(start), 4 - start))
+
+
+def cross_entropy(seed, devices):
+    w = make(seed, devices)
+    test = ddl.data.digits()[1]
+    return w._replace(evaluate=lambda params: w.loss_fn(params, test), target=2.0,
+                      metric="test cross-entropy", higher_is_better=False)
+
+
+import itertools
+
+import jax
 import jax.numpy as jnp
+
+import ddl_jax as ddl
 """
 
 
@@ -295,6 +345,7 @@ def test_a_users_workload_runs_through_the_cli_and_python_as_the_bundled_one(
         ("no_such_module:make", "cannot load it"),
         ("user_workloads:no_keywords", "needs model; it may take any of seed, devices"),
         ("user_workloads:vector_metric", "evaluate(params) must return one finite number"),
+        ("user_workloads:loss_raises", "sync: RuntimeError: my loss is broken"),
     ],
 )
 def test_a_broken_user_workload_is_one_line_and_exit_code_2(
@@ -304,6 +355,78 @@ def test_a_broken_user_workload_is_one_line_and_exit_code_2(
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_settings_that_cannot_reach_a_users_workload_are_refused(user_module, tmp_path, capsys):
+    args = ["compare", "--steps", "2", "--out", str(tmp_path / "o"), "--non-iid", "0.5"]
+    assert cli.main([*args, "--workload", "user_workloads:make"]) == 2
+    err = capsys.readouterr().err
+    assert "'user_workloads:make' does not take non_iid" in err and err.count("\n") == 1, err
+    # A function taking **options gets them all.
+    assert cli.main([*args[:-2], "--workload", "user_workloads:any_keywords"]) == 0
+    import user_workloads
+
+    from ddl_jax.compare import compare
+
+    with pytest.raises(CompareError, match="non_iid shapes the batches of a workload"):
+        compare(user_workloads.make(0, DEVICES), "sync", non_iid=0.5)
+    with pytest.raises(CompareError, match="not a ddl_jax.compare.Workload; call it"):
+        compare(user_workloads.make, "sync")
+
+
+def test_divergence_is_the_loss_growing_or_going_non_finite(user_module, tmp_path, capsys):
+    """A loss below 0 that falls is training; a loss that goes nan, or a metric, is a
+    diverged run: marked, unranked, its curve up to then kept."""
+    flags = ["--strategies", "sync,local:4", "--steps", "12", "--target", "0.3"]
+    falls = _run(tmp_path / "a", *flags, "--workload", "user_workloads:negative_loss")
+    for run in falls.values():
+        assert run["final_loss"] < -0.5 and not run["diverged"] and run["rank"] is not None, run
+    nan = _run(tmp_path / "b", *flags, "--workload", "user_workloads:nan_loss_later")
+    run = nan["sync"]  # local SGD's loss stays above 1 in these steps
+    assert run["diverged"] and run["rank"] is None, run
+    assert run["diverged_why"].startswith("loss is nan at step ")
+    assert 0 < len(run["eval_values"]) < 3 and run["final_loss"] >= 1.0, run
+    assert not nan["local:4"]["diverged"] and nan["local:4"]["rank"] == 1
+    assert "sync: test accuracy" in capsys.readouterr().out
+    table = (tmp_path / "b" / "results.md").read_text()
+    assert "| - | sync |" in table and "failed" not in table
+    metric = _run(tmp_path / "c", *flags, "--workload", "user_workloads:nan_metric_later")
+    assert all(run["diverged"] and run["rank"] is None for run in metric.values())
+    text = (tmp_path / "c" / "results.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+
+def test_ranks_leave_out_diverged_runs():
+    def run(low, high, diverged=False):
+        return {"simulated_seconds_before_target": low, "simulated_seconds_to_target": high,
+                "diverged": diverged}  # fmt: skip
+
+    assert run_module.ranks([run(0.0, 1.0, True), run(1.5, 2.0)]) == [None, 1]
+
+
+def test_a_run_whose_batches_ran_out_is_priced_per_step_trained(user_module, tmp_path, capsys):
+    flags = ["--strategies", "sync", "--steps", "8", "--workload", "user_workloads:few_batches"]
+    sync = _run(tmp_path, *flags)["sync"]
+    assert sync["steps_trained"] == 4
+    assert sync["bytes_per_device_per_step"] == sync["comm_bytes_per_step"]
+    assert "batches ran out after 4 of 8 steps" in capsys.readouterr().err
+
+
+def test_figures_are_named_by_the_metric(user_module, tmp_path):
+    flags = ["--strategies", "sync", "--steps", "4", "--workload", "user_workloads:cross_entropy"]
+    _run(tmp_path, *flags)
+    assert (tmp_path / "test_cross_entropy_vs_steps.png").exists()
+
+
+def test_a_flag_overrides_the_configs_strategies_or_preset(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(run_module, "run_compare", lambda c: seen.append(c) or {"runs": []})
+    path = tmp_path / "c.toml"
+    path.write_text('strategies = "sync,local:4"\n')
+    assert cli.main(["compare", "--config", str(path), "--preset", "unreliable"]) == 0
+    path.write_text('preset = "unreliable"\n')
+    assert cli.main(["compare", "--config", str(path), "--strategies", "sync"]) == 0
+    assert seen[0].preset == "unreliable" and [s.text for s in seen[1].strategies] == ["sync"]
 
 
 def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(tmp_path, capsys):
@@ -398,7 +521,9 @@ def test_a_failing_strategy_leaves_the_others_written(tmp_path, capsys, monkeypa
         return real(spec, *args)
 
     monkeypatch.setattr(run_module, "run_one", flaky)
-    runs = _run(tmp_path, "--strategies", "sync,local:4", "--steps", "4")
+    args = ["compare", "--out", str(tmp_path), "--strategies", "sync,local:4", "--steps", "4"]
+    assert cli.main(args) == 1
+    runs = {r["strategy"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     assert runs["local:4"] == {
         "strategy": "local:4",
         "error": "RuntimeError: out of memory",
@@ -409,10 +534,17 @@ def test_a_failing_strategy_leaves_the_others_written(tmp_path, capsys, monkeypa
         "| - | local:4 | failed: RuntimeError: out of memory |"
         in (tmp_path / "results.md").read_text()
     )
-    assert "local:4: failed: RuntimeError: out of memory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "local:4: failed: RuntimeError: out of memory" in err
+    assert err.endswith("ddl-jax compare: 1 of 2 strategies failed: local:4.\n"), err
 
 
-def test_an_out_folder_that_cannot_be_written_is_refused_before_training(capsys):
+def test_an_out_folder_that_cannot_be_written_is_refused_before_training(capsys, tmp_path):
     assert cli.main(["compare", "--steps", "2", "--out", "/proc/ddl-jax-out"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "out '/proc/ddl-jax-out' cannot be written" in err, err
+    (tmp_path / "file").write_text("")
+    args = ["compare", "--steps", "2", "--out", str(tmp_path), "--tensorboard"]
+    assert cli.main([*args, str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"tensorboard '{tmp_path}/file' cannot be written" in err

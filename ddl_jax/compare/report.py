@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,8 @@ def markdown(results: dict[str, Any]) -> str:
         "alpha-beta cost of the step's collectives on the network; local SGD's "
         "synchronisations as they happen); async strategies run on their event clock in "
         "units of a data-parallel step's compute, each push sending the gradient to a "
-        "parameter server and fetching the parameters back. Diverged: the loss went "
-        "non-finite or grew 100x.",
+        "parameter server and fetching the parameters back. Diverged (unranked): the "
+        "loss grew 100x or went non-finite, or the metric did.",
     ]
     cross = crossovers(results)
     if cross:
@@ -258,7 +259,8 @@ def _zoom(ax: Any, results: dict[str, Any], with_initial: bool) -> None:
 
 def figures(results: dict[str, Any], out: Path) -> list[Path]:
     """Writes ``accuracy_vs_steps.png``, ``accuracy_vs_bytes.png`` and
-    ``accuracy_vs_time.png`` (the metric's name in place of accuracy for text) to ``out``.
+    ``accuracy_vs_time.png`` to ``out`` (another metric's ``figure_stem`` in place of
+    accuracy: ``bpb_vs_steps.png``).
 
     Returns:
       The paths written.
@@ -270,7 +272,7 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
 
     w = results["workload"]
     metric = w["metric"]
-    stem = "accuracy" if w["higher_is_better"] else "bpb"
+    stem = figure_stem(metric)
     axes = (
         ("steps", "eval_steps", "training step", False, "vs training steps"),
         (
@@ -298,6 +300,10 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
             xs, ys = list(r[key]), list(r["eval_values"])
             if name == "steps":
                 xs, ys = [0, *xs], [r["initial"], *ys]
+            finite = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
+            if not finite:  # a metric non-finite from the first evaluation: no curve
+                continue
+            xs, ys = map(list, zip(*finite, strict=True))
             ax.plot(
                 xs,
                 ys,
@@ -327,13 +333,24 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
             f"{metric} {what}\n{subtitle(results)}\nnetwork {_network(results)}", fontsize=10
         )
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+        if ax.get_legend_handles_labels()[0]:  # every run failed: no curve, no legend
+            ax.legend(title="strategy", loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
         path = out / f"{stem}_vs_{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     paths.append(_bandwidth_figure(results, out, plt, cmap))
     return paths
+
+
+def figure_stem(metric: str) -> str:
+    """The figures' file names' stem for ``metric``: ``accuracy`` for an accuracy, ``bpb``
+    for bits per byte, else the metric's words joined by ``_`` (``test_cross_entropy``)."""
+    if "accuracy" in metric:
+        return "accuracy"
+    if "bits per byte" in metric:
+        return "bpb"
+    return re.sub(r"[^a-z0-9]+", "_", metric.lower()).strip("_") or "metric"
 
 
 def _bandwidth_figure(results: dict[str, Any], out: Path, plt: Any, cmap: Any) -> Path:

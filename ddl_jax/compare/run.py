@@ -67,10 +67,6 @@ from ddl_jax.compare.specs import (
 )
 from ddl_jax.compare.workloads import Workload
 
-#: A loss that grows past this multiple of its first value marks a run diverged (as
-#: ``ddl.fit`` warns at it).
-LOSS_GROWTH = 100.0
-
 #: States whose ``params`` hold one replica per worker (gossip measures its own).
 REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState)
 
@@ -90,8 +86,10 @@ def start_devices(n: int) -> list[jax.Device]:
     devices = jax.devices()
     if n > len(devices):
         raise CompareError(
-            f"--devices {n} is more than the {len(devices)} {devices[0].platform} device(s) "
-            "available."
+            f"devices={n} (--devices) is more than the {len(devices)} {devices[0].platform} "
+            f"device(s) JAX started with; ask for fewer, or on a CPU-only machine call "
+            f"ddl.simulate_cpu_devices({n}) before anything uses JAX (before building a "
+            "workload)."
         )
     return devices[:n]
 
@@ -217,13 +215,55 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
     }
 
 
-def _diverged(history: list[dict[str, float]]) -> bool:
-    """Whether the loss went non-finite or grew past ``LOSS_GROWTH`` x its first value."""
-    losses = [r["loss"] for r in history if "loss" in r]
-    if not losses:
-        return False
-    first = abs(losses[0]) or 1.0
-    return any(not math.isfinite(x) or abs(x) > LOSS_GROWTH * first for x in losses)
+def _fit(
+    strategy: ddl.Strategy,
+    workload: Workload,
+    config: Config,
+    spec: Spec,
+    steps: int,
+    eval_every: int,
+    label: str,
+) -> tuple[Any, list[dict[str, float]], str | None]:
+    """``ddl.fit`` of one strategy: its state, its records, and why it diverged (``None``:
+    it did not). A run diverged where ``fit`` warned that the loss grew 100x
+    (``ddl.LossGrowthWarning``), stopped on a non-finite loss (its records until then are
+    kept), or where an evaluation was not finite."""
+    records: list[dict[str, float]] = []
+    why = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            state, history = ddl.fit(
+                strategy,
+                workload.params,
+                workload.batches,
+                steps=steps,
+                eval_fn=workload.evaluate,
+                eval_every=eval_every,
+                log_every=1,  # each record checked, and kept, before a non-finite loss
+                log_file=log_path(config.out, spec),
+                tensorboard_dir=_tensorboard_dir(config, spec),
+                # a bar on a terminal; elsewhere (a notebook, a pipe) only the line below
+                progress=sys.stdout.isatty(),
+                callbacks=[records.append],
+            )
+        except FloatingPointError as e:  # "fit: loss is nan at step 9; lower the ..."
+            if not records:
+                raise
+            state, history, why = strategy.init(workload.params), records, _clause(e)
+    for w in caught:
+        print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
+        if why is None and issubclass(w.category, ddl.LossGrowthWarning):
+            why = _clause(w.message).partition(" (over")[0]
+    bad = next((r for r in history if "eval" in r and not math.isfinite(r["eval"])), None)
+    if why is None and bad is not None:
+        why = f"{workload.metric} is {bad['eval']} at step {bad['step']}"
+    return state, history, why
+
+
+def _clause(message: Any) -> str:
+    """A message of ``fit``'s up to its advice: ``loss is nan at step 9``."""
+    return str(message).removeprefix("fit: ").split(";")[0].split(": ")[0]
 
 
 def _tensorboard_dir(config: Config, spec: Spec) -> str | None:
@@ -256,23 +296,7 @@ def run_one(
     mesh = mesh_for(spec, mesh, config)
     strategy = spec.build(_context(workload, mesh, config, eval_every))
     print(f"{label} {spec.text}: {family.describe}", flush=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state, history = ddl.fit(
-            strategy,
-            workload.params,
-            workload.batches,
-            steps=steps,
-            eval_fn=workload.evaluate,
-            eval_every=eval_every,
-            log_every=min(10, eval_every),
-            log_file=log_path(config.out, spec),
-            tensorboard_dir=_tensorboard_dir(config, spec),
-            # a bar on a terminal; elsewhere (a notebook, a pipe) only the line below
-            progress=sys.stdout.isatty(),
-        )
-    for w in caught:
-        print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
+    state, history, diverged = _fit(strategy, workload, config, spec, steps, eval_every, label)
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
     stats = ddl.comm_stats(jitted, state, batch)
@@ -313,15 +337,17 @@ def run_one(
     record: dict[str, Any] = {
         "strategy": spec.text,
         "description": family.describe,
-        "final": history[-1]["eval"],
+        "final": evals[-1][1] if evals else float(workload.evaluate(workload.params)),
         "initial": float(workload.evaluate(workload.params)),
-        "diverged": _diverged(history),
+        "diverged": diverged is not None,
+        "diverged_why": diverged,
+        "steps_trained": len(history),
         "eval_steps": [history[i]["step"] for i, _ in evals],
         "eval_values": [v for _, v in evals],
         "eval_bytes": [curves["bytes"][i] for i, _ in evals],
         "eval_seconds": [curves["seconds"][i] for i, _ in evals],
         "final_loss": history[-1]["loss"],
-        "bytes_per_device_per_step": curves["bytes"][-1] / steps,
+        "bytes_per_device_per_step": curves["bytes"][-1] / len(history),
         "bytes_per_device_total": curves["bytes"][-1],
         "comm_bytes_per_step": comm["bytes"],
         "comm_s_per_step": comm["seconds"],
@@ -360,7 +386,7 @@ def _summary(record: dict[str, Any], workload: Workload) -> str:
     """One line on a finished run: its final metric, when it reached the target."""
     text = f"{workload.metric} {record['final']:.4g}"
     if record["diverged"]:
-        return f"{text}, diverged (the loss grew 100x or went non-finite)"
+        return f"{text}, diverged ({record['diverged_why']})"
     if record["steps_to_target"] is None:
         return f"{text}, target not reached"
     return (
@@ -370,10 +396,10 @@ def _summary(record: dict[str, Any], workload: Workload) -> str:
 
 
 def ranks(runs: list[dict[str, Any]]) -> list[int | None]:
-    """Each run's rank by simulated time to target (``None``: not reached, or failed):
-    1 + the runs that certainly reached it sooner, i.e. whose time at the target is before
-    this run's last evaluation below it. Runs of the same rank are tied."""
-    done = [r.get("simulated_seconds_to_target") for r in runs]
+    """Each run's rank by simulated time to target (``None``: not reached, diverged, or
+    failed): 1 + the runs that certainly reached it sooner, i.e. whose time at the target
+    is before this run's last evaluation below it. Runs of the same rank are tied."""
+    done = [None if r.get("diverged") else r.get("simulated_seconds_to_target") for r in runs]
     out: list[int | None] = []
     for r, high in zip(runs, done, strict=True):
         if high is None:
@@ -407,16 +433,17 @@ def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> 
                         config.drop, config.workers)  # fmt: skip
 
 
-def _check_out(out: str) -> None:
-    """The output folder can be created and written, before anything trains."""
-    probe = Path(out) / ".ddl-jax-write-check"
+def _check_writable(name: str, folder: str) -> None:
+    """The output folder ``name`` (``out``, ``tensorboard``) can be created and written,
+    before anything trains."""
+    probe = Path(folder) / ".ddl-jax-write-check"
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as e:
         raise CompareError(
-            f"out {out!r} cannot be written ({e.strerror or type(e).__name__}); give a "
+            f"{name} {folder!r} cannot be written ({e.strerror or type(e).__name__}); give a "
             "folder this process can create and write to."
         ) from None
 
@@ -427,7 +454,7 @@ def _check_target(config: Config, workload: Workload) -> None:
     if "accuracy" in workload.metric and not 0 < target <= 1:
         raise CompareError(
             f"target {target:g} is not an accuracy in (0, 1] (the metric is "
-            f"{workload.metric}); e.g. --target {min(target / 100, 1):g}."
+            f"{workload.metric}); e.g. --target {target / 100 if target > 1 else 0.9:g}."
         )
 
 
@@ -456,8 +483,9 @@ def _check_strategies(
             strategy = spec.build(_context(workload, mesh_for(spec, mesh, config), config,
                                            eval_every))  # fmt: skip
             jax.eval_shape(strategy.step, strategy.init(workload.params), batch)
-        except (ValueError, TypeError) as e:
-            refused.append(f"{spec.text}: {str(e).splitlines()[0]}")
+        except Exception as e:  # a refusal, or the workload's loss failing on the mesh
+            why = e if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
+            refused.append(f"{spec.text}: {str(why).splitlines()[0]}")
     if refused:
         raise CompareError(
             f"{len(refused)} of the strategies cannot run here (remove them or change "
@@ -496,7 +524,9 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
       CompareError: too few devices, a target out of the metric's range, or strategies
         that refuse this mesh or workload (all named, before any trains).
     """
-    _check_out(config.out)
+    _check_writable("out", config.out)
+    if config.tensorboard is not None:
+        _check_writable("tensorboard", config.tensorboard)
     devices = start_devices(config.devices)
     mesh = ddl.make_mesh(data=config.devices, devices=devices)
     if workload is None:
@@ -563,9 +593,21 @@ def _write(results: dict[str, Any], config: Config) -> list[Path]:
     """Writes ``results.json``, ``results.md`` and the figures; returns the figures."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(_finite(results), indent=2) + "\n")
     (out / "results.md").write_text(compare_report.markdown(results))
     return compare_report.figures(results, out)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a diverged run's metric) as ``None``: JSON
+    has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def compare(
@@ -582,7 +624,9 @@ def compare(
         ``None``: the default list.
       **settings: any other ``Config`` field (``devices``, ``steps``, ``network``,
         ``compute``, ``straggler``, ``drop``, ``seed``, ``target``, ``eval_every``,
-        ``out``), checked as the command line's flags are.
+        ``out``), checked as the command line's flags are. The workload is built, so
+        ``seed`` seeds only the strategies' own draws (compute times, lost messages), and
+        ``non_iid`` is refused: give the workload label-skewed batches instead.
 
     Returns:
       The results the command writes to ``results.json``: ``{"config", "environment",
@@ -594,6 +638,16 @@ def compare(
     """
     if "workload" in settings:
         raise CompareError("compare: pass the workload as the first argument, not a setting.")
+    if not isinstance(workload, Workload):
+        raise CompareError(
+            f"compare: the workload is a {type(workload).__name__}, not a "
+            "ddl_jax.compare.Workload; call it first if it makes one: compare(make(), ...)."
+        )
+    if settings.get("non_iid") is not None:
+        raise CompareError(
+            "compare: non_iid shapes the batches of a workload, and this one is built; give "
+            "it label-skewed batches (ddl.data.non_iid_batches) and leave non_iid out."
+        )
     values = {**settings, "strategies": strategies}
     config = dataclasses.replace(make_config(values), workload=workload.name)
     return run_compare(config, workload)

@@ -192,11 +192,13 @@ def make_workload(
 def load(spec: str, *, seed: int, devices: int, non_iid: float | None = None) -> Workload:
     """The workload of a bundled name or of ``"module:function"`` (the module found on
     ``sys.path`` or in the working directory): the function is called with those of
-    ``seed``, ``devices`` and ``non_iid`` it takes as keywords.
+    ``seed``, ``devices`` and ``non_iid`` it takes as keywords (all three for a function
+    taking ``**options``).
 
     Raises:
-      CompareError: the module or function cannot be found, takes other arguments, or
-        returns something other than a working ``Workload``.
+      CompareError: the module or function cannot be found, takes other arguments, does
+        not take a ``non_iid`` (or a ``seed`` other than 0) that is given, or returns
+        something other than a working ``Workload``.
     """
     if ":" not in spec:
         return make_workload(spec, seed=seed, devices=devices, non_iid=non_iid)
@@ -223,8 +225,20 @@ def load(spec: str, *, seed: int, devices: int, non_iid: float | None = None) ->
             f"workload {spec!r} needs {', '.join(unknown)}; it may take any of "
             "seed, devices, non_iid as keywords, and nothing else."
         )
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unreachable = {
+        "non_iid": ("its batches", "ddl.data.non_iid_batches", non_iid is not None),
+        "seed": ("its initialisation and data order", "", seed != 0),
+    }
+    for name, (what, how, given) in unreachable.items():
+        if given and not takes_all and name not in params:
+            raise CompareError(
+                f"workload {spec!r} does not take {name}, so --{name.replace('_', '-')} "
+                f"cannot reach {what}; give it a {name} keyword{f' ({how})' if how else ''} "
+                f"or leave --{name.replace('_', '-')} out."
+            )
     try:
-        workload = fn(**{k: v for k, v in offered.items() if k in params})
+        workload = fn(**{k: v for k, v in offered.items() if takes_all or k in params})
     except Exception as e:
         raise CompareError(f"workload {spec!r} failed: {type(e).__name__}: {e}") from None
     return check(workload, spec)

@@ -17,7 +17,7 @@ import numpy as np
 from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Batch, Metrics, State, Strategy, check_int
 from ddl_jax._src.train import checkpoint
-from ddl_jax._src.train.log import TrainingLog, summary_writer_class
+from ddl_jax._src.train.log import LossGrowthWarning, TrainingLog, summary_writer_class
 from ddl_jax._src.train.settings import FitSettings
 
 
@@ -92,8 +92,8 @@ def fit(
     shows them with examples per second: on a progress bar when stdout is a terminal (or
     in a notebook), else (under a launcher, or redirected to a file) as one plain line
     ``step i/steps: loss=..., ex_per_s=...`` per ``log_every`` steps. A loss that grows over
-    ``LOSS_GROWTH`` (100) times the first recorded one gives one ``UserWarning`` (a
-    learning rate too high, or negative).
+    ``LOSS_GROWTH`` (100) times the first recorded one gives one ``ddl.LossGrowthWarning``
+    (a learning rate too high, or negative).
 
     With several processes, each measures the seconds its steps wait for their batch (the
     time inside ``next`` of ``batches``: the loader) and its wall seconds per step between
@@ -258,14 +258,14 @@ def _train(
         if eval_fn is not None and eval_every is not None and i % eval_every == 0:
             evaluate()
         if (message := log.growth()) is not None:
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, LossGrowthWarning, stacklevel=3)
         if manager is not None and (
             settings.checkpoint_every is not None and i % settings.checkpoint_every == 0
         ):
             save(i)
     log.flush()
     if (message := log.growth()) is not None:
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, LossGrowthWarning, stacklevel=3)
     history = log.history
     if start >= steps:
         log.say(f"fit: resumed at step {start} of {steps}; nothing left to train.", notice=True)

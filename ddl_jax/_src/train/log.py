@@ -24,6 +24,14 @@ from ddl_jax._src.train.settings import FitSettings
 #: ``fit`` warns once when the loss exceeds this multiple of the first recorded loss.
 LOSS_GROWTH = 100.0
 
+
+class LossGrowthWarning(UserWarning):
+    """``fit``'s warning that the loss grew over ``LOSS_GROWTH`` (100) times its first
+    value: the run is diverging. A category of its own, to act on (``ddl-jax compare``
+    marks the run diverged) or to make an error: ``warnings.simplefilter("error",
+    ddl.LossGrowthWarning)``."""
+
+
 #: A rank is named a straggler when its median loader seconds per step exceed every other
 #: rank's by this factor and by ``STRAGGLER_MIN_SECONDS``: a clear margin, not noise.
 STRAGGLER_RATIO = 2.0
