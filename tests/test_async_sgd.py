@@ -310,6 +310,8 @@ def test_state_placement(mlp):
         ({"compute_time": -1.0}, "finite and >= 0"),
         ({"compute_time": [1.0] * 7 + [float("nan")]}, "finite and >= 0"),
         ({"compute_time": [1.0, 2.0]}, "gives 2 per-worker times but the mesh has 8"),
+        ({"compute_time": 0.0}, "a worker with compute time 0 would push without end"),
+        ({"compute_time": [1.0] * 7 + [0.0], "protocol": softsync(2)}, "or bound it with"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(mlp, kwargs, match):

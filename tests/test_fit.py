@@ -96,6 +96,8 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
         ({"log_every": 2.5}, ValueError, "log_every must be an int >= 1, got 2.5"),
         ({"strategy": (1, 2, 3)}, TypeError, "strategy must be a ddl.Strategy"),
         ({"batches": []}, ValueError, "batches yielded no batch"),
+        ({"batches": {"x": np.zeros((8, 12))}}, TypeError, "got dict .a dataset. ddl.data.batch"),
+        ({"batches": 3}, TypeError, "batches must be an iterable of global batches, or start"),
         # Settings that would otherwise be silently ignored.
         (
             {"checkpoint_every": 1},

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
+import optax
 import pytest
+from conftest import make_batches
 
 import ddl_jax as ddl
 
@@ -79,3 +82,19 @@ def test_simulate_cpu_devices_takes_a_numpy_int_before_jax_starts():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3"]
+
+
+def test_variables_trained_on_other_devices_start_a_strategy_on_these(mlp):
+    """Fine-tuning on fewer devices: the trained variables live on the 8 devices of the
+    first mesh; ``init`` copies them onto the second's 4 (or 1)."""
+    loss_fn, params = mlp
+    batches = make_batches(2, 16)
+    eight = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8))
+    state, _ = ddl.fit(eight, params, batches, steps=2, progress=False)
+    trained = eight.params(state)
+    for n in (4, 1):
+        mesh = ddl.make_mesh(data=n)
+        again = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh)
+        start = again.params(again.init(trained))
+        chex.assert_trees_all_equal(jax.device_get(start), jax.device_get(trained))
+        assert {d for x in jax.tree.leaves(start) for d in x.devices()} == set(mesh.devices.flat)

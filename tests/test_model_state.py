@@ -235,3 +235,36 @@ def test_an_nnx_dropout_without_a_stream_is_a_clear_error():
     strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=1))
     with pytest.raises(ValueError, match=r"nnx.Rngs\(params=0, dropout=1\)"):
         strategy.step(strategy.init(v), {"x": np.ones((2, 3), np.float32)})
+
+
+def _counting(params, model_state, batch, key):
+    """A loss whose model state counts steps (``calls``) and, per worker, its positive
+    inputs (``seen``): integer counters, as a module's step counter."""
+    stats = model_state["stats"]
+    new = {"calls": stats["calls"] + 1, "seen": stats["seen"] + (batch["x"][:, 0] > 0).sum()}
+    return jnp.mean((batch["x"] @ params["w"]) ** 2), {"stats": new}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda loss, mesh: ddl.data_parallel(loss, optax.sgd(0.1), mesh),
+        lambda loss, mesh: ddl.local_sgd(loss, optax.sgd(0.1), mesh, period=2),
+        lambda loss, mesh: ddl.gossip(loss, optax.sgd(0.1), mesh, topology="ring"),
+        lambda loss, mesh: ddl.gossip(loss, optax.sgd(0.1), mesh, drop=0.5),
+        lambda loss, mesh: ddl.noloco(loss, optax.sgd(0.1), mesh, period=2),
+        lambda loss, mesh: ddl.streaming_diloco(loss, optax.sgd(0.1), mesh, period=2, fragments=1),
+    ],
+    ids=["data_parallel", "local_sgd", "gossip", "gossip_drop", "noloco", "streaming"],
+)
+def test_integer_model_state_counts_on_under_every_strategy(build):
+    """Counters are not averaged (a mean of integers would floor): each worker keeps its
+    own, and the trained variables take the largest, as data parallelism's do."""
+    zero = jnp.zeros((), jnp.int32)
+    variables = {"params": {"w": jnp.ones(12)}, "stats": {"calls": zero, "seen": zero}}
+    strategy = build(ddl.ModelLoss(_counting), ddl.make_mesh(data=8))
+    state, _ = ddl.fit(strategy, variables, make_batches(4, 32), steps=4, progress=False)
+    stats = strategy.params(state)["stats"]
+    assert stats["calls"].dtype == jnp.int32 and int(stats["calls"]) == 4
+    per_worker = np.asarray(state.model.state["stats"]["seen"])
+    assert int(stats["seen"]) == per_worker.max()

@@ -85,11 +85,15 @@ def one_worker(stacked: Any) -> Any:
 
 
 def replica_mean(stacked: Any) -> Any:
-    """The average of worker-stacked replicas (summed in at least float32)."""
-    return jax.tree.map(
-        lambda x: x.mean(axis=0, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(x.dtype),
-        stacked,
-    )
+    """The average of worker-stacked replicas (summed in at least float32); integer
+    leaves (counters) by their maximum, as ``model_loss.mean_over`` takes them."""
+
+    def one(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x.max(axis=0)
+        return x.mean(axis=0, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(x.dtype)
+
+    return jax.tree.map(one, stacked)
 
 
 def abstract(tree: Any) -> Any:
@@ -166,6 +170,7 @@ class Kit(NamedTuple):
             params, model_state = ml.split_variables(self.loss_fn, variables)
             st.check_params(params)
             _check_model_state(model_state)
+            params, model_state = _onto(self.mesh, (params, model_state))
             out = specs(jax.eval_shape(build, params, model_state)) if callable(specs) else specs
             make = build
             if self.islands:
@@ -419,19 +424,37 @@ def is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def _onto(mesh: Mesh, tree: Any) -> Any:
+    """``tree`` with every array that lives on other devices than ``mesh``'s (variables
+    trained on another mesh) copied onto them, replicated: a jitted ``init`` takes no
+    argument from devices outside its output's."""
+    devices = set(mesh.devices.flat)
+
+    def onto(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.sharding.device_set <= devices:
+            return jax.device_put(x, NamedSharding(mesh, P()))
+        return x
+
+    return jax.tree.map(onto, tree)
+
+
 def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(params, model_state, batch, key)``, its commonest mistakes named: a batch key
-    it does not hold, a traced value made concrete inside it, float labels."""
-    batch = args[2]
+    """``fn(params, model_state, batch, key)``, its commonest mistakes named: a key that
+    neither the batch nor the params hold, a traced value made concrete inside it, float
+    labels."""
+    params, batch = args[0], args[2]
     try:
         return fn(*args)
     except KeyError as e:
         missing = e.args[0] if e.args else None
         if isinstance(batch, dict) and isinstance(missing, str) and missing not in batch:
-            raise KeyError(
-                f"loss_fn asked the batch for {missing!r}, which it does not hold; its keys: "
-                f"{sorted(batch)}."
-            ) from e
+            where = f"the batch, which does not hold it; its keys: {sorted(batch)}"
+            if isinstance(params, dict) and missing not in params:
+                where = (
+                    f"a key neither the batch holds (its keys: {sorted(batch)}) nor the params "
+                    f"(their top level: {sorted(params)})"
+                )
+            raise KeyError(f"loss_fn asked for {missing!r}: {where}.") from e
         raise
     except jax.errors.ConcretizationTypeError as e:
         raise TypeError(

@@ -102,7 +102,8 @@ def make_mesh(
         shape = " x ".join(f"{a}={n}" for a, n in sizes.items() if a != "island" or island)
         raise ValueError(
             f"make_mesh: {shape} needs {needed} devices, only {len(devices)} available "
-            "(ddl.simulate_cpu_devices(n) makes more on CPU)."
+            "(ddl.simulate_cpu_devices(n), called before JAX starts, makes more on CPU; or "
+            "run several workers a device: the builders' workers=N on a smaller mesh)."
         )
     devices = devices[:needed]
     if by_process:

@@ -92,10 +92,15 @@ def worker_mean(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
         average = (lax.psum(jnp.where(mine, flat, 0), axis) / count).astype(flat.dtype)
         return jnp.where(mine, average, flat)
 
+    return on_floating(lambda leaves: in_buckets(mean, leaves), tree)
+
+
+def on_floating(fn: Any, tree: Any) -> Any:
+    """``tree`` with its floating leaves replaced by ``fn(list of them)``; the others
+    (counters, keys) kept as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    averaged = in_buckets(mean, [leaves[i] for i in floating])
-    for i, x in zip(floating, averaged, strict=True):
+    for i, x in zip(floating, fn([leaves[i] for i in floating]), strict=True):
         leaves[i] = x
     return treedef.unflatten(leaves)
 

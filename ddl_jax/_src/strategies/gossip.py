@@ -30,7 +30,7 @@ from ddl_jax._src.measure.consistency import (
     check_probability,
     measured_consensus,
 )
-from ddl_jax._src.reduce.allreduce import in_buckets
+from ddl_jax._src.reduce.allreduce import in_buckets, on_floating
 from ddl_jax._src.reduce.collectives import ppermute
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -391,17 +391,21 @@ def _network_metrics(
 
 
 def _mix(y: Any, axis: str, weights: np.ndarray, perms: list[tuple[int, ...]]) -> Any:
-    """``sum_j W_ij y_j`` on device i: one ``ppermute`` round per neighbour permutation."""
+    """``sum_j W_ij y_j`` on device i: one ``ppermute`` round per neighbour permutation,
+    of the floating leaves; integer ones (counters) stay each worker's own."""
     me = lax.axis_index(axis)
     w = jnp.asarray(weights, jnp.float32)
-    mixed = jax.tree.map(lambda a: w[me, me].astype(a.dtype) * a, y)
-    for perm in perms:
-        arrived = in_buckets(lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm))), y)
-        source = jnp.asarray(np.argsort(perm))[me]  # whom device i hears from in this round
-        mixed = jax.tree.map(
-            lambda m, r, wk=w[me, source]: m + wk.astype(r.dtype) * r, mixed, arrived
-        )
-    return mixed
+
+    def mix(y: list[jax.Array]) -> list[jax.Array]:
+        mixed = [w[me, me].astype(a.dtype) * a for a in y]
+        for perm in perms:
+            send = lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm)))  # noqa: E731
+            arrived = in_buckets(send, y)
+            wk = w[me, jnp.asarray(np.argsort(perm))[me]]  # whom device i hears from
+            mixed = [m + wk.astype(r.dtype) * r for m, r in zip(mixed, arrived, strict=True)]
+        return mixed
+
+    return on_floating(mix, y)
 
 
 def _mix_unreliable(
@@ -409,17 +413,22 @@ def _mix_unreliable(
 ) -> Any:
     """``sum_j W'_ij y_j`` on device i, ``W'`` being ``W`` with the weight of each message
     that did not arrive moved to the diagonal. With every message arriving the arithmetic is
-    :func:`_mix`'s, operation for operation."""
+    :func:`_mix`'s, operation for operation (integer leaves kept as there)."""
     me = lax.axis_index(axis)
     w = jnp.asarray(weights, jnp.float32)
-    own, rounds = w[me, me], []
-    for perm in perms:
-        arrived = in_buckets(lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm))), y)
-        source = jnp.asarray(np.argsort(perm))[me]
-        kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
-        own = own + (w[me, source] - kept)
-        rounds.append((kept, arrived))
-    mixed = jax.tree.map(lambda a: own.astype(a.dtype) * a, y)
-    for kept, arrived in rounds:
-        mixed = jax.tree.map(lambda m, r, wk=kept: m + wk.astype(r.dtype) * r, mixed, arrived)
-    return mixed
+
+    def mix(y: list[jax.Array]) -> list[jax.Array]:
+        own, rounds = w[me, me], []
+        for perm in perms:
+            send = lambda f, perm=perm: ppermute(f, axis, list(enumerate(perm)))  # noqa: E731
+            arrived = in_buckets(send, y)
+            source = jnp.asarray(np.argsort(perm))[me]
+            kept = jnp.where(arrives[me, source], w[me, source], jnp.float32(0))
+            own = own + (w[me, source] - kept)
+            rounds.append((kept, arrived))
+        mixed = [own.astype(a.dtype) * a for a in y]
+        for wk, arrived in rounds:
+            mixed = [m + wk.astype(r.dtype) * r for m, r in zip(mixed, arrived, strict=True)]
+        return mixed
+
+    return on_floating(mix, y)

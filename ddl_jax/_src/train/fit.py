@@ -7,7 +7,7 @@ import itertools
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -300,6 +300,15 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSetting
     )
     if not isinstance(strategy, Strategy):
         raise TypeError(f"fit: strategy must be a ddl.Strategy, got {type(strategy).__name__}.")
+    batches = arguments["batches"]
+    if isinstance(batches, Mapping | str | bytes) or not (
+        callable(batches) or isinstance(batches, Iterable)
+    ):
+        raise TypeError(
+            f"fit: batches must be an iterable of global batches, or start -> one, got "
+            f"{type(batches).__name__} (a dataset? ddl.data.batches(train, batch_size) "
+            "draws batches from it)."
+        )
     for name, value in (("progress", args.progress), ("skip_nonfinite", args.skip_nonfinite)):
         if not isinstance(value, bool | np.bool_):
             raise TypeError(f"fit: {name} must be a bool, got {value!r}.")

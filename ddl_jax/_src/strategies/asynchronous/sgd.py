@@ -328,6 +328,13 @@ class _Program(NamedTuple):
         """Checks the protocol, the faults and the compute times; the ``Strategy``."""
         times = sl.as_compute_time(compute_time, kit.n)
         protocol = sl.as_protocol(protocol, kit.n)
+        fastest = min(times.base) if isinstance(times.base, tuple) else times.base
+        if fastest == 0 and not isinstance(protocol, sl.SSP):
+            raise ValueError(
+                f"compute_time={compute_time!r}: a worker with compute time 0 would push without "
+                "end at one instant of the clock; give every worker a time > 0, or bound it "
+                "with protocol=ddl.ssp(bound)."
+            )
         local = _check_inner(protocol, inner_optimizer)
         drop = check_probability("drop", drop)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))

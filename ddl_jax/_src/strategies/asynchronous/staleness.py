@@ -52,7 +52,9 @@ def compute_times(
     (one 4x straggler among 8), ``compute_times(1.0, spread=0.5, seed=3)`` (random).
 
     Args:
-      base: one median time for every worker, or one per worker; finite and >= 0.
+      base: one median time for every worker, or one per worker; finite and >= 0 (a
+        time of 0 only under ``ssp``, whose bound stops that worker: ``async_sgd``
+        refuses it under the other protocols).
       spread: sigma of the log-normal noise around ``base``; finite and >= 0.
       seed: integer seed of the noise.
 
