@@ -268,3 +268,30 @@ def test_integer_model_state_counts_on_under_every_strategy(build):
     assert stats["calls"].dtype == jnp.int32 and int(stats["calls"]) == 4
     per_worker = np.asarray(state.model.state["stats"]["seen"])
     assert int(stats["seen"]) == per_worker.max()
+
+
+def _no_state(params, model_state, batch, key):
+    return jnp.mean(batch["x"] @ params["w"])  # the loss alone, not (loss, state)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "error", "match"),
+    [
+        (ddl.ModelLoss(None), TypeError, "loss_fn.fn must be callable .params, model_state, b"),
+        (ddl.ModelLoss(_counting, seed=1.5), TypeError, "loss_fn.seed must be an int >= 0 or"),
+        (ddl.ModelLoss(_counting, seed="a"), TypeError, "loss_fn.seed must be an int >= 0 or"),
+        (ddl.ModelLoss(_counting, seed=-1), TypeError, "got -1"),
+        (ddl.ModelLoss(_counting, seed=np.zeros(3, np.uint32)), TypeError, r"uint32\[2\]"),
+    ],
+)
+def test_a_model_loss_is_checked_when_the_strategy_is_built(loss_fn, error, match):
+    with pytest.raises(error, match=match):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+
+
+def test_a_model_loss_returning_the_loss_alone_is_a_clear_error():
+    zero = jnp.zeros((), jnp.int32)
+    variables = {"params": {"w": jnp.ones(12)}, "stats": {"calls": zero, "seen": zero}}
+    strategy = ddl.data_parallel(ddl.ModelLoss(_no_state), optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(TypeError, match=r"return \(out, new_model_state\), got an array: a ddl"):
+        strategy.step(strategy.init(variables), make_batches(1, 4)[0])

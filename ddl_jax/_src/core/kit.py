@@ -314,7 +314,15 @@ class Kit(NamedTuple):
 
         def one(params, model_state, batch, key):
             def loss(p):
-                out, new_state = _call_loss(fn, p, model_state, batch, key)
+                returned = _call_loss(fn, p, model_state, batch, key)
+                if not (isinstance(returned, tuple | list) and len(returned) == 2):
+                    got = "an array" if hasattr(returned, "shape") else type(returned).__name__
+                    raise TypeError(
+                        f"loss_fn.fn must return (out, new_model_state), got {got}: a "
+                        "ddl.ModelLoss returns the model state too (the one it was given, if "
+                        "it has none to update)."
+                    )
+                out, new_state = returned
                 st.check_loss_output(abstract(out), has_aux=has_aux)
                 if stateful:
                     _check_returned_state(model_state, new_state)
@@ -570,7 +578,9 @@ def prepare(
       workers: for a builder that runs several workers on a device, how many in all: a
         multiple of the size of ``axis`` (``None``: one a device).
     """
-    if not (callable(loss_fn) or isinstance(loss_fn, ml.ModelLoss)):
+    if isinstance(loss_fn, ml.ModelLoss):
+        ml.check_model_loss(loss_fn)
+    elif not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (params, batch) -> loss, got {loss_fn!r}.")
     st.check_transform("optimizer", optimizer, "optax.adam(1e-3)")
     if reducer is not None and hasattr(reducer, "update"):

@@ -10,11 +10,13 @@ state that the loss returns updated. Every strategy carries both through the sam
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Params = Any
@@ -59,6 +61,26 @@ class ModelVars(NamedTuple):
     state: Any
     key: jax.Array
     step: jax.Array
+
+
+def check_model_loss(loss_fn: ModelLoss) -> None:
+    """Raises ``TypeError`` unless ``loss_fn.fn`` is callable and ``loss_fn.seed`` an int
+    >= 0 or the ``uint32[2]`` data of a threefry key."""
+    if not callable(loss_fn.fn):
+        raise TypeError(
+            "loss_fn.fn must be callable (params, model_state, batch, key) -> (out, "
+            f"new_model_state), got {loss_fn.fn!r}."
+        )
+    seed = loss_fn.seed
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool | np.bool_):
+        if seed >= 0:
+            return
+    elif np.shape(seed) == (2,) and np.asarray(seed).dtype == np.uint32:
+        return
+    raise TypeError(
+        "loss_fn.seed must be an int >= 0 or the uint32[2] data of a threefry key "
+        f"(jax.random.key_data), got {seed!r}."
+    )
 
 
 def as_model_loss(loss_fn: Callable[..., Any]) -> ModelLoss:
