@@ -192,8 +192,8 @@ def make_workload(
 def load(spec: str, *, seed: int, devices: int, non_iid: float | None = None) -> Workload:
     """The workload of a bundled name or of ``"module:function"`` (the module found on
     ``sys.path`` or in the working directory): the function is called with those of
-    ``seed``, ``devices`` and ``non_iid`` it takes as keywords (all three for a function
-    taking ``**options``).
+    ``seed``, ``devices`` and ``non_iid`` it takes as keywords (a function taking
+    ``**options`` gets ``seed``, ``devices``, and ``non_iid`` where one is given).
 
     Raises:
       CompareError: the module or function cannot be found, takes other arguments, does
@@ -238,7 +238,9 @@ def load(spec: str, *, seed: int, devices: int, non_iid: float | None = None) ->
                 f"or leave --{name.replace('_', '-')} out."
             )
     try:
-        workload = fn(**{k: v for k, v in offered.items() if takes_all or k in params})
+        # **options gets the settings given: non_iid only with --non-iid
+        given = {k: v for k, v in offered.items() if k in params or (takes_all and v is not None)}
+        workload = fn(**given)
     except Exception as e:
         raise CompareError(f"workload {spec!r} failed: {type(e).__name__}: {e}") from None
     return check(workload, spec)
