@@ -72,18 +72,26 @@ def _start(args: argparse.Namespace, attempt: int, lock: threading.Lock, joined:
         if args.xla_cpu_tunings:
             env[tunings.ENV_VAR] = "1"
         # A session of its own, so stopping a rank also stops whatever it started.
-        proc = subprocess.Popen(
-            args.command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                args.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as e:
+            _stop(procs, 0.0)
+            raise _CannotStart(f"cannot run {args.command[0]!r}: {e.strerror}.") from None
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] ", lock))
         pump.start()
         procs.append(proc)
         pumps.append(pump)
     return procs, pumps
+
+
+class _CannotStart(Exception):
+    """The command could not be started (a missing program, no permission)."""
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -169,16 +177,24 @@ def run_launch(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     for attempt in range(args.restarts + 1):
         joined = tempfile.mkdtemp(prefix="ddl-jax-launch-")
-        procs, pumps = _start(args, attempt, lock, joined)
+        try:
+            procs, pumps = _start(args, attempt, lock, joined)
+        except _CannotStart as e:
+            shutil.rmtree(joined, ignore_errors=True)
+            _log(f"error: {e}", lock)
+            return 2
         try:
             failures = _supervise(procs)
         except KeyboardInterrupt:
             _log("interrupted; stopping every rank.", lock)
+            shutil.rmtree(joined, ignore_errors=True)
             return 130
         finally:  # also on SIGTERM (see main): no rank outlives the launcher
             _stop(procs, args.grace)
             for pump in pumps:
                 pump.join()
+            if sys.exc_info()[0] is not None:  # SIGTERM's SystemExit
+                shutil.rmtree(joined, ignore_errors=True)
         if not failures:
             _warn_unjoined(args.num_processes, joined, lock)
             return 0

@@ -49,7 +49,7 @@ def main() -> None:
     def accuracy(p):
         return (apply(p, test["image"]).argmax(-1) == test["label"]).mean()
 
-    _state, history = ddl.fit(
+    state, history = ddl.fit(
         strategy,
         params,
         lambda start: ddl.launch.process_batches(train, args.batch_size, mesh, start=start),
@@ -58,10 +58,16 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
     )
-    if jax.process_index() == 0 and history:
+    # (a run resumed at its last step trains nothing: its history is empty)
+    step, value = args.steps, None
+    if history:
+        step, value = history[-1]["step"], history[-1]["eval"]
+    else:
+        value = float(accuracy(strategy.params(state)))
+    if jax.process_index() == 0:
         print(
             f"{jax.process_count()} process(es), {len(jax.devices())} devices: "
-            f"step {history[-1]['step']}, test accuracy {history[-1]['eval']:.4f}"
+            f"step {step}, test accuracy {value:.4f}"
         )
 
 

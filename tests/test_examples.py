@@ -22,15 +22,18 @@ def test_quickstart_reaches_95_percent_test_accuracy_on_8_devices():
     assert float(accuracy) >= 0.95
 
 
-def test_multihost_example_trains_on_two_launched_processes():
+def test_multihost_example_trains_on_two_launched_processes(tmp_path):
     launcher = Path(sys.executable).parent / "ddl-jax"
-    command = ["launch", "-n", "2", "--devices-per-process", "2", "--"]
-    out = run(str(launcher), *command, sys.executable, "examples/multihost.py", "--steps", "100")
-    processes, devices, accuracy = re.search(
-        r"\[rank 0\] (\d+) process\(es\), (\d+) devices: step 100, test accuracy ([\d.]+)", out
-    ).groups()
+    command = ["launch", "-n", "2", "--devices-per-process", "2", "--", sys.executable]
+    example = ["examples/multihost.py", "--steps", "100", "--checkpoint-dir", str(tmp_path)]
+    line = r"\[rank 0\] (\d+) process\(es\), (\d+) devices: step 100, test accuracy ([\d.]+)"
+    processes, devices, accuracy = re.search(line, run(str(launcher), *command, *example)).groups()
     assert (int(processes), int(devices)) == (2, 4)
     assert float(accuracy) >= 0.9
+    # Run again: it resumes at its last step, trains nothing, and says where it is.
+    again = run(str(launcher), *command, *example)
+    assert "resumed at step 100 of 100" in again
+    assert re.search(line, again).groups() == (processes, devices, accuracy)
 
 
 def test_the_readme_quickstart_runs_as_written():

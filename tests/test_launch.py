@@ -6,6 +6,7 @@ process's 8 simulated devices.
 """
 
 import contextlib
+import glob
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -240,6 +242,84 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
         for pid in [launcher.pid, *pids]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
+    """Its peer waits in a collective for it; it must not wait at JAX's shutdown barrier
+    for that peer (300 s), so the launcher names it and stops the peer."""
+    path = script(
+        tmp_path,
+        """
+        from ddl_jax._src.train import launch
+        launch.initialize()
+        import jax, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import ddl_jax as ddl
+
+        mesh = ddl.make_mesh()
+        rows = np.ones(jax.local_device_count(), np.float32)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rows)
+        total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
+        for step in range(10_000):
+            if step == 3 and jax.process_index() == 1:
+                raise RuntimeError("boom on rank 1")
+            total(x).block_until_ready()
+        """,
+    )
+    cmd = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--grace", "1"]
+    tick = time.monotonic()
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    launcher = subprocess.Popen([*cmd, "--", sys.executable, path], env=child_env(), **pipes)
+    try:
+        out, err = launcher.communicate(timeout=120)
+    finally:  # a hang stops here, its ranks with it
+        launcher.terminate()
+        launcher.wait()
+    assert launcher.returncode == 1, (out, err)
+    assert "[rank 1] RuntimeError: boom on rank 1" in out
+    # rank 0's collective then fails too: both named, rank 1 first
+    assert err.startswith("ddl-jax launch: rank 1 failed with exit code 1"), err
+    assert time.monotonic() - tick < 60
+
+
+@pytest.mark.parametrize(
+    ("steps", "batch", "message"),
+    [
+        ("4 + 2 * rank", "32", "fit: steps (process 0: 4, process 1: 6) differ between"),
+        ("4", "32 + 32 * rank", "process_batches: batch_size (process 0: 32, process 1: 64) d"),
+    ],
+)
+def test_processes_given_other_arguments_are_refused(tmp_path, steps, batch, message):
+    path = script(
+        tmp_path,
+        f"""
+        from ddl_jax._src.train import launch
+        launch.initialize()
+        import jax, numpy as np, optax
+        import ddl_jax as ddl
+
+        rank = jax.process_index()
+        data = {{"x": np.ones((256, 3), np.float32)}}
+        mesh = ddl.make_mesh()
+        loss = lambda params, batch: ((batch["x"] @ params["w"]) ** 2).mean()
+        strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh)
+        batches = lambda start: launch.process_batches(data, {batch}, mesh, start=start)
+        ddl.fit(strategy, {{"w": np.ones(3, np.float32)}}, batches, steps={steps})
+        """,
+    )
+    cmd = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--", sys.executable, path]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done
+    assert f"[rank 0] ValueError: {message}" in done.stdout, done.stdout
+
+
+def test_a_command_that_cannot_start_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "ddl-jax-launch-*")))
+    assert cli.main(["launch", "-n", "2", "--", missing]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ddl-jax launch: error: cannot run {missing!r}: No such file or directory.\n"
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "ddl-jax-launch-*"))) <= left
 
 
 def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):

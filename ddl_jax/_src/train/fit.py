@@ -16,7 +16,7 @@ import numpy as np
 
 from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Batch, Metrics, State, Strategy, check_int
-from ddl_jax._src.train import checkpoint
+from ddl_jax._src.train import checkpoint, launch
 from ddl_jax._src.train.log import LossGrowthWarning, TrainingLog, summary_writer_class
 from ddl_jax._src.train.settings import FitSettings
 
@@ -174,10 +174,11 @@ def fit(
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
       TypeError, ValueError: bad arguments (e.g. ``checkpoint_every`` without
-        ``checkpoint_dir``, a ``log_file`` that is a directory), or a checkpoint of a
-        differently shaped state (``ValueError``).
+        ``checkpoint_dir``, a ``log_file`` that is a directory, ``steps`` that differ
+        between processes), or a checkpoint of a differently shaped state (``ValueError``).
     """
     settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
+    launch.same_on_every_process("fit", steps=settings.steps)
     log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
     state = strategy.init(params)
     manager = None

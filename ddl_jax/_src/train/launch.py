@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -157,7 +158,29 @@ def initialize(
         raise
     if tunings.cluster():
         gloo_threads.start_idling()
+    _exit_on_uncaught_exceptions()
     return True
+
+
+def _exit_on_uncaught_exceptions() -> None:
+    """Makes an uncaught exception end this process once it is printed (exit code 1).
+
+    Python's exit would run JAX's shutdown, whose barrier waits for every process, up to
+    300 s; a peer waiting in a collective for this one never gets there. Ended at once,
+    the process is seen dead: ``ddl-jax launch`` names it and stops the others, and
+    without the launcher the peers' collectives fail. ``finally`` blocks have run by then
+    (``fit`` has finished its last checkpoint save).
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    sys.excepthook = hook
 
 
 def idle_gloo_threads() -> None:
@@ -266,6 +289,29 @@ def global_batch(local: Batch, mesh: Mesh, batch_size: int, axis: str = "data") 
     )
 
 
+def same_on_every_process(where: str, **values: int) -> None:
+    """Raises ``ValueError`` naming each of ``values`` that differs between processes (a
+    collective of a few bytes; nothing with one process): every process of a run must
+    train the same steps on the same batches, and one that does not would wait forever in
+    a collective, or train on a batch of another shape."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(values)
+    every = np.asarray(multihost_utils.process_allgather(np.asarray([values[n] for n in names])))
+    differ = [
+        f"{name} ({', '.join(f'process {p}: {v}' for p, v in enumerate(every[:, i]))})"
+        for i, name in enumerate(names)
+        if len(set(every[:, i].tolist())) > 1
+    ]
+    if differ:
+        raise ValueError(
+            f"{where}: {'; '.join(differ)} differ between processes; give every process "
+            "the same arguments."
+        )
+
+
 def process_batches(
     data: data_lib.Dataset,
     batch_size: int,
@@ -289,7 +335,11 @@ def process_batches(
       seed: seed of the shuffling.
       start: index of the first batch (the number of steps already trained).
       axis: the data axis.
+
+    Raises:
+      ValueError: ``batch_size`` or ``seed`` differs between processes.
     """
+    same_on_every_process("process_batches", batch_size=batch_size, seed=seed)
     rows = process_rows(mesh, batch_size, axis)
     local = data_lib.batches(data, batch_size, seed=seed, start=start, rows=rows)
     return (global_batch(b, mesh, batch_size, axis) for b in local)
