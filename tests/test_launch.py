@@ -277,8 +277,8 @@ def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
         launcher.wait()
     assert launcher.returncode == 1, (out, err)
     assert "[rank 1] RuntimeError: boom on rank 1" in out
-    # rank 0's collective then fails too: both named, rank 1 first
-    assert err.startswith("ddl-jax launch: rank 1 failed with exit code 1"), err
+    # rank 0's collective then fails too, and may be reaped first: both are named
+    assert "rank 1 failed with exit code 1" in err.splitlines()[0], err
     assert time.monotonic() - tick < 60
 
 
