@@ -98,3 +98,5 @@ def test_variables_trained_on_other_devices_start_a_strategy_on_these(mlp):
         start = again.params(again.init(trained))
         chex.assert_trees_all_equal(jax.device_get(start), jax.device_get(trained))
         assert {d for x in jax.tree.leaves(start) for d in x.devices()} == set(mesh.devices.flat)
+    on_one = jax.device_put(trained, jax.devices()[3])  # committed to a device of the mesh
+    chex.assert_trees_all_equal(jax.device_get(eight.params(eight.init(on_one))), on_one)

@@ -439,7 +439,7 @@ def _onto(mesh: Mesh, tree: Any) -> Any:
     devices = set(mesh.devices.flat)
 
     def onto(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not x.sharding.device_set <= devices:
+        if isinstance(x, jax.Array) and x.sharding.device_set != devices:
             return jax.device_put(x, NamedSharding(mesh, P()))
         return x
 
