@@ -286,6 +286,7 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
+    p.set_defaults(usage=p)
     _compare_parser(sub)
     return root
 
@@ -383,6 +384,7 @@ def _compare_parser(sub: Any) -> None:
         help=f"the network inside an island: one of {', '.join(cs.NETWORKS)} (default ici)",
     )
     p.add_argument("--config", help="TOML file with any of these settings; flags override it")
+    p.set_defaults(usage=p)
 
 
 _COMPARE_FLAGS = (
@@ -442,7 +444,9 @@ def run_compare(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ddl-jax``."""
     root = parser()
-    args = root.parse_args(argv)
+    args, unknown = root.parse_known_args(argv)
+    if unknown:  # under the subcommand's usage, not the top level's
+        args.usage.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.cmd == "compare":
         return run_compare(args)
     if args.command and args.command[0] == "--":

@@ -331,6 +331,7 @@ def test_launcher_succeeds_when_every_rank_does(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["-n", "2", "--bogus", "--", "true"], "launch: error: unrecognized arguments: --bogus"),
         (["-n", "0", "--", "true"], "argument -n/--num-processes: value must be an int >= 1"),
         (["-n", "two", "--", "true"], "-n/--num-processes: value must be an int >= 1, got 'two'"),
         (["-n", "2"], "give the command to run after --"),
