@@ -77,6 +77,8 @@ BAD = [
     (["--target", "95", "--steps", "3"], "test accuracy); e.g. --target 0.95."),
     (["--target", "0"], "test accuracy); e.g. --target 0.9."),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
+    (["--strategies", "asynclocal:5"], "H=5 inner steps do not divide the 16 rows a worker ge"),
+    (["--strategies", "asynclocal:5"], "choose a divisor, e.g. asynclocal:4."),
     (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, isl"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),

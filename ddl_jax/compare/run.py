@@ -429,8 +429,9 @@ def mesh_for(spec: Spec, mesh: Any, config: Config) -> Any:
 
 
 def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> BuildContext:
+    rows = workload.batch_size // config.worker_count
     return BuildContext(workload.loss_fn, mesh, config.straggler, config.seed, eval_every,
-                        config.drop, config.workers)  # fmt: skip
+                        config.drop, config.workers, rows)  # fmt: skip
 
 
 def _check_writable(name: str, folder: str) -> None:

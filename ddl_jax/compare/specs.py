@@ -123,6 +123,7 @@ class BuildContext(NamedTuple):
       consensus_every: steps between gossip's consensus-distance measurements.
       drop: the probability that a message is lost (families with ``unreliable``).
       workers: the workers, several a device (``None``: one a device).
+      rows: the rows of the global batch each worker gets (``None``: not known).
     """
 
     loss_fn: Any
@@ -132,6 +133,7 @@ class BuildContext(NamedTuple):
     consensus_every: int
     drop: float = 0.0
     workers: int | None = None
+    rows: int | None = None
 
 
 class Family(NamedTuple):
@@ -238,6 +240,12 @@ def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext
             if rule is not None:
                 server = optax.chain(server, ddl.scale_by_staleness(rule))
             return ddl.async_sgd(ctx.loss_fn, server, ctx.mesh, **options)
+        if ctx.rows is not None and ctx.rows % param:  # H micro-batches of a worker's rows
+            fits = max(h for h in range(1, param) if ctx.rows % h == 0)
+            raise ValueError(
+                f"H={param} inner steps do not divide the {ctx.rows} rows a worker gets; "
+                f"choose a divisor, e.g. asynclocal:{fits}."
+            )
         # asynchronous local SGD: inner AdamW, the server's delayed Nesterov over N arrivals;
         # momentum 0.5, as DiLoCo's 0.9 overshoots at H = 4 here (0.906 against 0.967 test
         # accuracy on digits; the GPT diverges)
@@ -479,7 +487,7 @@ FAMILIES: dict[str, Family] = {
         _async(async_local, local=True),
         _int(1),
         "4",
-        "inner steps H per push, an integer dividing the 16 rows a worker gets (e.g. asynclocal:4)",
+        "inner steps H per push, an integer dividing the rows a worker gets (e.g. asynclocal:4)",
         "asynchronous local SGD: H inner AdamW steps per push, delayed Nesterov (0.7, 0.5) server",
         asynchronous=True,
         unreliable=True,
