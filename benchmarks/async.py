@@ -44,7 +44,7 @@ def protocols(lr: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--time", type=float, default=300.0, help="simulated time budget")
     parser.add_argument("--lr", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     parser.add_argument("--per-worker-batch", type=int, default=16)

@@ -55,7 +55,7 @@ def communication(strategy, params, batch, period, steps, network):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--per-worker-batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

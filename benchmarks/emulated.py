@@ -27,7 +27,7 @@ STRATEGIES = "sync,ring,fsdp:3,local:16,diloco:16,streaming:4,noloco:16,powersgd
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="digits-mlp,digits-cnn")
     parser.add_argument("--processes", default="2,3,4")
     parser.add_argument("--rates", default="100mbit,1gbit")

@@ -16,6 +16,8 @@ a step holds.)
     python benchmarks/fsdp_layers.py
 """
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,6 +72,7 @@ def workloads(depth: int) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     mesh = ddl.make_mesh(data=8)
     print(
         "| model | layers | strategy | arguments / device | temporaries / device "

@@ -79,7 +79,7 @@ def large_model_ratios(mesh) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--per-worker-batch", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

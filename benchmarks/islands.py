@@ -26,7 +26,7 @@ from ddl_jax.compare.workloads import make_workload
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--period", type=int, default=16)
     args = parser.parse_args()

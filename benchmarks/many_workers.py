@@ -85,7 +85,7 @@ def run(n: int, steps: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,64,256,1024")
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()

@@ -49,7 +49,7 @@ def hlo_op_counts(jitted, *args) -> collections.Counter:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--per-worker-batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)

@@ -185,7 +185,7 @@ def setting_lines(setting: str, programs: list[str], by: dict, efficiency: dict)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")

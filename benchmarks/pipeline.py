@@ -26,7 +26,7 @@ reach here; sequential runs one stage at a time and keeps its bound alone. GPipe
 (``make_schedule(costs=...)``).
 
     python benchmarks/pipeline.py [--width 1024] [--layers-per-stage 2] [--batch 512]
-        [--microbatches 4] [--steps 5] [--rounds 6]
+        [--microbatches 4] [--steps 5] [--rounds 7]
 """
 
 import argparse
@@ -41,7 +41,7 @@ from ddl_jax.schedules import idle_fraction, lockstep_time, make_schedule
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers-per-stage", type=int, default=2)

@@ -99,7 +99,7 @@ def exponent(ns: list[int], seconds: list[float], start: int = 64) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
@@ -125,7 +125,10 @@ def main() -> None:
     lines.append("")
     for name in names:
         growth = exponent(ns, [rows[n][name]["step"] for n in ns])
-        lines.append(f"{name}: step time grows as N^{growth:.2f} from 64 workers up.")
+        if np.isnan(growth):
+            lines.append(f"{name}: no growth exponent (it needs two worker counts >= 64).")
+        else:
+            lines.append(f"{name}: step time grows as N^{growth:.2f} from 64 workers up.")
     print("\n".join(lines[-len(names) :]))
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "scaling.md").write_text("\n".join(lines) + "\n")
