@@ -232,6 +232,12 @@ def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(
     assert (tmp_path / "fast" / "logs" / "diloco_2_over_fsdp_3.jsonl").exists()
 
 
+def test_an_out_folder_used_again_holds_only_this_runs_logs(tmp_path):
+    _run(tmp_path, "--strategies", "sync,local:4", "--steps", "2")
+    _run(tmp_path, "--strategies", "sync", "--steps", "2")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["sync.jsonl"]
+
+
 def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):
     runs = _run(tmp_path, "--strategies", "local:2", "--steps", "4", "--drop", "0.5")
     assert runs["local:2"]["consensus_distance"] > 0

@@ -2,7 +2,8 @@
 
 For each strategy of a ``Config``: the same initial variables and the same global batches
 in the same order (one seed), ``ddl.fit`` with an evaluation every ``eval_every`` steps
-(its records logged to ``<out>/logs/<strategy>.jsonl``, ``:`` written ``_``), then, on
+(its records logged to ``<out>/logs/<strategy>.jsonl``, ``:`` written ``_``; an earlier
+run's logs of other strategies there removed), then, on
 the jitted step, ``ddl.comm_stats`` (bytes each device sends) and ``ddl.sim.compute_stats``
 (flops and bytes each device computes), both read from the compiled HLO.
 
@@ -542,6 +543,9 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     steps = workload.steps if config.steps is None else config.steps
     eval_every = config.eval_every or max(1, steps // 20)
     _check_strategies(config.strategies, workload, mesh, config, eval_every)
+    ours = {log_path(config.out, spec) for spec in config.strategies}
+    for stale in set((Path(config.out) / "logs").glob("*.jsonl")) - ours:  # an earlier run's
+        stale.unlink()
     asynchronous = any(FAMILIES[s.family].asynchronous for s in config.strategies)
     gradient_s = _gradient_seconds(workload, mesh, config) if asynchronous else 0.0
     started = time.perf_counter()
