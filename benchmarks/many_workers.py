@@ -87,6 +87,7 @@ def run(n: int, steps: int) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,64,256,1024")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
@@ -109,8 +110,8 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "many_workers.md").write_text(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "many_workers.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def exponent(ns: list[int], seconds: list[float], start: int = 64) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
     names = ("data_parallel", "local_sgd", "gossip", "async_sgd", "async_sharded")
@@ -130,8 +131,8 @@ def main() -> None:
         else:
             lines.append(f"{name}: step time grows as N^{growth:.2f} from 64 workers up.")
     print("\n".join(lines[-len(names) :]))
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "scaling.md").write_text("\n".join(lines) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scaling.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
