@@ -429,10 +429,11 @@ def run_compare(args: argparse.Namespace) -> int:
     except compare_specs.CompareError as e:
         print(f"ddl-jax compare: error: {e}", file=sys.stderr, flush=True)
         return 2
-    failed = [r["strategy"] for r in results["runs"] if "error" in r]
+    runs = results["runs"]
+    failed = [r["strategy"] for r in runs if "error" in r or "failed" in r.get("measured", {})]
     if failed:
         print(
-            f"ddl-jax compare: {len(failed)} of {len(results['runs'])} strategies failed: "
+            f"ddl-jax compare: {len(failed)} of {len(runs)} strategies failed: "
             f"{', '.join(failed)}.",
             file=sys.stderr,
             flush=True,

@@ -233,3 +233,48 @@ def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most
     slow = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms: not believed
     assert measured._compute_scale(probe, slow, sim.CPU_CORE, True) == pytest.approx(1e-3 / modeled)
     assert "is the machine busy?" in capsys.readouterr().err
+
+
+def test_a_rank_that_fails_is_named_at_once_while_its_peer_still_runs():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    tick = time.monotonic()
+    try:
+        assert processes._first_failure([sleeper, failing], time.monotonic() + 30) == 1
+        assert time.monotonic() - tick < 20
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_strategy_whose_measured_run_fails_leaves_the_others_measured(
+    tmp_path, monkeypatch, capsys
+):
+    """The calibration and one strategy's processes stand in (no processes start): the
+    other strategy is measured, the failed one says why, the calibration stays written."""
+    from ddl_jax.compare import report
+    from ddl_jax.compare.run import run_compare
+
+    settings = {"strategies": "sync,local:4", "steps": 8, "eval_every": 4, "target": 0.3,
+                "devices": 2, "out": str(tmp_path)}  # fmt: skip
+    results = run_compare(make_config(settings))
+
+    def run_worker(cluster, args, timeout):
+        if args[0] == "sweep":
+            return {"samples": []}
+        if args[0] == "compute":
+            return {"seconds": 1e-3}
+        if args[2] == "local:4":
+            raise CompareError("measure: rank 1 of `train` was killed by signal 9: ")
+        return {"seconds": 0.5, "repeats": [0.5], "metric": 0.5}
+
+    monkeypatch.setattr(processes, "run_worker", run_worker)
+    monkeypatch.setattr(measured, "fit_network", lambda samples, per_buffer: measured._nominal(
+        make_config({"devices": 2})))  # fmt: skip
+    monkeypatch.setattr(measured, "_compute_scale", lambda *args: 1.0)
+    measured.measure(results, make_config({**settings, "measure": True}))
+    sync, local = results["runs"]
+    assert sync["measured"]["seconds"] == 0.5 and results["measured"]["compute_scale"] == 1.0
+    assert local["measured"] == {"failed": "measure: rank 1 of `train` was killed by signal 9: "}
+    assert "[2/2] local:4: measured run failed: measure: rank 1" in capsys.readouterr().err
+    assert "| local:4 | failed: measure: rank 1 of `train` was killed" in report.markdown(results)

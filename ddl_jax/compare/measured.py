@@ -38,7 +38,7 @@ from ddl_jax import sim
 from ddl_jax.compare import processes
 from ddl_jax.compare import report as compare_report
 from ddl_jax.compare.config import Config
-from ddl_jax.compare.specs import DEVICES, FAMILIES, NETWORKS, parse_spec
+from ddl_jax.compare.specs import DEVICES, FAMILIES, NETWORKS, CompareError, parse_spec
 
 #: Seconds per message of the nominal emulated network (the kernel's TCP stack), as
 #: ``ddl.sim.ETHERNET_1G``.
@@ -132,9 +132,12 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
     (seconds, metric after, simulated nominal and calibrated seconds, their errors), and
     ``results["measured"]`` (the processes, the fitted network, the compute scale).
 
+    A strategy whose processes fail gets ``measured.failed`` (the reason) and the others
+    are measured still.
+
     Raises:
-      CompareError: the network cannot be emulated here (what to do instead), or a run's
-        processes failed or outlived their time (its ranks stopped).
+      CompareError: the network cannot be emulated here (what to do instead), or the
+        calibration's processes failed or outlived their time (their ranks stopped).
     """
     settings = json.dumps({**config.as_dict(), "eval_every": results["config"]["eval_every"]})
     nominal = _nominal(config)
@@ -156,15 +159,33 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
             f"(compute {scale:.3g}x the {config.compute} model)",
             flush=True,
         )
+        results["measured"] = {  # before the runs: a run that fails leaves it written
+            "processes": config.devices,
+            "cluster": cluster.description,
+            "cores": cores,
+            "nominal_network": nominal._asdict(),
+            "fitted_network": fitted._asdict(),
+            "sweep": samples,
+            "probe": probe,
+            "compute_scale": scale,
+            "per_buffer_latency": per_buffer,
+        }
         for i, run in enumerate(results["runs"], 1):
+            label = f"[{i}/{len(results['runs'])}] {run['strategy']}"
             why = _measurable(run)
             if why is not None:
                 run["measured"] = {"skipped": why}
+                print(f"{label}: not measured: {why}", flush=True)
                 continue
             steps = run["steps_to_target"]
-            got = processes.run_worker(
-                cluster, ["train", settings, run["strategy"], str(steps)], TIMEOUT
-            )
+            try:
+                got = processes.run_worker(
+                    cluster, ["train", settings, run["strategy"], str(steps)], TIMEOUT
+                )
+            except CompareError as e:  # the others are measured still
+                run["measured"] = {"failed": str(e)}
+                print(f"{label}: measured run failed: {e}", file=sys.stderr, flush=True)
+                continue
             simulated = compare_report.time_to_target(run, nominal.bandwidth, nominal.latency)
             calibrated_run = {
                 **run,
@@ -189,22 +210,11 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
             }
             m = run["measured"]
             print(
-                f"[{i}/{len(results['runs'])}] {run['strategy']}: {steps} steps in "
+                f"{label}: {steps} steps in "
                 f"{m['seconds']:.3g} s ({results['workload']['metric']} {m['metric']:.4g}); "
                 f"simulated {m['simulated_seconds']:.3g} s ({m['error']:+.0%}), calibrated "
                 f"{m['calibrated_seconds']:.3g} s ({m['calibrated_error']:+.0%})",
                 file=sys.stdout,
                 flush=True,
             )
-    results["measured"] = {
-        "processes": config.devices,
-        "cluster": cluster.description,
-        "cores": cores,
-        "nominal_network": nominal._asdict(),
-        "fitted_network": fitted._asdict(),
-        "sweep": samples,
-        "probe": probe,
-        "compute_scale": scale,
-        "per_buffer_latency": per_buffer,
-    }
     return results

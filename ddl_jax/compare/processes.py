@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -128,17 +129,20 @@ def _qdiscs(ns: str, dev: str, emulation: Emulation) -> None:
 
 
 @contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
+def _terminate_as_exit(doing: str) -> Iterator[None]:
     """Inside, a SIGTERM (``kill``, a job scheduler's stop) raises ``SystemExit(143)`` in
-    the main thread, so that the ``finally`` blocks it unwinds through run: Python's own
-    handling of SIGTERM ends the process without them."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    the main thread, so that the ``finally`` blocks it unwinds through run (``doing``
+    says what they undo): Python's own handling of SIGTERM ends the process without them."""
+    nested = getattr(signal.getsignal(signal.SIGTERM), "terminate_as_exit", False)
+    if nested or threading.current_thread() is not threading.main_thread():
+        yield  # an outer one says what it undoes, and raises through this one's too
         return
 
     def stop(signum: int, frame: Any) -> None:
-        print("ddl-jax compare: terminated; removing the emulated network", file=sys.stderr)
+        print(f"ddl-jax compare: terminated; {doing}", file=sys.stderr)
         raise SystemExit(128 + signum)
+
+    stop.terminate_as_exit = True  # type: ignore[attr-defined]
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -158,7 +162,7 @@ def emulated(n: int, emulation: Emulation) -> Iterator[Cluster]:
     names = [(f"{tag}n{i}", f"{tag}v{i}", f"{tag}b{i}", f"10.77.0.{i + 1}", f"{tag}h{i}")
              for i in range(n)]  # fmt: skip
     hosts = "127.0.0.1 localhost\n" + "".join(f"{ip} {host}\n" for *_, ip, host in names)
-    with _terminate_as_exit(), contextlib.ExitStack() as cleanup:
+    with _terminate_as_exit("removing the emulated network"), contextlib.ExitStack() as cleanup:
         cleanup.callback(_remove, names, bridge)
         _sh("ip", "netns", "add", bridge)
         _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
@@ -200,6 +204,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _first_failure(procs: list[subprocess.Popen], deadline: float) -> int | None:
+    """Waits for every rank to exit: ``-1`` when all succeed, the rank of the first to
+    fail as soon as it does, ``None`` at ``deadline``."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [rank for rank, code in enumerate(codes) if code]
+        if failed:
+            return failed[0]
+        if all(code == 0 for code in codes):
+            return -1
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def _drain(stream, into: list[str]) -> None:
     into.extend(stream)
 
@@ -212,7 +231,6 @@ def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
       CompareError: a rank failed (its last lines) or the run outlived ``timeout``
         seconds (every rank is killed; none is left behind).
     """
-    n = len(cluster.prefixes)
     coordinator = f"{cluster.host}:{_free_port()}"
     env = {
         **os.environ,
@@ -225,6 +243,15 @@ def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
             r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
         ),
     }
+    with _terminate_as_exit("stopping the measured processes"):
+        return _run_ranks(cluster, args, timeout, coordinator, env)
+
+
+def _run_ranks(
+    cluster: Cluster, args: Sequence[str], timeout: float, coordinator: str, env: dict
+) -> dict:
+    """``run_worker``'s processes: started, waited for, every one stopped on the way out."""
+    n = len(cluster.prefixes)
     procs, outs, errs, pumps = [], [], [], []
     for rank, prefix in enumerate(cluster.prefixes):
         worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n), str(rank)]
@@ -243,23 +270,23 @@ def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
             pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
             pumps[-1].start()
     try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise CompareError(
-            f"measure: `{' '.join(args[:1])}` outlived {timeout:.0f} s; every rank stopped."
-        ) from None
-    finally:
+        failed = _first_failure(procs, time.monotonic() + timeout)
+    finally:  # the others of a failed rank wait on it in a collective: stop them now
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
         for t in pumps:
             t.join(timeout=5)
-    failed = [rank for rank, p in enumerate(procs) if p.returncode]
-    if failed:
-        tail = " | ".join("".join(errs[failed[0]]).strip().splitlines()[-3:])
-        raise CompareError(f"measure: rank {failed[0]} of `{args[0]}` failed: {tail}")
+    if failed is None:
+        raise CompareError(
+            f"measure: `{' '.join(args[:1])}` outlived {timeout:.0f} s; every rank stopped."
+        )
+    if failed >= 0:
+        code = procs[failed].returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = " | ".join("".join(errs[failed]).strip().splitlines()[-3:])
+        raise CompareError(f"measure: rank {failed} of `{args[0]}` {how}: {tail}")
     lines = "".join(outs[0]).strip().splitlines()
     if not lines:
         raise CompareError(f"measure: rank 0 of `{args[0]}` printed no result.")

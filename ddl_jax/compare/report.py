@@ -149,6 +149,9 @@ def _measured(results: dict[str, Any]) -> list[str]:
     ]
     for r in results["runs"]:
         x = r.get("measured", {})
+        if "failed" in x:
+            lines.append(f"| {r['strategy']} | failed: {x['failed']} | | | | | | |")
+            continue
         if "seconds" not in x:
             lines.append(f"| {r['strategy']} | not measured: {x.get('skipped', '-')} | | | | | | |")
             continue
