@@ -429,6 +429,9 @@ def run_compare(args: argparse.Namespace) -> int:
     except compare_specs.CompareError as e:
         print(f"ddl-jax compare: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # what finished while training or measuring is written
+        print("ddl-jax compare: interrupted.", file=sys.stderr, flush=True)
+        return 130
     runs = results["runs"]
     failed = [r["strategy"] for r in runs if "error" in r or "failed" in r.get("measured", {})]
     if failed:

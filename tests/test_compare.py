@@ -556,3 +556,19 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_training(capsys,
     assert cli.main([*args, str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"tensorboard '{tmp_path}/file' cannot be written" in err
+
+
+def test_an_interrupted_comparison_writes_what_finished(tmp_path, monkeypatch, capsys):
+    real = run_module.run_one
+
+    def interrupted(spec, *args):
+        if spec.text == "local:4":
+            raise KeyboardInterrupt  # Ctrl-C while it trains
+        return real(spec, *args)
+
+    monkeypatch.setattr(run_module, "run_one", interrupted)
+    args = ["--strategies", "sync,local:4,diloco:4", "--steps", "4", "--out", str(tmp_path)]
+    assert cli.main(["compare", *args]) == 130
+    assert capsys.readouterr().err.endswith("ddl-jax compare: interrupted.\n")
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert runs[0]["final"] > 0 and [r.get("error") for r in runs[1:]] == ["interrupted"] * 2

@@ -549,11 +549,18 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     asynchronous = any(FAMILIES[s.family].asynchronous for s in config.strategies)
     gradient_s = _gradient_seconds(workload, mesh, config) if asynchronous else 0.0
     started = time.perf_counter()
-    runs = []
+    runs: list[dict[str, Any]] = []
+    interrupted = False
     for i, spec in enumerate(config.strategies, 1):
         label = f"[{i}/{len(config.strategies)}]"
+        if interrupted:
+            runs.append({"strategy": spec.text, "error": "interrupted"})
+            continue
         try:
             runs.append(run_one(spec, workload, mesh, config, steps, eval_every, label, gradient_s))
+        except KeyboardInterrupt:  # the finished strategies' results are written below
+            interrupted = True
+            runs.append({"strategy": spec.text, "error": "interrupted"})
         except Exception as e:  # one strategy's failure leaves the others' results
             message = f"{type(e).__name__}: {e}".splitlines()[0]
             print(f"{label} {spec.text}: failed: {message}", file=sys.stderr, flush=True)
@@ -580,6 +587,8 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
         "runs": runs,
     }
     figures = _write(results, config)
+    if interrupted:
+        raise KeyboardInterrupt
     if config.measure:
         try:
             measured.measure(results, config)
