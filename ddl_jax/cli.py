@@ -156,7 +156,6 @@ def _warn_unjoined(count: int, joined: str, lock: threading.Lock) -> None:
     """Warns about ranks that never called ``ddl_jax.launch.initialize()``: they ran as
     independent single-process jobs, not as one cluster."""
     missing = [r for r in range(count) if not os.path.exists(os.path.join(joined, f"rank-{r}"))]
-    shutil.rmtree(joined, ignore_errors=True)
     if missing and count > 1:
         ranks = ", ".join(map(str, missing))
         _log(
@@ -177,28 +176,26 @@ def run_launch(args: argparse.Namespace) -> int:
     lock = threading.Lock()
     for attempt in range(args.restarts + 1):
         joined = tempfile.mkdtemp(prefix="ddl-jax-launch-")
-        try:
-            procs, pumps = _start(args, attempt, lock, joined)
-        except _CannotStart as e:
+        try:  # the folder goes however the attempt ends (an error, Ctrl-C, SIGTERM)
+            try:
+                procs, pumps = _start(args, attempt, lock, joined)
+            except _CannotStart as e:
+                _log(f"error: {e}", lock)
+                return 2
+            try:
+                failures = _supervise(procs)
+            except KeyboardInterrupt:
+                _log("interrupted; stopping every rank.", lock)
+                return 130
+            finally:  # also on SIGTERM (see main): no rank outlives the launcher
+                _stop(procs, args.grace)
+                for pump in pumps:
+                    pump.join()
+            if not failures:
+                _warn_unjoined(args.num_processes, joined, lock)
+                return 0
+        finally:
             shutil.rmtree(joined, ignore_errors=True)
-            _log(f"error: {e}", lock)
-            return 2
-        try:
-            failures = _supervise(procs)
-        except KeyboardInterrupt:
-            _log("interrupted; stopping every rank.", lock)
-            shutil.rmtree(joined, ignore_errors=True)
-            return 130
-        finally:  # also on SIGTERM (see main): no rank outlives the launcher
-            _stop(procs, args.grace)
-            for pump in pumps:
-                pump.join()
-            if sys.exc_info()[0] is not None:  # SIGTERM's SystemExit
-                shutil.rmtree(joined, ignore_errors=True)
-        if not failures:
-            _warn_unjoined(args.num_processes, joined, lock)
-            return 0
-        shutil.rmtree(joined, ignore_errors=True)
         others = args.num_processes - len(failures)
         stopped = f"; stopped the other {others} process(es)" if others else ""
         _log(f"{_failed(failures)}{stopped}.", lock)

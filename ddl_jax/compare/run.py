@@ -335,11 +335,12 @@ def run_one(
         (k for k, (_, v) in enumerate(evals) if _reached(v, target, workload.higher_is_better)),
         None,
     )
+    initial = float(workload.evaluate(workload.params))
     record: dict[str, Any] = {
         "strategy": spec.text,
         "description": family.describe,
-        "final": evals[-1][1] if evals else float(workload.evaluate(workload.params)),
-        "initial": float(workload.evaluate(workload.params)),
+        "final": evals[-1][1] if evals else initial,
+        "initial": initial,
         "diverged": diverged is not None,
         "diverged_why": diverged,
         "steps_trained": len(history),
