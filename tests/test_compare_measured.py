@@ -232,7 +232,7 @@ def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most
     assert scale == pytest.approx((1e-3 - 2e-4 - 5e-5 - 4e-8) / modeled)
     slow = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms: not believed
     assert measured._compute_scale(probe, slow, sim.CPU_CORE, True) == pytest.approx(1e-3 / modeled)
-    assert "is the machine busy?" in capsys.readouterr().err
+    assert "timed mostly by its collectives; or the machine is busy" in capsys.readouterr().err
 
 
 def test_a_rank_that_fails_is_named_at_once_while_its_peer_still_runs():
@@ -278,3 +278,20 @@ def test_a_strategy_whose_measured_run_fails_leaves_the_others_measured(
     assert local["measured"] == {"failed": "measure: rank 1 of `train` was killed by signal 9: "}
     assert "[2/2] local:4: measured run failed: measure: rank 1" in capsys.readouterr().err
     assert "| local:4 | failed: measure: rank 1 of `train` was killed" in report.markdown(results)
+
+
+def test_nothing_is_calibrated_when_no_strategy_can_be_measured(tmp_path, monkeypatch, capsys):
+    """No strategy reached the target: no process starts, each run and the report say why."""
+    from ddl_jax.compare import report
+    from ddl_jax.compare.run import run_compare
+
+    settings = {"strategies": "sync,local:4", "steps": 4, "eval_every": 2, "target": 0.99,
+                "devices": 2, "out": str(tmp_path)}  # fmt: skip
+    results = run_compare(make_config(settings))
+    started = []
+    monkeypatch.setattr(processes, "run_worker", lambda *args: started.append(args))
+    measured.measure(results, make_config({**settings, "measure": True}))
+    assert not started
+    assert [r["measured"] for r in results["runs"]] == [{"skipped": "did not reach the target"}] * 2
+    assert "measure: no strategy to measure" in capsys.readouterr().err
+    assert "Measured: nothing" in report.markdown(results)

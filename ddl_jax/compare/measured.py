@@ -91,11 +91,13 @@ def _compute_scale(
     modeled = sim.estimate_compute_time(sim.ComputeStats(probe["flops"], probe["bytes"]), device)
     if comm > probe["seconds"] / 2:
         # the fit prices the probe's one scalar all-reduce at half its step or more: a
-        # loaded machine, or a coarse fit; the whole step is a better bound than the rest
+        # model so small its step is mostly that collective, a loaded machine, or a coarse
+        # fit; the whole step is a better bound than the rest
         print(
             f"measure: warning: the fitted network prices the probe step's collectives at "
             f"{1e3 * comm:.3g} ms of its {1e3 * probe['seconds']:.3g} ms; the device model is "
-            "scaled to the whole step (is the machine busy?)",
+            "scaled to the whole step, so compute is overestimated by up to that much (a model "
+            "this small is timed mostly by its collectives; or the machine is busy)",
             file=sys.stderr,
             flush=True,
         )
@@ -133,12 +135,26 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
     ``results["measured"]`` (the processes, the fitted network, the compute scale).
 
     A strategy whose processes fail gets ``measured.failed`` (the reason) and the others
-    are measured still.
+    are measured still. Where no strategy can be measured (none reached the target), no
+    process starts and ``results["measured"]`` is ``{"skipped": why}``.
 
     Raises:
       CompareError: the network cannot be emulated here (what to do instead), or the
         calibration's processes failed or outlived their time (their ranks stopped).
     """
+    reasons = [_measurable(run) for run in results["runs"]]
+    if all(reasons):  # nothing to check the simulator against: no process starts
+        for run, why in zip(results["runs"], reasons, strict=True):
+            run["measured"] = {"skipped": why}
+        named = ", ".join(f"{r['strategy']}: {r['measured']['skipped']}" for r in results["runs"])
+        results["measured"] = {"skipped": f"no strategy to measure ({named})"}
+        print(
+            f"measure: no strategy to measure ({named}); nothing calibrated. Lower --target "
+            "or raise --steps to measure the strategies that reach it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return results
     settings = json.dumps({**config.as_dict(), "eval_every": results["config"]["eval_every"]})
     nominal = _nominal(config)
     per_buffer = results["environment"]["platform"] == "cpu"
@@ -170,9 +186,8 @@ def measure(results: dict[str, Any], config: Config) -> dict[str, Any]:
             "compute_scale": scale,
             "per_buffer_latency": per_buffer,
         }
-        for i, run in enumerate(results["runs"], 1):
+        for i, (run, why) in enumerate(zip(results["runs"], reasons, strict=True), 1):
             label = f"[{i}/{len(results['runs'])}] {run['strategy']}"
-            why = _measurable(run)
             if why is not None:
                 run["measured"] = {"skipped": why}
                 print(f"{label}: not measured: {why}", flush=True)

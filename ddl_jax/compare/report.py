@@ -129,6 +129,8 @@ def _measured(results: dict[str, Any]) -> list[str]:
     m = results.get("measured")
     if not m:
         return []
+    if "skipped" in m:
+        return ["", f"Measured: nothing, {m['skipped']}."]
     nominal, fitted = m["nominal_network"], m["fitted_network"]
     lines = [
         "",
