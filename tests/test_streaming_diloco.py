@@ -127,6 +127,70 @@ def test_matches_its_definition_written_out_in_numpy(overlap, mix, fragments, na
     chex.assert_trees_all_close(state.anchor, anchor, atol=1e-5)
 
 
+def reference_torchft(params, batches, *, n, sync_every, delay, alpha, names=("a", "b")):
+    """pytorch/torchft ``torchft/local_sgd.py`` (``DiLoCo``, commit 73dafea) on
+    ``quadratic_loss`` in numpy, one fragment per leaf (``model_fragments`` in ``names``'
+    order), inner SGD with momentum 0.5 (lr 0.1), outer Nesterov SGD (0.7, 0.9):
+    ``_step_post_hook`` counts local steps; at ``sync_every / P - delay`` the fragment
+    ``manager step % P`` prepares (``Delta = original - local``, averaged); at
+    ``sync_every / P`` it syncs (the outer step on the restored original, then
+    ``lerp_(local, alpha)``), the count restarts and the manager's step advances."""
+    replicas = [{k: np.array(v, np.float64) for k, v in params.items()} for _ in range(n)]
+    momenta = [{k: np.zeros_like(v) for k, v in r.items()} for r in replicas]
+    original = {k: np.array(v, np.float64) for k, v in params.items()}
+    buffers = {k: np.zeros_like(v) for k, v in original.items()}
+    per_fragment = sync_every // len(names)
+    local_step, manager_step, prepared, sent = 0, 0, None, []
+    for batch in batches:
+        for i, rows in enumerate(worker_shards(batch, n)):
+            x, z, y = (np.asarray(rows[k], np.float64) for k in ("x", "z", "y"))
+            r = x @ replicas[i]["a"] + z @ replicas[i]["b"] - y
+            grads = {"a": x.T @ r / len(y), "b": z.T @ r / len(y)}
+            for k in names:
+                momenta[i][k] = grads[k] + 0.5 * momenta[i][k]
+                replicas[i][k] = replicas[i][k] - 0.1 * momenta[i][k]
+        local_step += 1
+        k = names[manager_step % len(names)]
+        sent.append(-1)
+        if local_step == per_fragment - delay:  # prepare_sync
+            prepared = np.mean([original[k] - r[k] for r in replicas], axis=0)
+            sent[-1] = manager_step % len(names)
+        if local_step == per_fragment:  # perform_sync
+            buffers[k] = prepared + 0.9 * buffers[k]
+            original[k] = original[k] - 0.7 * (prepared + 0.9 * buffers[k])
+            for r in replicas:
+                r[k] = original[k] + alpha * (r[k] - original[k])
+            local_step, manager_step = 0, manager_step + 1
+    return replicas, original, sent
+
+
+@pytest.mark.parametrize(("overlap", "mix"), [(1, 0.5), (0, 0.0)])
+def test_the_torchft_schedule_matches_torchft_written_out_in_numpy(overlap, mix):
+    n, period = 4, 4
+    params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
+    batches = quadratic_batches(13, 8)
+    strategy = ddl.streaming_diloco(
+        quadratic_loss,
+        optax.sgd(0.1, momentum=0.5),
+        ddl.make_mesh(data=n),
+        period=period,
+        fragments=2,
+        overlap=overlap,
+        mix=mix,
+        schedule="torchft",
+        outer_optimizer=NESTEROV,
+    )
+    state, history = train_steps(strategy, params, batches)
+    replicas, anchor, sent = reference_torchft(
+        params, batches, n=n, sync_every=period, delay=overlap, alpha=mix
+    )
+    expected = [0, -1, 1, -1] * 3 + [0] if overlap else [-1, 0, -1, 1] * 3 + [-1]
+    assert [int(m["fragment"]) for m in history] == sent == expected
+    stacked = {k: np.stack([r[k] for r in replicas]) for k in anchor}
+    chex.assert_trees_all_close(state.params, stacked, atol=1e-5)
+    chex.assert_trees_all_close(state.anchor, anchor, atol=1e-5)
+
+
 def test_a_checkpoint_with_a_fragment_in_flight_resumes_the_same_run(tmp_path):
     params = {"a": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.asarray([0.0, 0.5, -0.4])}
     batches = quadratic_batches(7, 8, seed=1)
@@ -338,6 +402,11 @@ def test_init_refuses_more_fragments_than_blocks():
         ({"period": 4, "fragments": 2, "overlap": 2}, ValueError, r"overlap must be < .* = 2"),
         ({"period": 4, "fragments": 2, "mix": 1.5}, ValueError, "mix must be a finite real"),
         ({"period": 4, "fragments": 2, "mix": "half"}, ValueError, "mix must be"),
+        (
+            {"period": 4, "fragments": 2, "schedule": "torch"},
+            ValueError,
+            "schedule must be 'paper' or 'torchft'",
+        ),
         (
             {"period": 4, "fragments": 2, "outer_optimizer": 0.7},
             TypeError,

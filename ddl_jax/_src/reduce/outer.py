@@ -390,7 +390,10 @@ def demo(
       chunk: the target tile side, >= 1 (default 64, the authors').
       beta: the momentum's decay, in [0, 1) (default 0.999, the authors').
       lr: the learning rate scaling the gradient into the momentum, a float > 0 or a
-        schedule (default 1.0; with a constant rate the signs do not depend on it).
+        schedule (default 1.0). With a constant rate the signs do not depend on it, so
+        the default is the authors'; with a schedule (the authors' configs warm up and
+        decay it) pass the optimizer's schedule here too, or the momentum weighs the
+        steps differently from theirs and the signs sent differ.
       aggregate: ``"senders"`` (default, the authors') or ``"workers"``, see above.
       axis: the mesh axis the workers live on.
 

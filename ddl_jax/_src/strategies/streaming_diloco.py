@@ -38,6 +38,7 @@ from ddl_jax._src.core.strategy import (
 from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
 
 _ORDERS = ("depth", "strided")
+_SCHEDULES = ("paper", "torchft")
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -77,6 +78,7 @@ def streaming_diloco(
     fragment_order: str = "depth",
     overlap: int = 0,
     mix: float = 0.0,
+    schedule: str = "paper",
     outer_optimizer: optax.GradientTransformation | None = None,
     reducer: optax.GradientTransformation | None = None,
     accumulate: int = 1,
@@ -132,8 +134,16 @@ def streaming_diloco(
     takes the fragments from the user (``model_fragments``); torchtitan's default
     (pytorch/torchtitan ``torchtitan/components/ft/diloco/utils.py``, ``fragment_llm``) cuts
     the layers into contiguous runs in depth order, which the default here follows
-    (balanced by bytes rather than by layer count). torchft syncs fragment 0 first, after
-    H/P steps; here fragment 1 is sent first and fragment 0 after H steps.
+    (balanced by bytes rather than by layer count).
+
+    **Schedule.** The default, ``schedule="paper"``, times the syncs as the paper does: a
+    fragment's outer gradient is sent at its offset t_p (mod H) and applied tau steps
+    later, here with the offsets t_p = p H/P (above). torchft times its syncs the other
+    way round (``DiLoCo._step_post_hook``): the k-th sync *lands* after k H/P local steps
+    and was sent tau steps before, and its fragment is k - 1 (mod P), fragment 0 first.
+    ``schedule="torchft"`` follows it step for step: fragment (k - 1) mod P sent after
+    k H/P - tau steps, landing after k H/P. The two are the same schedule shifted by
+    tau steps and with the fragments relabelled.
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
@@ -159,6 +169,8 @@ def streaming_diloco(
       overlap: tau, the steps an outer gradient is in flight, 0 <= tau < H/P (a fragment
         lands before the next one is sent).
       mix: alpha in [0, 1], the share of a replica's own fragment kept when it lands.
+      schedule: ``"paper"`` (default) or ``"torchft"``: when each fragment is sent and
+        lands (Schedule, above).
       outer_optimizer: applied to each fragment's reduced outer gradient (any
         per-parameter optax optimizer); ``None`` is parameter averaging.
       reducer: how a fragment's outer gradient is averaged (default
@@ -201,7 +213,7 @@ def streaming_diloco(
       >>> round(float(state.anchor["a"]), 6), round(float(state.anchor["b"]), 6)  # "a" in flight
       (0.0, 0.32)
     """
-    settings = (outer_optimizer, period, fragments, fragment_order, overlap, mix)
+    settings = (outer_optimizer, period, fragments, fragment_order, overlap, mix, schedule)
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
                 "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
@@ -248,6 +260,7 @@ class _Config(NamedTuple):
     order: str  # fragment_order
     overlap: int  # tau
     mix: float  # alpha
+    schedule: str  # "paper" or "torchft"
 
 
 def _configure(
@@ -259,6 +272,7 @@ def _configure(
     order: Any,
     overlap: Any,
     mix: Any,
+    schedule: Any,
 ) -> _Config:
     """``streaming_diloco``'s own arguments checked."""
     period = check_int("period", period, minimum=1)
@@ -287,11 +301,15 @@ def _configure(
             f"lands before the next fragment is sent), got overlap={overlap}."
         )
     mix = check_real("mix", mix, minimum=0.0, maximum=1.0)
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be 'paper' or 'torchft', got {schedule!r}")
     if outer_optimizer is not None:
         check_transform(
             "outer_optimizer", outer_optimizer, "optax.sgd(0.7, momentum=0.9, nesterov=True)"
         )
-    return _Config(kit, optimizer, outer_optimizer, period, fragments, layout, order, overlap, mix)
+    return _Config(
+        kit, optimizer, outer_optimizer, period, fragments, layout, order, overlap, mix, schedule
+    )
 
 
 def _key_name(key: Any) -> str:
@@ -519,13 +537,16 @@ def _exchange(cfg: _Config, carry: Carry, step: jax.Array) -> tuple[Carry, dict[
     # landing off the steps that send.
     bounds = fragment_indices(carry[1], cfg.layout, cfg.order)
     spacing, count = cfg.period // cfg.fragments, cfg.fragments
-    local_steps = step + 1
-    sends = local_steps % spacing == 0
-    fragment = (local_steps // spacing) % count
-    landed = local_steps - cfg.overlap
+    # "paper": the k-th send after k H/P local steps, of fragment k mod P; "torchft": the
+    # k-th landing after k H/P steps, sent tau before, of fragment k - 1 mod P
+    torchft = cfg.schedule == "torchft"
+    slot = step + 1 + (cfg.overlap if torchft else 0)  # counts to the sends' slots
+    sends = slot % spacing == 0
+    fragment = (slot // spacing - torchft) % count
+    landed = slot - cfg.overlap
     lands = (landed >= 1) & (landed % spacing == 0) & (cfg.overlap > 0)
     branch = jnp.where(sends, 1 + fragment, 0)
-    branch = jnp.where(lands, 1 + count + (landed // spacing) % count, branch)
+    branch = jnp.where(lands, 1 + count + (landed // spacing - torchft) % count, branch)
     branches = [_keep]
     branches += [functools.partial(_send, cfg=cfg, bounds=bounds, p=p) for p in range(count)]
     if cfg.overlap:
