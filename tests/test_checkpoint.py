@@ -4,6 +4,7 @@ the non-finite step guard, and the variables read back without the strategy."""
 import functools
 import os
 import re
+import shutil
 
 import chex
 import jax
@@ -144,6 +145,43 @@ def test_a_checkpoint_of_another_model_names_the_mismatching_leaf(tmp_path):
     assert steps_in(tmp_path) == ["2"]  # a mismatch is not corruption: nothing is moved
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        (optax.adam(1e-2), optax.adamw(1e-2)),  # the same arrays, one more empty state
+        (optax.sgd(0.1), optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1))),
+    ],
+)
+def test_a_checkpoint_of_another_optimizer_chain_is_refused_and_left_in_place(
+    tmp_path, saved, resumed
+):
+    mesh = ddl.make_mesh(data=8)
+    train(ddl.data_parallel(LOSS_FN, saved, mesh), make_batches(2, 32), 2, tmp_path)
+    with pytest.raises(ValueError, match=r"checkpoint step 2 in .* holds a state of another "):
+        train(ddl.data_parallel(LOSS_FN, resumed, mesh), make_batches(3, 32), 3, tmp_path)
+    assert steps_in(tmp_path) == ["2"]  # a mismatch is not corruption: nothing is moved
+
+
+@pytest.mark.parametrize("damage", ["state item removed", "empty step folder"])
+def test_a_step_without_its_state_beside_ones_with_it_is_set_aside(tmp_path, damage):
+    """A copy cut short leaves a step folder without its state; fit's own folder holds
+    steps with state, so that one is damaged, not an export: the previous step is used."""
+    strategy = strategy_for("local_sgd")
+    batches = make_batches(4, 32)
+    whole, _ = train(strategy, batches, 4)
+    train(strategy, batches, 2, tmp_path)
+    if damage == "state item removed":
+        train(strategy, batches, 4, tmp_path)
+        shutil.rmtree(tmp_path / "4" / "state")
+    else:
+        (tmp_path / "4").mkdir()
+    with pytest.warns(UserWarning, match=r"step 4 in .* could not be restored \(.*no 'state' item"):
+        state, history = train(strategy, batches, 4, tmp_path)
+    assert [r["step"] for r in history] == [3, 4]
+    chex.assert_trees_all_equal(state, whole)
+    assert "corrupt-4" in steps_in(tmp_path)
+
+
 def test_replicated_state_restores_onto_another_mesh(tmp_path):
     saved, _ = train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path)
     mesh = ddl.make_mesh(data=4)
@@ -178,7 +216,8 @@ def test_worker_local_state_refuses_another_worker_count(tmp_path):
     strategy = BUILDERS["local_sgd"](ddl.make_mesh(data=4))
     with pytest.raises(
         ValueError,
-        match="is worker-local state for 8 workers, but the mesh has 4 workers on axis 'data'",
+        match="is worker-local state for 8 workers, but the mesh has 4 workers on axis 'data'"
+        ".* or the strategy's workers=8 where it takes one",
     ):
         train(strategy, make_batches(2, 32), 2, tmp_path)
 
@@ -204,11 +243,15 @@ def test_skip_nonfinite_skips_the_step_on_every_worker():
     [
         ({"checkpoint_every": 0}, "checkpoint_every must be an int >= 1, got 0"),
         ({"keep": 0}, "keep must be an int >= 1, got 0"),
+        ({"checkpoint_dir": ""}, "checkpoint_dir must name a directory, got ''"),
     ],
 )
 def test_bad_checkpoint_arguments(tmp_path, kwargs, match):
+    kwargs = {"directory": tmp_path} | {
+        "directory" if k == "checkpoint_dir" else k: v for k, v in kwargs.items()
+    }
     with pytest.raises(ValueError, match=match):
-        train(strategy_for("data_parallel"), make_batches(2, 32), 2, tmp_path, **kwargs)
+        train(strategy_for("data_parallel"), make_batches(2, 32), 2, **kwargs)
 
 
 def test_a_cloud_directory_stays_a_url_and_a_local_one_becomes_absolute(monkeypatch):
@@ -346,3 +389,14 @@ def test_export_writes_variables_that_load_without_a_strategy(tmp_path):
     # No strategy state in an export: fit says so rather than resuming from it.
     with pytest.raises(ValueError, match=r"checkpoint step 1 in .* holds no strategy state"):
         train(strategy_for("data_parallel"), make_batches(1, 32), 1, tmp_path)
+
+
+def test_a_checkpoint_at_or_beyond_steps_trains_nothing_and_says_how_to_evaluate(tmp_path, capsys):
+    strategy = strategy_for("data_parallel")
+    saved, _ = train(strategy, make_batches(4, 32), 4, tmp_path)
+    state, history = train(strategy, make_batches(3, 32), 3, tmp_path)
+    assert history == []
+    chex.assert_trees_all_equal(jax.device_get(state), jax.device_get(saved))
+    assert "nothing left to train (no evaluation: eval_fn(strategy.params(state))" in (
+        capsys.readouterr().out
+    )

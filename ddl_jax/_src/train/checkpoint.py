@@ -232,6 +232,15 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
             f"{where} holds leaf {name!r} that this strategy's state does not have; it was "
             "saved from a different model or strategy."
         )
+    if _skeleton(_state_metadata(manager, step).tree) != _skeleton(
+        ocp.tree.serialize_tree(like, keep_empty_nodes=True)
+    ):
+        raise ValueError(
+            f"{where} holds a state of another structure than this strategy's: the same "
+            "arrays, but other empty parts (another optimizer chain, e.g. optax.adam "
+            "against optax.adamw, or another outer optimizer); it was saved with a "
+            "different optimizer or strategy."
+        )
     for name, leaf in wanted.items():
         have, (want, dtype) = tuple(saved[name].shape), _stored(leaf)
         axis = _worker_axis(leaf)
@@ -239,8 +248,9 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
             raise ValueError(
                 f"{where}: leaf {name!r} is worker-local state for {have[0]} workers, but the "
                 f"mesh has {want[0]} workers on axis {axis!r}. Worker-local state (local "
-                "replicas, residuals, queues) cannot change worker count; restore on a mesh "
-                f"with {have[0]} workers."
+                "replicas, residuals, queues) cannot change worker count; restore with "
+                f"{have[0]} workers: a mesh of that many devices on {axis!r}, or the "
+                f"strategy's workers={have[0]} where it takes one."
             )
         if have != want or np.dtype(saved[name].dtype) != dtype:
             raise ValueError(
@@ -248,6 +258,13 @@ def check_compatible(manager: ocp.CheckpointManager, step: int, like: State) -> 
                 f"but {dtype}{list(want)} in this strategy's state; it was saved from a "
                 "different model or strategy."
             )
+
+
+def _skeleton(tree: Any) -> Any:
+    """The shape of ``tree`` as orbax stores it, empty nodes (``optax.EmptyState()``,
+    ``None``, ``{}``) included, which the named leaves alone do not show."""
+    empty = lambda x: x is None or (isinstance(x, tuple | list | dict) and not x)  # noqa: E731
+    return jax.tree.structure(jax.tree.map(lambda x: None if empty(x) else 0, tree, is_leaf=empty))
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -262,6 +279,18 @@ def _check_has_state(manager: ocp.CheckpointManager, step: int) -> None:
             "written by an older ddl_jax. Resume from a directory of fit's checkpoints, or "
             "read it with ddl.checkpoint.load_variables."
         )
+
+
+def _has_state(manager: ocp.CheckpointManager, step: int, steps: list[int]) -> bool:
+    """Whether ``step`` holds its state item. A step without one is damaged where it holds
+    nothing else or another step of the folder holds a state (fit's folder); otherwise it
+    is an export, which fit does not resume from (``ValueError``)."""
+    has = lambda s: (_step_dir(manager, s) / STATE).exists()  # noqa: E731
+    if has(step):
+        return True
+    if (_step_dir(manager, step) / VARIABLES).exists() and not any(map(has, steps)):
+        _check_has_state(manager, step)  # raises: not corruption, no fallback
+    return False
 
 
 def _item_metadata(manager: ocp.CheckpointManager, step: int, item: str) -> Any:
@@ -354,7 +383,8 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
     """Restores the newest readable step onto the shardings of ``like``.
 
     Steps are tried newest first. One whose state fails to read (truncated or corrupted
-    files, missing metadata) is reported with a ``UserWarning`` naming the step and the
+    files, missing metadata, no state item where other steps have one: a save or a copy
+    cut short) is reported with a ``UserWarning`` naming the step and the
     error, moved aside to ``corrupt-<step>`` (kept for inspection, never deleted), and the
     previous step is tried. Only the step's ``state`` item is read.
 
@@ -381,11 +411,13 @@ def newest_readable(manager: ocp.CheckpointManager, like: State) -> tuple[State,
     # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     _drop_closed_loop_reports()  # before any read: the reports can come at once
-    for step in sorted(manager.all_steps(), reverse=True):
-        _check_has_state(manager, step)  # not corruption: no fallback
+    steps = sorted(manager.all_steps(), reverse=True)
+    for step in steps:
+        ok = _has_state(manager, step, steps)
+        error: Exception = FileNotFoundError(f"no {STATE!r} item: a save or a copy cut short")
         try:
-            _item_metadata(manager, step, STATE)
-            ok = True
+            if ok:
+                _item_metadata(manager, step, STATE)
         except Exception as e:  # any unreadable metadata is corruption
             ok, error = False, e
         if _all_ok(ok):

@@ -167,7 +167,8 @@ def fit(
       ``(state, history)``: the final state (``strategy.params(state)`` are the trained
       variables), and one record per step trained in this call (``{"step": i, "loss":
       ..., ...}``, 1-based, counting resumed steps) with eval results merged into the
-      steps where they ran.
+      steps where they ran. A checkpoint already at ``steps`` or beyond trains nothing:
+      its state and an empty history, with no evaluation.
 
     Raises:
       ImportError: ``tensorboard_dir`` is given and tensorboardX is not installed.
@@ -269,7 +270,11 @@ def _train(
         warnings.warn(message, LossGrowthWarning, stacklevel=3)
     history = log.history
     if start >= steps:
-        log.say(f"fit: resumed at step {start} of {steps}; nothing left to train.", notice=True)
+        log.say(
+            f"fit: resumed at step {start} of {steps}; nothing left to train (no evaluation: "
+            "eval_fn(strategy.params(state)) evaluates the state returned).",
+            notice=True,
+        )
         return state, history
     if not history:
         raise ValueError("fit: batches yielded no batch.")
@@ -315,6 +320,10 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSetting
             raise TypeError(f"fit: {name} must be a bool, got {value!r}.")
     if eval_every is not None and args.eval_fn is None:
         raise ValueError(f"fit: eval_every={eval_every!r} needs eval_fn, got eval_fn=None.")
+    if isinstance(args.checkpoint_dir, str) and not args.checkpoint_dir:
+        raise ValueError(
+            "fit: checkpoint_dir must name a directory, got '' (None saves no checkpoints)."
+        )
     for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
         # Without a directory nothing is saved: a silently ignored setting would hide that.
         if value is not None and args.checkpoint_dir is None:
