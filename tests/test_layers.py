@@ -5,6 +5,7 @@ import doctest
 import chex
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -91,6 +92,31 @@ def test_a_model_on_one_device_equals_the_model_sharded_over_data_and_model():
     assert placed["up"]["kernel"].addressable_shards[0].data.shape == (16, 24 // 4)
     got = jax.jit(program)(placed, jax.device_put(x, NamedSharding(mesh, P("data"))))
     chex.assert_trees_all_close(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("builder", ["tensor_parallel", "fsdp"])
+def test_layers_whose_parameters_are_replicated_over_model_compute_the_same_function(builder):
+    """``specs=P()`` (every parameter whole on every ``model`` device): the row-parallel
+    layers hold whole kernels and have no partial products to sum."""
+    model = TinyTransformer(nnx.Rngs(0))
+    apply, params = ddl.flax.split(model)
+    params = randomized(params)
+    x = jax.random.normal(jax.random.key(2), (8, 6, 16))
+    y = jax.random.normal(jax.random.key(3), (8, 6, 5))
+    loss_fn = lambda p, batch: jnp.mean((apply(p, batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+    expected = loss_fn(params, {"x": x, "y": y})
+    build = getattr(ddl, builder)
+    strategy = build(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2, model=4), specs=P())
+    plain = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    state, reference = strategy.init(params), plain.init(params)
+    for _ in range(3):
+        state, metrics = jax.jit(strategy.step)(state, {"x": x, "y": y})
+        reference, _ = jax.jit(plain.step)(reference, {"x": x, "y": y})
+        chex.assert_trees_all_close(metrics["loss"], expected, rtol=1e-5)
+        expected = loss_fn(jax.device_get(plain.params(reference)), {"x": x, "y": y})
+    chex.assert_trees_all_close(
+        jax.device_get(strategy.params(state)), jax.device_get(plain.params(reference)), atol=1e-5
+    )
 
 
 def test_row_parallel_dense_sums_only_where_model_is_bound():

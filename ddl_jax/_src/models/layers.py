@@ -69,25 +69,33 @@ def column_parallel_dense(
 
 
 def row_parallel_dense(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, axis: str = MODEL
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis: str = MODEL,
+    rows: int | None = None,
 ) -> jax.Array:
     """``x @ kernel + bias`` with ``x`` and ``kernel`` split by rows: one all-reduce.
 
     Each device sends ``2 (N-1)/N`` times the output's bytes (one all-reduce over ``axis``).
     Where ``axis`` is not bound (outside ``shard_map``, e.g. on one device with the full
-    kernel) there are no partial products to sum and no all-reduce.
+    kernel), or the kernel holds all ``rows`` (specs that replicate it over ``axis``, and
+    the input whole too), there are no partial products to sum and no all-reduce.
 
     Args:
       x: this device's ``[..., d_in / N]`` slice of the input features.
       kernel: this device's ``[d_in / N, d_out]`` slice, ``P("model", None)``.
       bias: ``[d_out]``, replicated (``P()``), added once after the sum.
       axis: the mesh axis the rows are split over.
+      rows: the full kernel's rows ``d_in``, where known: a kernel holding them all is
+        whole, not a slice (``None``: a slice wherever ``axis`` is bound).
 
     Returns:
       ``[..., d_out]``, the same on every device of ``axis``.
     """
     y = x @ kernel
-    if _bound_axis_size(axis) is not None:
+    if _bound_axis_size(axis) is not None and kernel.shape[0] != rows:
         y = lax.psum(y, axis)
     return y if bias is None else y + bias
 
@@ -142,10 +150,12 @@ class RowParallelLinear(nnx.Module):
         kernel = _partitioned(nnx.initializers.lecun_normal(), (MODEL, None))
         self.kernel = nnx.Param(kernel(rngs.params(), (in_features, out_features)))
         self.bias = nnx.Param(jnp.zeros((out_features,)))
+        self.in_features = in_features
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """This device's ``[..., in_features / N]`` -> ``[..., out_features]``."""
-        return row_parallel_dense(x, self.kernel[...], self.bias[...])
+        """This device's ``[..., in_features / N]`` -> ``[..., out_features]`` (all of
+        ``x``'s features where the kernel is whole: specs that replicate it)."""
+        return row_parallel_dense(x, self.kernel[...], self.bias[...], rows=self.in_features)
 
 
 class ParallelMLP(nnx.Module):
