@@ -230,6 +230,10 @@ def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(
     assert slow["compute_ms_per_step"] > fast["compute_ms_per_step"]
     assert (slow["comm_s_per_event"], slow["final"]) == (fast["comm_s_per_event"], fast["final"])
     assert (tmp_path / "fast" / "logs" / "diloco_2_over_fsdp_3.jsonl").exists()
+    note = "a stacked strategy's bytes are those crossing islands, and what moves inside an "
+    assert note + "island is priced as time on its ici network" in (
+        (tmp_path / "fast" / "results.md").read_text().replace("\n", " ")
+    )
 
 
 def test_an_out_folder_used_again_holds_only_this_runs_logs(tmp_path):

@@ -6,6 +6,7 @@ batch, which the flat ``local_sgd`` on one device per island does.
 """
 
 import re
+import warnings
 
 import chex
 import jax
@@ -356,3 +357,14 @@ def test_wrong_arguments_are_clear_errors(model):
         ddl.noloco(optimizer=optax.sgd(0.1), inner=inner, period=2)
     with pytest.raises(ValueError, match="hierarchy's last group size must be the number"):
         ddl.local_sgd(inner=inner, hierarchy=((1, 2), (2, 8))).init(params)
+
+
+def test_fit_warns_that_an_inner_strategy_alone_trains_its_islands_apart(model):
+    loss_fn, params, _ = model
+    alone = inner_strategy("fsdp3", loss_fn, optax.sgd(0.1), None)
+    with pytest.warns(UserWarning, match=r"2 islands, which never exchange: pass the strategy as "):
+        ddl.fit(alone, params, make_batches(1, 32), steps=1, progress=False)
+    stacked = ddl.local_sgd(inner=alone, period=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddl.fit(stacked, params, make_batches(1, 32), steps=1, progress=False)

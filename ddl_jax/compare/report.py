@@ -57,6 +57,16 @@ def subtitle(results: dict[str, Any]) -> str:
     )
 
 
+def _stacked_bytes(c: dict[str, Any]) -> str:
+    """What the bytes column counts for stacked strategies, where the run has them."""
+    if not any("/" in text for text in c["strategies"]):
+        return ""
+    return (
+        "; a stacked strategy's bytes are those crossing islands, and what moves inside an "
+        f"island is priced as time on its {c['inner_network']} network, in the compute column"
+    )
+
+
 def _time(r: dict[str, Any]) -> str:
     if r.get("diverged"):
         return "diverged"
@@ -99,7 +109,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Rank: by simulated time to target; `n=` marks a tie: the target was crossed "
         f"between two evaluations (every {c['eval_every']} steps), and these runs' "
         f"intervals overlap. Bytes: sent by the busiest {sender}, read from the compiled "
-        "step's HLO, averaged over the run (synchronisations included). Compute: the "
+        "step's HLO, averaged over the run (synchronisations included"
+        f"{_stacked_bytes(c)}). Compute: the "
         "compiled step's flops and bytes on the device model (`ddl.sim.compute_stats`), "
         "the same in every run of this command. Simulated time: steps x (compute + the "
         "alpha-beta cost of the step's collectives on the network; local SGD's "

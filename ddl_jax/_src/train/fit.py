@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddl_jax._src.core.model_loss import Variables
-from ddl_jax._src.core.strategy import Batch, Metrics, State, Strategy, check_int
+from ddl_jax._src.core.strategy import ISLAND, Batch, Metrics, State, Strategy, check_int
 from ddl_jax._src.train import checkpoint, launch
 from ddl_jax._src.train.log import LossGrowthWarning, TrainingLog, summary_writer_class
 from ddl_jax._src.train.settings import FitSettings
@@ -182,6 +182,7 @@ def fit(
     launch.same_on_every_process("fit", steps=settings.steps)
     log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
     state = strategy.init(params)
+    _warn_islands_apart(state)
     manager = None
     try:
         if settings.checkpoint_dir is not None:
@@ -215,6 +216,21 @@ def _interrupted(manager: Any) -> str:
     return (
         f"fit: interrupted; the last complete checkpoint holds step {step} in "
         f"{manager.directory}: run the same fit again to resume from it."
+    )
+
+
+def _warn_islands_apart(state: State) -> None:
+    """Warns where a strategy meant as an island's (``inner=``) trains on its own: its
+    islands never exchange. An outer method's state has no ``params`` of its own."""
+    leaves = jax.tree.leaves(getattr(state, "params", None))
+    mesh = getattr(getattr(leaves[0], "sharding", None), "mesh", None) if leaves else None
+    if mesh is None or mesh.shape.get(ISLAND, 1) == 1:
+        return
+    warnings.warn(
+        f"fit: the strategy's mesh has {mesh.shape[ISLAND]} islands, which never exchange: "
+        "pass the strategy as inner= to an outer method (ddl.local_sgd(inner=strategy, "
+        "period=H), streaming_diloco, noloco, gossip), or build it without an island axis.",
+        stacklevel=3,
     )
 
 
