@@ -164,6 +164,15 @@ def test_non_scalar_loss_is_rejected_at_the_call(mlp):
         jax.jit(strategy.step)(strategy.init(params), make_batches(1, 8)[0])
 
 
+def test_a_loss_declared_with_aux_that_returns_the_loss_alone_says_what_it_returned(mlp):
+    _, params = mlp
+    strategy = ddl.data_parallel(
+        lambda p, b: jnp.mean(b["x"]), optax.sgd(0.1), ddl.make_mesh(data=8), has_aux=True
+    )
+    with pytest.raises(TypeError, match=r"\(loss, aux_dict\); it returned one array, float32\[\]"):
+        jax.jit(strategy.step)(strategy.init(params), make_batches(1, 8)[0])
+
+
 @pytest.mark.parametrize(
     ("aux", "match"),
     [

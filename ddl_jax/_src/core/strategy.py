@@ -88,13 +88,21 @@ def check_params(params: Params) -> None:
             )
 
 
+def _described(out: Any) -> str:
+    """``loss_fn``'s abstract output in words: an array as ``float32[]``, a tree as its
+    leaves' (``(float32[], {acc: float32[]})``)."""
+    if isinstance(out, jax.ShapeDtypeStruct):
+        return f"one array, {out.dtype}{list(out.shape)}"
+    return str(jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", out)).replace("'", "")
+
+
 def check_loss_output(out: Any, *, has_aux: bool) -> None:
     """Checks the abstract output of ``loss_fn`` (from ``jax.eval_shape``)."""
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(
                 "loss_fn was declared has_aux=True, so it must return (loss, aux_dict); "
-                f"it returned {jax.tree.map(lambda s: s.shape, out)}."
+                f"it returned {_described(out)}."
             )
         loss, aux = out
         for name, value in aux.items():
