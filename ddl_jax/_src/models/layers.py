@@ -95,7 +95,9 @@ def row_parallel_dense(
       ``[..., d_out]``, the same on every device of ``axis``.
     """
     y = x @ kernel
-    if _bound_axis_size(axis) is not None and kernel.shape[0] != rows:
+    size = _bound_axis_size(axis)
+    # on an axis of one device the sum is the value, and types it the same on the axis
+    if size is not None and (size == 1 or kernel.shape[0] != rows):
         y = lax.psum(y, axis)
     return y if bias is None else y + bias
 
