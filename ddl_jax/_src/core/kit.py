@@ -10,7 +10,8 @@ model contract), states its state's ``PartitionSpec``s once, and gets from the k
   ``jax.shard_map`` with the same specs, after checking and sharding the global batch;
 * ``kit.value_and_grad``: one worker's loss and gradient, over micro-batches, with model
   state and a dropout key (see ``model_loss.py``);
-* ``kit.replicated(fn)``: ``fn`` jitted once, its output replicated, for ``Strategy.params``.
+* ``kit.replicated(fn)``: ``fn`` jitted once, its output replicated on the user's mesh, for
+  ``Strategy.params``.
 
 **Islands.** A builder that accepts them (``prepare(..., islands=True)``: data parallelism,
 FSDP, tensor parallelism) on a mesh with an ``island`` axis of size I builds I independent
@@ -117,6 +118,8 @@ class Kit(NamedTuple):
       per_device: workers per device (``prepare(..., workers=W)``: W / the axis size);
         ``n`` counts them all, and a state stacked per worker holds ``per_device`` rows
         on each device, worker ``d * per_device + j`` at device d's row j.
+      given_mesh: the mesh as the user gave it (every axis Explicit, without the axes
+        ``prepare`` added), where ``Strategy.params`` returns; ``None``: ``mesh``.
     """
 
     mesh: Mesh
@@ -128,6 +131,7 @@ class Kit(NamedTuple):
     accumulate: int
     islands: int = 0
     per_device: int = 1
+    given_mesh: Mesh | None = None
 
     @property
     def workers_axis(self) -> str | tuple[str, ...]:
@@ -233,8 +237,8 @@ class Kit(NamedTuple):
                     metrics = lax.pmean(vary(after(metrics, new), axes), axes)
                     new = restack(new)
                 if vma:
-                    _check_agrees(new, out, "the new state")
-                    _check_agrees(metrics, P(), "the metrics")
+                    check_agrees(new, out, "the new state")
+                    check_agrees(metrics, P(), "the metrics")
                 return new, metrics
 
             program = jax.shard_map(
@@ -282,8 +286,10 @@ class Kit(NamedTuple):
         return lambda state: replica_mean(self.per_island(fn)(state))
 
     def replicated(self, fn: Callable[[st.State], Any]) -> Callable[[st.State], Any]:
-        """``fn`` jitted once (not per call), its output replicated on the mesh."""
-        return jax.jit(fn, out_shardings=NamedSharding(self.mesh, P()))
+        """``fn`` jitted once (not per call), its output replicated on the user's mesh (as
+        given, so that it meets the user's other arrays there)."""
+        mesh = self.mesh if self.given_mesh is None else self.given_mesh
+        return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
 
     def replica_variables(self) -> Callable[[st.State], Any]:
         """``Strategy.params`` of a state whose ``params`` and ``model.state`` are stacked
@@ -482,9 +488,19 @@ def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
         ) from e
 
 
-def _check_agrees(tree: Any, specs: Any, what: str) -> None:
+#: What :func:`check_agrees` blames by default: the reducer.
+REDUCER_CAUSE = (
+    "the reducer's output must be. A reducer must average over the workers (e.g. "
+    "ddl.allreduce_mean()); allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain "
+    "loses the mark that lets strategies run its ppermute rounds: chain it with ddl.chain "
+    "instead."
+)
+
+
+def check_agrees(tree: Any, specs: Any, what: str, cause: str = REDUCER_CAUSE) -> None:
     """Each leaf of a worker step's output typed the same on every worker of each mesh axis
-    its spec does not split it over (what ``shard_map`` needs to return it so)."""
+    its spec does not split it over (what ``shard_map`` needs to return it so); ``cause``
+    says what to fix where one is not."""
     full = jax.tree.broadcast(specs, tree, is_leaf=is_spec)
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     for (path, leaf), spec in zip(leaves, jax.tree.leaves(full, is_leaf=is_spec), strict=True):
@@ -495,11 +511,7 @@ def _check_agrees(tree: Any, specs: Any, what: str) -> None:
         if varying:
             raise ValueError(
                 f"{what}{jax.tree_util.keystr(path)} is not provably the same on "
-                f"every worker of {sorted(varying)}: the reducer's output must be. A reducer "
-                "must average over the workers (e.g. ddl.allreduce_mean()); "
-                "allreduce_mean(algorithm='ring'|'tree'|'ps') inside optax.chain loses the "
-                "mark that lets strategies run its ppermute rounds: chain it with ddl.chain "
-                "instead."
+                f"every worker of {sorted(varying)}: {cause}"
             )
 
 
@@ -603,7 +615,7 @@ def prepare(
         st.check_mesh_axis(mesh, axis)
     on_islands = islands and st.ISLAND in mesh.axis_names
     _check_no_unused_axis(mesh, (axis, *add_axes, *((st.ISLAND,) if on_islands else ())))
-    mesh = explicit_mesh(mesh, add_axes)
+    given, mesh = explicit_mesh(mesh), explicit_mesh(mesh, add_axes)
     islands = mesh.shape[st.ISLAND] if on_islands else 0
     devices = mesh.shape[axis]
     n = devices if workers is None else st.check_int("workers", workers, minimum=1)
@@ -613,7 +625,7 @@ def prepare(
             f"device runs workers / {devices} of them), e.g. "
             f"workers={devices * max(n // devices, 1)}."
         )
-    kit = Kit(mesh, axis, n, None, loss_fn, has_aux, accumulate, islands, n // devices)
+    kit = Kit(mesh, axis, n, None, loss_fn, has_aux, accumulate, islands, n // devices, given)
     if islands and kit.per_device > 1:
         raise ValueError(
             f"workers={n} runs several workers a device, which islands do not: give one "

@@ -381,14 +381,15 @@ def _reduce(
     scanned: tuple[int, ...] = (),
 ) -> tuple[Any, Any, dict]:
     """Inside ``shard_map``: gradient shards, the reducer's new state and its metrics. The
-    leaves ``scanned`` arrive as shards summed over the workers already (autodiff's
-    reduce-scatter of each layer's gather)."""
+    split leaves ``scanned`` arrive as shards summed over the workers already (autodiff's
+    reduce-scatter of each layer's gather); a whole one (``dim`` None, its gather a no-op)
+    arrives as this worker's own gradient, averaged like the other whole leaves."""
     if reducer is None:
         n = lax.axis_size(DATA)
         leaves, treedef = jax.tree.flatten(grads)
         dim_leaves = treedef.flatten_up_to(dims)
         out = [
-            g / n if i in scanned else _mean_shard(g, d, stage)
+            g / n if i in scanned and d is not None else _mean_shard(g, d, stage)
             for i, (g, d) in enumerate(zip(leaves, dim_leaves, strict=True))
         ]
         return jax.tree.unflatten(treedef, out), reducer_state, {}

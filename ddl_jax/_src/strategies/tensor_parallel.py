@@ -18,12 +18,21 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import strategy as st
-from ddl_jax._src.core.kit import is_spec, prepare, restack, unstack
+from ddl_jax._src.core.kit import check_agrees, is_spec, island_specs, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.core.reducer import checks_vma, reducer_metrics
 from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
 from ddl_jax._src.core.strategy import DATA, MODEL
 from ddl_jax._src.reduce.allreduce import allreduce_mean
+
+#: Why an optimizer's update can differ over ``model`` where its gradient did not.
+TREE_WIDE = (
+    "it must be, as they hold the same parameter. The optimizer is likely a tree-wide "
+    "transform such as optax.clip_by_global_norm, which under tensor_parallel sees only this "
+    "device's shard of the gradient. Use an element-wise optimizer, or "
+    "ddl.fsdp(loss_fn, optimizer, mesh, specs=...) with the same specs, whose optimizer sees "
+    "the whole gradient (clip_by_global_norm clips exactly)."
+)
 
 
 class TensorParallelState(NamedTuple):
@@ -69,7 +78,9 @@ def tensor_parallel(
         ``shard_map`` on the parameter shards (e.g. ``ddl.flax.loss_from_module`` of a
         model built from ``ddl.layers``); the loss must agree over ``model`` (end the
         model in a row-parallel layer, or ``psum`` over ``"model"``).
-      optimizer: an element-wise optax transform (each device updates its shard).
+      optimizer: an element-wise optax transform (each device updates its shard); a
+        tree-wide one (``clip_by_global_norm``) is refused where it can be told, use
+        ``ddl.fsdp(..., specs=specs)`` for it.
       mesh: a mesh with axes ``data`` and ``model``, e.g. ``ddl.make_mesh(data=2, model=4)``;
         a missing axis counts as size 1.
       specs: ``PartitionSpec`` per parameter over ``"model"`` (``ddl.layers.param_specs``),
@@ -141,7 +152,11 @@ def tensor_parallel(
         check_same_over_model({"loss": loss, **aux})
         reducer_state = unstack(state.reducer_state)
         updates, reducer_state = reducer.update(grads, reducer_state, state.params)
+        where = full_specs(state.params, specs)  # with islands, each island's own
+        where = island_specs(where) if kit.islands else where
+        check_agrees(updates, where, "the reduced gradient")
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
+        check_agrees(updates, where, "the optimizer's update", TREE_WIDE)
         params = optax.apply_updates(state.params, updates)
         model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
         new = TensorParallelState(params, opt_state, restack(reducer_state), model)

@@ -1,0 +1,109 @@
+"""FSDP and tensor parallelism: a stacked leaf too small to split trains layer by layer, a
+tree-wide optimizer under tensor parallelism is named as the cause, and ``Strategy.params``
+comes back on the user's mesh."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_batches, reference_sgd, train
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_tensor_parallel import Classifier, classifier_loss
+
+import ddl_jax as ddl
+from ddl_jax.layers import param_specs
+
+
+def gated_layers(depth: int = 6, width: int = 16) -> dict:
+    """Stacked layers with a per-layer gate ``(depth,)`` and a bias ``(depth, 7)``: no
+    dimension of either divides over 8 workers, so they stay whole."""
+    k = jax.random.split(jax.random.key(0), 4)
+    return {
+        "inp": {"w": jax.random.normal(k[0], (12, width)) * 0.3},
+        "layers": {
+            "w": jax.random.normal(k[1], (depth, width, width)) / np.sqrt(width),
+            "alpha": jnp.linspace(0.5, 1.0, depth),
+            "b": jax.random.normal(k[2], (depth, 7)) * 0.1,
+        },
+        "out": {"w": jax.random.normal(k[3], (width, 5)) * 0.3},
+    }
+
+
+def gated_loss(params, batch):
+    def layer(p, h):
+        h = h + p["alpha"] * jnp.tanh(h @ p["w"])
+        return h.at[:, :7].add(p["b"])
+
+    h = jnp.tanh(batch["x"] @ params["inp"]["w"])
+    h = ddl.layers.scan_layers(layer, params["layers"], h)
+    logits = h @ params["out"]["w"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def test_layer_by_layer_with_whole_stacked_leaves_equals_single_device_training():
+    params, batches = gated_layers(), make_batches(4, 32)
+    strategy = ddl.fsdp(gated_loss, optax.adam(1e-2), ddl.make_mesh(data=8))
+    state, _ = train(strategy, params, batches)
+    assert state.params["layers"]["alpha"].addressable_shards[0].data.shape == (6,)
+    expected = reference_sgd(gated_loss, optax.adam(1e-2), params, batches)
+    got = jax.device_get(strategy.params(state))
+    chex.assert_trees_all_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert not np.allclose(got["layers"]["alpha"], params["layers"]["alpha"])  # it trained
+
+
+def test_a_tree_wide_optimizer_under_tensor_parallel_is_named_as_the_cause():
+    module = Classifier(nnx.Rngs(0))
+    loss_fn, params = ddl.flax.loss_from_module(module, classifier_loss)
+    batch = make_batches(1, 16)[0]
+    mesh = ddl.make_mesh(data=2, model=4)
+    clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0))
+    strategy = ddl.tensor_parallel(loss_fn, clipped, mesh, specs=param_specs(module))
+    with pytest.raises(ValueError, match="optimizer") as e:
+        jax.jit(strategy.step)(strategy.init(params), batch)
+    message = str(e.value)
+    assert "clip_by_global_norm" in message and "ddl.fsdp" in message and "specs=" in message
+    assert "['model']" in message
+    # A reducer that does not average is still the one named.
+    bad = ddl.tensor_parallel(
+        loss_fn, optax.sgd(0.1), mesh, specs=param_specs(module), reducer=optax.identity()
+    )
+    with pytest.raises(ValueError, match="A reducer must average") as e:
+        jax.jit(bad.step)(bad.init(params), batch)
+    assert "['data']" in str(e.value) and "optimizer" not in str(e.value)
+
+
+def odd_params() -> dict:
+    k = jax.random.split(jax.random.key(0), 2)
+    return {"w": jax.random.normal(k[0], (12, 5)) * 0.3, "b": jnp.zeros((5,))}
+
+
+def odd_loss(params, batch):
+    logits = batch["x"] @ params["w"] + params["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tensor_parallel"])
+def test_params_come_back_on_the_users_mesh(name):
+    mesh = ddl.make_mesh(data=8)
+    batches = make_batches(2, 32)
+    build = {
+        "fsdp": lambda: ddl.fsdp(odd_loss, optax.sgd(0.1), mesh),
+        "tensor_parallel": lambda: ddl.tensor_parallel(odd_loss, optax.sgd(0.1), mesh, specs=P()),
+    }[name]
+    strategy, dp = build(), ddl.data_parallel(odd_loss, optax.sgd(0.1), mesh)
+    got = strategy.params(train(strategy, odd_params(), batches)[0])
+    expected = dp.params(train(dp, odd_params(), batches)[0])
+    assert got["w"].sharding == NamedSharding(mesh, P())
+    diff = jax.tree.map(lambda a, b: jnp.abs(a - b).max(), got, expected)  # same mesh: no error
+    assert max(float(d) for d in jax.tree.leaves(diff)) < 1e-6
+    # An eval_fn on a test set sharded over the user's mesh.
+    test = jax.device_put(make_batches(1, 64, seed=1)[0], NamedSharding(mesh, P("data")))
+    _, history = ddl.fit(
+        strategy, odd_params(), batches, steps=2, eval_fn=lambda p: odd_loss(p, test),
+        eval_every=2, progress=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(history[-1]["eval"], odd_loss(expected, test), rtol=1e-5)
