@@ -965,3 +965,77 @@ def test_linen_stages_with_their_variables_train_like_one_device():
         state, _ = strategy.step(state, batch)
     expected = reference(full_loss(stages), optax.sgd(0.1), params, batches)
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5)
+
+
+class _LinenDropoutFirst(linen.Module):
+    """Dense, batch norm and dropout: a Linen stage with model state and randomness."""
+
+    @linen.compact
+    def __call__(self, batch):
+        x = linen.BatchNorm(use_running_average=False, momentum=0.8)(linen.Dense(16)(batch["x"]))
+        return linen.Dropout(0.5, deterministic=False)(linen.relu(x))
+
+
+def test_linen_stages_with_dropout_take_rngs_and_train_as_a_hand_built_stage():
+    """pipeline_stages(..., rngs=("dropout",), seed=s) makes the Linen stage that
+    loss_from_module(..., rngs=("dropout",), seed=s) makes: the same losses and variables."""
+    modules = [_LinenDropoutFirst(), linen.Dense(5)]
+    batches = pipeline_batches()
+    key = jax.random.key(0)
+    variables = [
+        modules[0].init({"params": key, "dropout": key}, batches[0]),
+        modules[1].init(key, jnp.zeros((16, 16))),
+    ]
+    mesh = ddl.make_mesh(data=2, stage=2)
+
+    def fit_losses(stages, params):
+        strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2)
+        step = jax.jit(strategy.step)
+        state, losses = strategy.init(params), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return np.array(losses), jax.device_get(strategy.params(state))
+
+    stages, params = ddl.pipeline_stages(modules, variables)
+    with pytest.raises(ValueError, match=r"rngs=\('dropout', \.\.\.\) to .*ddl\.pipeline_stages"):
+        fit_losses(stages, params)
+    with pytest.raises(TypeError, match="rngs is only for Linen modules"):
+        ddl.pipeline_stages([nnx.Linear(2, 2, rngs=nnx.Rngs(0))], rngs=("dropout",))
+
+    stages, params = ddl.pipeline_stages(modules, variables, rngs=("dropout",), seed=3)
+    losses, trained = fit_losses(stages, params)
+    first = ddl.flax.loss_from_module(
+        modules[0], lambda model, x: model(x), variables=variables[0], rngs=("dropout",), seed=3
+    )
+    [last], [last_params] = ddl.pipeline_stages(modules[1:], variables[1:])
+    by_hand, by_hand_trained = fit_losses([first, last], [first[1], last_params])
+    np.testing.assert_allclose(losses, by_hand, rtol=1e-6)
+    chex.assert_trees_all_close(trained[0], by_hand_trained[0], atol=1e-6)
+    chex.assert_trees_all_close(trained[1]["params"], by_hand_trained[1], atol=1e-6)
+    other_seed, _ = fit_losses(*ddl.pipeline_stages(modules, variables, rngs=("dropout",)))
+    assert not np.allclose(losses, other_seed)  # the masks follow the seed
+
+
+def test_a_wrong_shaped_stage_parameter_prints_both_shapes():
+    stages, params = split_mlp(2)
+    strategy = pipeline(stages, xent, optax.sgd(0.1), ddl.make_mesh(stage=2), microbatches=2)
+    wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] + 1, *x.shape[1:])), params[1])
+    got = jax.tree.map(np.shape, wrong)
+    expected = jax.tree.map(np.shape, params[1])
+    with pytest.raises(ValueError) as error:
+        strategy.init([params[0], wrong])
+    assert str(error.value) == (
+        f"params[1] has shapes {got} but the stage was built with {expected}."
+    )
+
+
+def test_a_stage_without_parameters_is_refused_by_its_index():
+    stages, params = split_mlp(2)
+    activation = (lambda p, h: jnp.tanh(h), {})
+    mesh = ddl.make_mesh(data=2, stage=3, devices=jax.devices()[:6])
+    with pytest.raises(TypeError, match=r"stages\[1\] has no parameters"):
+        pipeline([stages[0], activation, stages[1]], xent, optax.sgd(0.1), mesh, microbatches=2)
+    strategy = pipeline(stages, xent, optax.sgd(0.1), ddl.make_mesh(stage=2), microbatches=2)
+    with pytest.raises(TypeError, match=r"params\[1\]: params must be a non-empty pytree"):
+        strategy.init([params[0], {}])

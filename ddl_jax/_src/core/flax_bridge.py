@@ -49,7 +49,7 @@ def _missing_stream(e: Exception) -> ValueError:
     return ValueError(
         f"the model draws randomness from a stream it was not given ({e}). Build NNX "
         "modules with the stream, e.g. nnx.Rngs(params=0, dropout=1); for Linen pass "
-        "rngs=('dropout', ...) to ddl.flax.loss_from_module."
+        "rngs=('dropout', ...) to ddl.flax.loss_from_module (or ddl.pipeline_stages)."
     )
 
 

@@ -25,22 +25,36 @@ def full_specs(params: Any, specs: Any) -> Any:
 
 
 def check_specs(params: Any, specs: Any, mesh: Mesh) -> None:
+    """Raises ``ValueError`` unless each parameter's spec names axes of ``mesh`` other than
+    ``data``, has at most one entry per dimension and splits dimensions evenly."""
     specs = full_specs(params, specs)
     flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
     for (path, x), spec in zip(
         jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
     ):
+        where = jax.tree_util.keystr(path)
+        if len(spec) > x.ndim:
+            raise ValueError(
+                f"specs{where}={spec} has more entries than params{where} has dimensions "
+                f"(shape {x.shape}, rank {x.ndim}); a spec has at most one entry per dimension "
+                "(P() for a scalar)."
+            )
         for dim, names in zip(x.shape, spec, strict=False):
             names = (names,) if isinstance(names, str) else names or ()
+            if unknown := [a for a in names if a not in mesh.axis_names]:
+                raise ValueError(
+                    f"specs{where}={spec} names axis {unknown[0]!r}, which the mesh does not "
+                    f"have; valid axis names: {list(mesh.axis_names)}."
+                )
             if DATA in names:
                 raise ValueError(
-                    f"specs{jax.tree_util.keystr(path)}={spec} shards over 'data'; params are "
+                    f"specs{where}={spec} shards over 'data'; params are "
                     "replicated over the data axis."
                 )
             size = math.prod(mesh.shape[a] for a in names)
             if dim % size:
                 raise ValueError(
-                    f"params{jax.tree_util.keystr(path)} has shape {x.shape}; spec {spec} "
+                    f"params{where} has shape {x.shape}; spec {spec} "
                     f"splits a dimension of {dim} into {size} parts, which does not divide."
                 )
 

@@ -167,7 +167,10 @@ def _stage_vectors(
             p, s = ml.split_variables(apply, v)
         except TypeError as e:
             raise TypeError(f"params[{i}]: stage {i} is stateful: {e}") from None
-        st.check_params(p)
+        try:
+            st.check_params(p)
+        except TypeError as e:
+            raise TypeError(f"params[{i}]: {e}") from None
         check_like(f"params[{i}]", p, view)
         check_like(f"params[{i}]'s model state", s, sview)
         flat.append(view.ravel(p, cfg.param_len, cfg.param_dtype))

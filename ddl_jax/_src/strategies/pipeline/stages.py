@@ -31,12 +31,17 @@ from ddl_jax._src.xla_cpu.products import transposed_weight_gradients
 def pipeline_stages(
     modules: Sequence[nnx.Module | linen.Module],
     variables: Sequence[Any] | None = None,
+    *,
+    rngs: Sequence[str] = (),
+    seed: int | None = None,
 ) -> tuple[list[tuple[StageFn, Any]], list[Any]]:
     """Flax modules -> ``(stages, variables)`` for :func:`pipeline` and its ``init``.
 
     NNX modules hold their variables; Linen modules need theirs, ``variables[k] =
     modules[k].init(rng, x_k)`` for stage k's input ``x_k`` (``None`` for an NNX module in
-    the list).
+    the list). Linen modules that draw randomness (dropout) need the streams' names,
+    ``rngs=("dropout",)``, as ``ddl.flax.loss_from_module`` does: every Linen module then
+    makes a stateful stage, its variables ``{"params": ...}`` at least.
 
     ``stages[k]`` is the pair ``(apply, variables_k)`` of module k, as
     ``ddl.flax.loss_from_module(module, lambda model, x: model(x))`` makes it:
@@ -51,7 +56,8 @@ def pipeline_stages(
     ``variables`` is the list of the ``variables_k``, which ``Strategy.init`` takes and
     ``Strategy.params`` returns (write them back with
     ``ddl.flax.update_module(modules, variables)``). Every stateful stage carries the same
-    seed, the first RNG stream of the first module that has one: the run's base key.
+    seed, the run's base key: ``seed`` if given, else the first RNG stream of the first
+    module that has one (0 for Linen).
     """
     given = [None] * len(modules) if variables is None else list(variables)
     if len(given) != len(modules):
@@ -66,7 +72,14 @@ def pipeline_stages(
                 "variables: pass them, ddl.pipeline_stages(modules, variables=[m.init(rng, "
                 "x) for each stage's module m and input x])."
             )
-    pairs = [loss_from_module(m, _call, variables=v) for m, v in zip(modules, given, strict=True)]
+    if rngs and not any(isinstance(m, linen.Module) for m in modules):
+        raise TypeError("rngs is only for Linen modules; NNX modules hold their RNG streams.")
+    pairs = [
+        loss_from_module(
+            m, _call, variables=v, rngs=rngs if isinstance(m, linen.Module) else (), seed=seed
+        )
+        for m, v in zip(modules, given, strict=True)
+    ]
     seeds = [apply.seed for apply, _ in pairs if isinstance(apply, ModelLoss)]
     stages = [
         (apply._replace(seed=seeds[0]) if isinstance(apply, ModelLoss) else apply, variables)
@@ -92,7 +105,7 @@ def check_like(what: str, tree: Any, view: FlatView) -> None:
     if got.treedef != view.treedef or got.shapes != view.shapes:
         raise ValueError(
             f"{what} has shapes {jax.tree.map(np.shape, tree)} but the stage was built with "
-            f"{jax.tree.map(np.shape, view.treedef.unflatten(view.shapes))}."
+            f"{view.treedef.unflatten(view.shapes)}."
         )
 
 
@@ -132,6 +145,11 @@ def check_stages(
             params, model_state = ml.split_variables(stage[0], stage[1])
         except TypeError as e:
             raise TypeError(f"stages[{i}] is a stateful stage (a ddl.ModelLoss): {e}") from None
+        if not jax.tree.leaves(params):
+            raise TypeError(
+                f"stages[{i}] has no parameters; every stage needs some (fold a stage without "
+                "parameters, e.g. an activation, into the stage before or after it)."
+            )
         applies.append(stage[0])
         views.append(FlatView.of(params))
         state_views.append(FlatView.of(model_state))
