@@ -2,12 +2,15 @@
 
 The reference is horovod/horovod: ``horovod/common/ops/adasum/adasum.h``
 (``FusedPairwiseReduceWithComm``: per tensor, dot and squared norms in float64, and a
-coefficient of 1 for a vector whose squared norm is under 1e-8) and
+coefficient of 1 for a vector whose squared norm is under ``sqrt(DBL_MIN)``) and
 ``horovod/torch/optimizer.py`` (``_DistributedAdasumOptimizer``: every worker steps its own
 optimizer from the shared parameters, the deltas ``p_i - start`` are combined by Adasum,
 and ``start += delta``). The pairs are those of the vector-halving / distance-doubling
 levels, partner ``rank ^ level``: (0, 1), (2, 3), ... then the pairs' results.
 """
+
+import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +23,14 @@ from jax.sharding import PartitionSpec as P
 import ddl_jax as ddl
 
 SHAPES = {"w": (6, 5), "b": (5,)}
+SQRT_DBL_MIN = math.sqrt(sys.float_info.min)  # adasum.h: static double sqrt_double_min
 
 
 def horovod_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """adasum.h, FusedPairwiseReduceWithComm then ScaledAdd, for one tensor."""
     dot, anormsq, bnormsq = float(a @ b), float(a @ a), float(b @ b)
-    acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= 1e-8 else 1.0
-    bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= 1e-8 else 1.0
+    acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= SQRT_DBL_MIN else 1.0
+    bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= SQRT_DBL_MIN else 1.0
     return acoeff * a + bcoeff * b
 
 
@@ -115,20 +119,25 @@ def combine_on_mesh(rows: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_a_squared_norm_under_1e_8_counts_as_zero(n):
+def test_a_zero_vector_keeps_coefficient_one(n):
     rng = np.random.default_rng(1)
     rows = rng.normal(size=(n, 8)).astype(np.float32)
-    rows[0] *= 1e-5 / np.linalg.norm(rows[0])  # |a|^2 = 1e-10 < 1e-8
+    rows[0] = 0.0
     got = combine_on_mesh(rows)
-    expected = horovod_adasum(list(rows))
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
-    # Without the rule the tiny vector's coefficient would be 1 - a.b / (2e-10), ~ -1e4.
-    assert np.abs(got).max() < 10 * np.abs(rows).max()
+    np.testing.assert_allclose(got, horovod_adasum(list(rows)), rtol=1e-5, atol=1e-7)
+    assert np.isfinite(got).all()
 
 
-def test_just_above_the_threshold_the_rule_applies_as_usual():
+@pytest.mark.parametrize("norm_sq", [1e-10, 4e-8])
+def test_a_small_vector_combines_by_the_rule_as_in_horovod(norm_sq):
+    """Horovod's near-zero threshold is sqrt(DBL_MIN) ~ 1.5e-154: a vector of squared norm
+    1e-10 still gets its coefficient 1 - a.b / (2 |a|^2), as any other."""
     a = np.zeros(4, np.float32)
-    a[0] = 2e-4  # |a|^2 = 4e-8 >= 1e-8
+    a[0] = np.sqrt(norm_sq)
     b = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
     got = combine_on_mesh(np.stack([a, b]))
-    np.testing.assert_allclose(got, horovod_pair(a.astype(np.float64), b), rtol=1e-4)
+    expected = horovod_pair(a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        got[0], 0.5, atol=1e-3
+    )  # a, scaled by 1 - 1/(2|a|), cancels half of b's

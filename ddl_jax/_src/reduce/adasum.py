@@ -30,13 +30,16 @@ from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name
 
-# Horovod's adasum.h (FusedPairwiseReduceWithComm): a vector whose squared norm is under
-# 1e-8 keeps coefficient 1 (``if (anormsq >= 1e-8) acoeff = 1.0 - dotProduct / anormsq * 0.5``).
-NEAR_ZERO = 1e-8
+# Horovod's adasum.h (FusedPairwiseReduceWithComm): a vector whose squared norm (a float64)
+# is under sqrt(DBL_MIN) keeps coefficient 1 (``if (anormsq >= sqrt_double_min) acoeff =
+# 1.0 - dotProduct / anormsq * 0.5``); here the sums are float32, and the threshold is
+# float32's counterpart, sqrt of its smallest normal number (about 1.1e-19).
+NEAR_ZERO = float(np.sqrt(np.finfo(np.float32).tiny))
 
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
-    """``dot / (2 norm_sq)``, and 0 where ``norm_sq < 1e-8`` (Horovod's near-zero rule)."""
+    """``dot / (2 norm_sq)``, and 0 where ``norm_sq`` is under ``NEAR_ZERO`` (Horovod's
+    near-zero rule)."""
     large = norm_sq >= NEAR_ZERO
     return jnp.where(large, dot / (2 * jnp.where(large, norm_sq, 1)), 0)
 
@@ -45,9 +48,9 @@ def combine(a: jax.Array, b: jax.Array) -> jax.Array:
     """Adasum of the rows of ``a`` and ``b`` (``[..., D]`` each), pair by pair.
 
     ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b``, dot products over the last axis,
-    except that a vector of squared norm under ``1e-8`` keeps coefficient 1, as in
-    Horovod: a zero vector contributes nothing and leaves the other unchanged (no 0/0), and
-    a tiny one is added rather than divided by its tiny norm.
+    except that a vector of squared norm under ``NEAR_ZERO`` (about 1e-19) keeps
+    coefficient 1, as in Horovod: a zero vector contributes nothing and leaves the other
+    unchanged (no 0/0).
     """
     dot = jnp.sum(a * b, axis=-1, keepdims=True)
     a_sq = jnp.sum(a * a, axis=-1, keepdims=True)
@@ -100,11 +103,11 @@ def adasum(axis: str = "data") -> optax.GradientTransformation:
     independently, so a layer whose workers agree is averaged while another, whose
     workers' gradients are orthogonal, is summed. They are computed in float32 (or the
     leaf's dtype if wider; Horovod uses float64) and the result is cast back to the leaf's
-    dtype. As in Horovod's ``adasum.h``, a vector whose squared norm is under ``1e-8``
+    dtype. As in Horovod's ``adasum.h``, a vector whose squared norm is under its threshold
     counts as zero: its coefficient is 1, not ``1 - a.b / (2 |a|^2)``. So a zero gradient
-    leaves the other unchanged, N zero gradients give zero (no 0/0), and a leaf of tiny
-    gradients (``|a| < 1e-4``) is added to its partner instead of being scaled by a huge
-    ``1 / |a|^2``. The threshold is absolute, so it depends on the gradients' scale.
+    leaves the other unchanged and N zero gradients give zero (no 0/0). Horovod's threshold
+    is ``sqrt(DBL_MIN)`` on float64 sums; on these float32 ones it is float32's
+    counterpart, ``sqrt`` of its smallest normal number (about 1.1e-19).
 
     **Horovod's ``DistributedOptimizer(op=hvd.Adasum)``** (``horovod/torch/optimizer.py``,
     ``_DistributedAdasumOptimizer``) combines each worker's optimizer *delta*, not its
