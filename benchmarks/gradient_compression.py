@@ -38,7 +38,7 @@ def reducers():
         "top_k(0.01)": C.top_k(0.01),
         "top_k(0.001, warmup_steps=100)": C.top_k(0.001, warmup_steps=100),
         "qsgd(4)": C.qsgd(4),
-        "power_sgd(4)": C.power_sgd(4),
+        "power_sgd(4)": C.power_sgd(4, start_iter=0),
     }
 
 

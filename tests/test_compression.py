@@ -1,5 +1,7 @@
 """Compressing reducers against their definitions: identity settings, error feedback, bytes."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,9 +17,14 @@ import ddl_jax as ddl
 from ddl_jax._src.core.reducer import PermuteReducer, checks_vma, reducer_metrics
 from ddl_jax._src.measure.comm import collectives
 from ddl_jax._src.reduce import wire
-from ddl_jax._src.reduce.lowrank import _power_sgd, power_sgd
+from ddl_jax._src.reduce.lowrank import _power_sgd
+from ddl_jax._src.reduce.lowrank import power_sgd as power_sgd_from_step_1000
 from ddl_jax._src.reduce.quantise import cast, dequantise, qsgd, quantise, sign
 from ddl_jax._src.reduce.sparse import threshold, top_k
+
+# These tests check the compressed exchange: they compress from the first step, where
+# power_sgd's default, PyTorch's, sends the plain mean for 1,000 steps first.
+power_sgd = functools.partial(power_sgd_from_step_1000, start_iter=0)
 
 SHAPES = {"w": (6, 20), "b": (13,)}  # a matrix and a vector; neither divides by 8 x workers
 
@@ -530,6 +537,17 @@ def rank_r_step(g: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     p = np.linalg.qr(g @ q)[0]
     q = g.T @ p
     return p @ q.T, q
+
+
+def test_power_sgd_by_default_sends_the_plain_mean_first_as_pytorch_does():
+    """PyTorch's start_powerSGD_iter, 1000 by default: the first steps are plain."""
+    n, steps = 4, 3
+    grads = random_grads(steps, n, seed=8)
+    _, outs, state = run_reducer(power_sgd_from_step_1000(1), grads, n)
+    _, plain, _ = run_reducer(ddl.allreduce_mean(), grads, n)
+    for k in SHAPES:
+        np.testing.assert_array_equal(outs[k], plain[k])
+    np.testing.assert_array_equal(state.step, steps)
 
 
 def test_power_sgd_start_iter_sends_the_plain_mean_first():

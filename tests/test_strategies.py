@@ -105,7 +105,10 @@ STRATEGIES = {
     # rank 16 >= the smaller side of every kernel of the 12-16-5 MLP: exact, yet through the
     # low-rank exchange (min_compression_rate=0: no kernel falls back to a dense all-reduce)
     "data_parallel_power_sgd_full_rank": lambda loss_fn, opt, mesh: ddl.data_parallel(
-        loss_fn, opt, mesh, reducer=ddl.compression.power_sgd(16, min_compression_rate=0)
+        loss_fn,
+        opt,
+        mesh,
+        reducer=ddl.compression.power_sgd(16, start_iter=0, min_compression_rate=0),
     ),
     # one worker's Adasum is its own gradient
     "data_parallel_adasum": lambda loss_fn, opt, mesh: ddl.data_parallel(

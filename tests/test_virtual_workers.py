@@ -103,7 +103,7 @@ SYNCHRONOUS = {
     ),
     "data_parallel_top_k": _data_parallel_with(lambda axis: ddl.compression.top_k(0.1, axis=axis)),
     "data_parallel_power_sgd": _data_parallel_with(
-        lambda axis: ddl.compression.power_sgd(2, axis=axis)
+        lambda axis: ddl.compression.power_sgd(2, start_iter=0, axis=axis)
     ),
     "data_parallel_sign": _data_parallel_with(lambda axis: ddl.compression.sign(axis=axis)),
     **{

@@ -459,11 +459,11 @@ FAMILIES: dict[str, Family] = {
         "1-bit sign compression with error feedback, then Adam (the naive scheme)",
     ),
     "powersgd": Family(
-        _reduced(lambda rank, axis: compression.power_sgd(rank, axis=axis)),
+        _reduced(lambda rank, axis: compression.power_sgd(rank, start_iter=0, axis=axis)),
         _int(1),
         "4",
         "the rank, an integer >= 1 (e.g. powersgd:4)",
-        "PowerSGD low-rank gradients with error feedback",
+        "PowerSGD low-rank gradients with error feedback, compressing from the first step",
     ),
     "adasum": Family(
         _reduced(lambda _, axis: ddl.adasum(axis)),

@@ -124,7 +124,7 @@ def _check_bool(name: str, value: Any) -> bool:
 def power_sgd(
     rank: int,
     *,
-    start_iter: int = 0,
+    start_iter: int = 1000,
     min_compression_rate: float = 2.0,
     use_error_feedback: bool = True,
     warm_start: bool = True,
@@ -155,9 +155,12 @@ def power_sgd(
     many layers the model has. Each device sends
     ``2 (N-1)/N * (4 sum_compressed r' (a + b) + sum_dense bytes)`` bytes.
 
-    The option names and the compression rule are those of PyTorch's ``powerSGD_hook``;
-    its ``start_powerSGD_iter`` (default 10) is ``start_iter`` here, default 0 (no
-    warm-up: the compressed step of earlier versions). Note: the default
+    The option names, their defaults and the compression rule are those of PyTorch's
+    ``powerSGD_hook`` (pytorch/pytorch, ``torch/distributed/algorithms/ddp_comm_hooks/
+    powerSGD_hook.py``, ``PowerSGDState``): its ``start_powerSGD_iter`` is ``start_iter``
+    here, 1000 steps of plain all-reduce before compressing by default (the paper's
+    authors' own library, epfml/powersgd ``powersgd/powersgd.py``, waits 100); give
+    ``start_iter=0`` to compress from the first step. Note: the default
     ``min_compression_rate=2``, PyTorch's, sends dense some small matrices that
     ``power_sgd`` compressed before the option existed (a 10 x 32 kernel at rank 8,
     whose factors are 336 entries against its 320, now sends 320; those matrices keep no
@@ -169,7 +172,8 @@ def power_sgd(
 
     Args:
       rank: r >= 1, the rank of each matrix's approximation (capped at its smaller side).
-      start_iter: steps of plain all-reduce before compression starts, >= 0.
+      start_iter: steps of plain all-reduce before compression starts, >= 0 (default
+        1000, PyTorch's; 0 compresses from the first step).
       min_compression_rate: >= 0; a matrix is compressed only if its factors are smaller
         than it by more than this factor (0: every matrix).
       use_error_feedback: keep each worker's residual ``e`` (else no residual is stored).
@@ -195,7 +199,7 @@ def power_sgd(
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
       >>> params = {"w": jnp.zeros((16, 4))}
       >>> batch = {"x": np.ones((8, 16), np.float32), "y": np.ones((8, 4), np.float32)}
-      >>> reducer = ddl.compression.power_sgd(1)
+      >>> reducer = ddl.compression.power_sgd(1, start_iter=0)
       >>> mesh = ddl.make_mesh(data=4)
       >>> strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)
       >>> state, metrics = jax.jit(strategy.step)(strategy.init(params), batch)
