@@ -61,11 +61,14 @@ def simulate(loss_fn, lr, params, batches, n, times, protocol="async", scale=lam
 
     Per step: every started worker without a gradient computes it on its fetched params
     and its shard; then arrivals are taken in (time, worker) order until one has no
-    gradient yet. Returns the final server params and each push's staleness.
+    gradient yet. Returns the final server params and each push's staleness. Downpour
+    follows Dean et al.'s Algorithm 7.1: with ``step`` a worker's gradients before this
+    one, it fetches where ``step mod n_fetch == 0``, steps its own copy by ``-alpha g``
+    after each gradient, and pushes its accrued sum where ``step mod n_push == 0``.
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
-    n_fetch, n_push = protocol if isinstance(protocol, Downpour) else (1, 1)
+    n_fetch, n_push, alpha = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
 
     d = functools.cache(lambda i, k: float(duration(times, n, key, jnp.int32(i), jnp.int32(k))))
@@ -83,14 +86,16 @@ def simulate(loss_fn, lr, params, batches, n, times, protocol="async", scale=lam
         for i in range(n):
             if grad[i] is None and i not in waiting:
                 grad[i] = grad_fn(fetched[i], shards[i])
+                fetched[i] = jax.tree.map(lambda p, g: p - alpha * g, fetched[i], grad[i])
         while True:
             t, w = min((arrival[i], i) for i in range(n) if i not in waiting)
             if grad[w] is None:
                 break
+            step = tasks[w]  # Dean et al.'s step: this worker's gradients before this one
             tasks[w] += 1
             accrued[w] = jax.tree.map(jnp.add, accrued[w], grad[w])
             grad[w] = None
-            if tasks[w] % n_push == 0:
+            if step % n_push == 0:
                 tau = version - fetched_version[w]
                 taus.append(tau)
                 group.append((accrued[w], tau))  # Dean et al.: the sum, Delta w
@@ -131,7 +136,10 @@ CASES = {
     "async_random": (compute_times(1.0, spread=0.7, seed=3), "async"),
     "softsync_2": (compute_times([1.0, 2.0, 1.0, 3.0]), softsync(2)),
     "ssp_1": (compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1)),
-    "downpour": (compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1), downpour(3, 2)),
+    "downpour": (
+        compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
+        downpour(3, 2, local_lr=0.3),
+    ),
 }
 
 
@@ -290,7 +298,7 @@ def test_state_placement(mlp):
     assert spec(state.workers.params) == spec(state.workers.gradient) == {P("data")}
     assert spec(state.clock.arrival) == spec(state.clock.tasks) == spec(state.clock.key) == {P()}
     # Downpour's server is sharded: device i holds the i-th slice of the flat parameters.
-    strategy = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=downpour(2, 2))
+    strategy = async_sgd(loss_fn, optax.adam(0.1), mesh, protocol=downpour(2, 2, local_lr=0.1))
     state = strategy.init(params)
     size = sum(x.size for x in jax.tree.leaves(params))
     assert state.params.shape == (8, -(-size // 8))
@@ -340,7 +348,7 @@ def plain_schedule(n, times, protocol, steps):
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
-    n_fetch, n_push = protocol if isinstance(protocol, Downpour) else (1, 1)
+    n_fetch, n_push, _ = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
     d = functools.cache(
         lambda i, k: np.float32(duration(times, n, key, jnp.int32(i), jnp.int32(k)))
@@ -356,8 +364,9 @@ def plain_schedule(n, times, protocol, steps):
             now, w = min((arrival[i], i) for i in range(n) if i not in waiting)
             if not ready[w]:
                 break
+            step = tasks[w]  # Dean et al.'s step: this worker's gradients before this one
             ready[w], tasks[w], tau, update = False, tasks[w] + 1, None, None
-            if tasks[w] % n_push == 0:
+            if step % n_push == 0:
                 tau = version - fetched_version[w]
                 group.append(tau)
                 if len(group) == group_n:
@@ -397,7 +406,11 @@ SCHEDULES = {
     "ssp_0_of_3": (3, compute_times([1.0, 2.0, 0.5]), ssp(0)),
     "ssp_1_straggler": (4, compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1)),
     "ssp_2_random_8": (8, compute_times([1.0] * 6 + [2.0, 5.0], spread=0.8, seed=1), ssp(2)),
-    "downpour_3_2": (4, compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1), downpour(3, 2)),
+    "downpour_3_2": (
+        4,
+        compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
+        downpour(3, 2, local_lr=0.1),
+    ),
     "downpour_1_3": (5, compute_times(1.0, spread=0.4, seed=9), downpour(1, 3)),
 }
 
@@ -441,7 +454,12 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
     "zero_times": (4, compute_times([0.0, 1.0, 0.0, 2.0]), "async", 0.0),
     "random_8": (8, compute_times(1.0, spread=0.8, seed=3), "async", 0.0),
     "stragglers_drop": (7, compute_times([1.0] * 5 + [3.0, 0.5], spread=0.2), "async", 0.4),
-    "downpour_3_2_drop": (5, compute_times(1.0, spread=0.5, seed=2), downpour(3, 2), 0.2),
+    "downpour_3_2_drop": (
+        5,
+        compute_times(1.0, spread=0.5, seed=2),
+        downpour(3, 2, local_lr=0.1),
+        0.2,
+    ),
     "downpour_1_3_16": (16, compute_times(1.0, spread=0.3, seed=9), downpour(1, 3), 0.0),
     "softsync_1": (6, compute_times(1.0, spread=0.6, seed=5), softsync(1), 0.1),
     "softsync_2_random": (6, compute_times(1.0, spread=0.6, seed=5), softsync(2), 0.0),
@@ -493,7 +511,7 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
     "downpour_3_2_churn": (
         6,
         compute_times(1.0, spread=0.4, seed=6),
-        downpour(3, 2),
+        downpour(3, 2, local_lr=0.1),
         0.1,
         churn(0.3, 1.0),
     ),

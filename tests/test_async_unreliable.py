@@ -38,7 +38,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
-    n_fetch, n_push = protocol if isinstance(protocol, Downpour) else (1, 1)
+    n_fetch, n_push, alpha = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
     d = functools.cache(
         lambda i, k: np.float32(duration(times, n, key, jnp.int32(i), jnp.int32(k)))
@@ -61,6 +61,8 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
         for i in np.flatnonzero(computes):
             if grad_fn:
                 grad[i] = grad_fn(fetched[i], worker_shards(batch, n)[i])
+                # Dean et al.'s Algorithm 7.1: the worker steps its own copy
+                fetched[i] = jax.tree.map(lambda p, g: p - alpha * g, fetched[i], grad[i])
             ready[i] = True
         events = []
         while True:
@@ -75,7 +77,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
             else:
                 k, ready[w], tasks[w] = tasks[w], False, tasks[w] + 1
                 accrued[w] = jax.tree.map(jnp.add, accrued[w], grad[w])
-                if tasks[w] % n_push == 0:
+                if k % n_push == 0:  # Dean et al.'s step mod n_push, k counting from 0
                     lost = flip(ev.DROP, w, k, drop)
                     if not lost:
                         tau = version - fetched_version[w]
@@ -125,7 +127,7 @@ SCHEDULES = {
     "downpour_drop_churn": (
         4,
         compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
-        downpour(3, 2),
+        downpour(3, 2, local_lr=0.1),
         0.4,
         0.2,
         2.0,
@@ -169,7 +171,7 @@ def test_event_clock_with_faults_equals_a_plain_schedule(case):
 def test_no_fault_is_the_same_clock():
     """drop = 0 and leave = 0 give the clock of the rules without faults, bitwise."""
     times = compute_times(1.0, spread=0.7, seed=3)
-    for protocol in (softsync(2), downpour(2, 3)):
+    for protocol in (softsync(2), downpour(2, 3, local_lr=0.1)):
         runs = []
         for faults in ((), (0.0, churn(0.0, 3.0))):
             rules = ev.Rules.of(as_protocol(protocol, 4), *faults)
@@ -244,7 +246,10 @@ def test_trajectory_with_faults_equals_the_plain_simulation(mlp, case):
     loss_fn, params = mlp
     times, protocol = {
         "async": (compute_times(1.0, spread=0.6, seed=4), "async"),
-        "downpour": (compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1), downpour(2, 2)),
+        "downpour": (
+            compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
+            downpour(2, 2, local_lr=0.1),
+        ),
     }[case]
     batches = make_batches(8, 16)
     strategy = async_sgd(

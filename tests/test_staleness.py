@@ -126,7 +126,8 @@ def test_bad_compute_times_raise(args, kwargs, match):
 
 def test_protocol_values():
     assert as_protocol("async", 8) == Async()
-    assert softsync(8) == SoftSync(8) and ssp(0) == SSP(0) and downpour(3, 2) == Downpour(3, 2)
+    assert softsync(8) == SoftSync(8) and ssp(0) == SSP(0)
+    assert downpour(3, 2, local_lr=0.1) == Downpour(3, 2, 0.1) and downpour(1, 2) == Downpour(1, 2)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +138,8 @@ def test_protocol_values():
         (lambda: ssp(-1), "ssp bound must be an int >= 0, got -1"),
         (lambda: downpour(0, 1), "downpour n_fetch must be an int >= 1, got 0"),
         (lambda: downpour(1, -2), "downpour n_push must be an int >= 1, got -2"),
+        (lambda: downpour(2, 1), "downpour: n_fetch=2 needs local_lr, the step a worker takes"),
+        (lambda: downpour(2, 1, local_lr=-1), "downpour local_lr must be a finite real"),
         (lambda: as_protocol(softsync(5), 4), "softsync n=5 is outside \\[1, N\\] for N=4"),
     ],
 )
@@ -150,7 +153,9 @@ def test_numpy_scalars_are_arguments_like_python_numbers():
         compute_times(2.0, spread=0.5, seed=3)
     )
     assert softsync(np.int64(2)) == SoftSync(2) and type(softsync(np.int64(2)).n) is int
-    assert ssp(np.int32(0)) == SSP(0) and downpour(np.int64(3), np.int8(2)) == Downpour(3, 2)
+    assert ssp(np.int32(0)) == SSP(0) and downpour(
+        np.int64(3), np.int8(2), local_lr=np.float32(0.5)
+    ) == (Downpour(3, 2, 0.5))
     assert as_protocol(SoftSync(np.int64(4)), 4) == SoftSync(4)
     updates, _ = scale_by_staleness("exp", decay=np.float32(0.5)).update(UPDATES, (), staleness=2.0)
     chex.assert_trees_all_close(updates, jax.tree.map(lambda u: np.exp(-1.0) * u, UPDATES))

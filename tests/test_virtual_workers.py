@@ -27,7 +27,7 @@ CASES = {
     ),
     "downpour_drop_churn": dict(
         compute_time=compute_times(1.0, spread=0.5, seed=5),
-        protocol=ddl.downpour(3, 2),
+        protocol=ddl.downpour(3, 2, local_lr=0.1),
         drop=0.2,
         churn=ddl.churn(leave=0.2, away=2.0),
     ),
@@ -197,7 +197,7 @@ def test_bad_server_arguments_raise():
     with pytest.raises(ValueError, match='server must be "replicated" or "sharded"'):
         ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, server="ps")
     with pytest.raises(ValueError, match='keeps a sharded server: drop server="replicated"'):
-        ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, protocol=ddl.downpour(2, 2),
+        ddl.async_sgd(loss_fn, optax.sgd(0.1), mesh, protocol=ddl.downpour(2, 2, local_lr=0.1),
                       server="replicated")  # fmt: skip
 
 

@@ -95,8 +95,8 @@ class Event(NamedTuple):
       happens: bool, the next arrival's gradient is ready, so it is processed.
       worker: int32, the arriving worker (the next in time order, whether or not it
         ``happens``).
-      push: bool, the server receives a push (every arrival, or every ``n_push``-th
-        under Downpour, unless it is ``lost``).
+      push: bool, the server receives a push (every arrival, or under Downpour the
+        worker's 1st, (``n_push`` + 1)-th, ... gradient's, unless it is ``lost``).
       apply: bool, the server then applies an update (the push completes a group).
       staleness: float32, the push's tau: server updates since the worker's fetch.
       update_staleness: float32, the mean tau of the pushes the update applies.
@@ -129,7 +129,8 @@ class Rules(NamedTuple):
       group_size: pushes per server update (softsync n; 1 otherwise).
       bound: the SSP bound, or ``None``.
       n_fetch: a worker fetches every ``n_fetch`` gradients (Downpour; 1 otherwise).
-      n_push: a worker pushes every ``n_push`` gradients (Downpour; 1 otherwise).
+      n_push: a worker pushes after its 1st, (``n_push`` + 1)-th, ... gradient (Downpour,
+        Dean et al.'s ``step mod n_push == 0`` counting from 0; 1 otherwise).
       drop: the probability that a push is lost.
       leave: the probability that a worker leaves after a task.
       away: how long a worker that leaves stays away.
@@ -268,7 +269,7 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     happens = clock.ready[w] | rejoin
     t = clock.arrival[w]
     tasks = clock.tasks.at[w].add(jnp.where(rejoin, 0, 1))
-    sent = ~rejoin & (tasks[w] % rules.n_push == 0)
+    sent = ~rejoin & ((tasks[w] - 1) % rules.n_push == 0)  # Dean et al.: step = tasks - 1
     lost = sent & drawn.lost[w]  # task clock.tasks[w] = drawn.tasks[w]: its first arrival
     push = sent & ~lost
     leave = ~rejoin & drawn.leave[w]
@@ -383,7 +384,7 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     arrives = valid & ~is_return
     returned_after_arriving = is_return & ~away[w]  # its arrival was earlier this step
     tasks = drawn.tasks[w] + (arrives | returned_after_arriving)
-    sent = arrives & (tasks % rules.n_push == 0)
+    sent = arrives & ((tasks - 1) % rules.n_push == 0)
     lost = sent & drawn.lost[w]
     push = sent & ~lost
     leave = arrives & leaves[w]

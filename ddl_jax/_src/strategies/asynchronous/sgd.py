@@ -302,7 +302,7 @@ class _Program(NamedTuple):
     rules: ev.Rules
     times: sl.ComputeTime
     optimizer: optax.GradientTransformationExtraArgs
-    downpour: bool
+    downpour: sl.Downpour | None
     local: sl.AsyncLocal | None = None
     inner: optax.GradientTransformation | None = None
     counts: tuple[int, ...] | None = None
@@ -338,7 +338,7 @@ class _Program(NamedTuple):
         local = _check_inner(protocol, inner_optimizer)
         drop = check_probability("drop", drop)
         rules = ev.Rules.of(protocol, drop, sl.as_churn(churn))
-        downpour = isinstance(protocol, sl.Downpour)
+        downpour = protocol if isinstance(protocol, sl.Downpour) else None
         server_opt = optax.with_extra_args_support(optimizer)
         counts = None  # DyLU's H_i, where they are not all H
         if local is not None and local.dynamic:
@@ -608,6 +608,11 @@ class _Program(NamedTuple):
         me = self.kit.device_workers()
         clock, computes, events, last = ev.step_clock(state.clock, self.rules, self.times)
         workers, protocol, metrics = self.compute(state, me, computes[me], batch)
+        if self.downpour and self.downpour.local_lr:  # the client's step on its own copy
+            stepped = jax.tree.map(
+                lambda p, g: p - self.downpour.local_lr * g, workers.params, workers.gradient
+            )
+            workers = workers._replace(params=_select_rows(computes[me], stepped, workers.params))
         local = _Local(state.params, state.opt_state, state.model.state, workers, protocol)
         pushed = workers.gradient
         if self.downpour:
@@ -671,10 +676,11 @@ def async_sgd(
       al.'s n-softsync, which waits for floor(N / n), is ``softsync(N // n)`` here).
     * ``ddl.ssp(s)`` (Ho et al.): as async, but a worker whose clock (gradients completed)
       is more than s ahead of the slowest worker's waits until it is not.
-    * ``ddl.downpour(n_fetch, n_push)`` (Dean et al.): a worker fetches every n_fetch
-      gradients and pushes the sum of its last n_push (Dean et al.'s Delta w) every
-      n_push, computing on what it has in between (their client-side local update is left
-      out). The server is sharded over ``axis`` as in DistBelief (``server="sharded"``,
+    * ``ddl.downpour(n_fetch, n_push, local_lr=alpha)`` (Dean et al.'s Algorithm 7.1): a
+      worker fetches before its 1st, (n_fetch + 1)-th, ... gradient, steps its own copy
+      by ``-alpha g`` after each, and pushes the sum since its last push (their Delta w)
+      after its 1st, (n_push + 1)-th, ... gradient. The server is sharded over ``axis``
+      as in DistBelief (``server="sharded"``,
       below): elementwise optimizers act as on the whole model, clipping per shard.
     * ``ddl.async_local(H)`` (Liu et al.): a task is H steps of ``inner_optimizer`` on the
       worker's copy, on H consecutive slices of its ``B/N`` rows (H must divide them),

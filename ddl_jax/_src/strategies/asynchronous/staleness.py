@@ -4,7 +4,8 @@ Everything here is a small validated value or an optax transform; ``async_sgd`` 
 them. A protocol decides what waits in the simulated parameter server: plain async
 (apply each gradient on arrival), n-softsync (apply the average of every n arrivals),
 stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits),
-Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``) and asynchronous local
+Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``, a local step between)
+and asynchronous local
 SGD (each task is ``steps`` inner optimizer steps, or a number scaled to the worker's
 speed with dynamic local updates; the push is their pseudo-gradient).
 """
@@ -142,11 +143,14 @@ class Downpour(NamedTuple):
 
     Attributes:
       n_fetch: a worker fetches the server's parameters every ``n_fetch`` gradients.
-      n_push: a worker sends the sum of its last ``n_push`` gradients every ``n_push``.
+      n_push: a worker sends the sum of its gradients since its last push after its
+        1st, (``n_push`` + 1)-th, ... gradient.
+      local_lr: the step a worker takes on its own copy after each gradient.
     """
 
     n_fetch: int
     n_push: int
+    local_lr: float = 0.0
 
 
 class AsyncLocal(NamedTuple):
@@ -234,20 +238,42 @@ def ssp(bound: int) -> SSP:
     return SSP(check_int("ssp bound", bound, minimum=0))
 
 
-def downpour(n_fetch: int = 1, n_push: int = 1) -> Downpour:
-    """Downpour SGD's communication schedule.
+def downpour(n_fetch: int = 1, n_push: int = 1, *, local_lr: float | None = None) -> Downpour:
+    """Downpour SGD's client, Dean et al.'s Algorithm 7.1 ("Downpour SGD client").
+
+    Counting a worker's gradients from 0 (the algorithm's ``step``), it fetches the
+    server's parameters before gradient ``step`` where ``step mod n_fetch == 0``; after
+    each gradient it adds it to its accrued sum (Delta w) and takes a step on its own copy,
+    ``parameters <- parameters - local_lr * gradient``; and where ``step mod n_push == 0``
+    it pushes the accrued sum and empties it: after its 1st, (n_push + 1)-th, ... gradient.
+    With ``n_fetch = 1`` the copy is replaced by a fetch before every gradient, so the
+    local step changes nothing and ``local_lr`` may be left out.
 
     References:
-      Dean et al., "Large scale distributed deep networks", NeurIPS 2012.
+      Dean et al., "Large scale distributed deep networks", NeurIPS 2012, Algorithm 7.1.
 
     Args:
       n_fetch: gradients between parameter fetches, >= 1.
-      n_push: gradients accumulated (summed) per push, >= 1.
+      n_push: gradients between pushes, >= 1 (a push sends the sum since the last one).
+      local_lr: alpha, the worker's step on its own copy, >= 0 (the algorithm's learning
+        rate; 0 computes every gradient on what was fetched); needed with ``n_fetch > 1``.
+
+    Raises:
+      ValueError: a bad ``n_fetch``, ``n_push`` or ``local_lr``, or no ``local_lr`` with
+        ``n_fetch > 1``.
     """
-    return Downpour(
-        check_int("downpour n_fetch", n_fetch, minimum=1),
-        check_int("downpour n_push", n_push, minimum=1),
-    )
+    n_fetch = check_int("downpour n_fetch", n_fetch, minimum=1)
+    n_push = check_int("downpour n_push", n_push, minimum=1)
+    if local_lr is None:
+        if n_fetch > 1:
+            raise ValueError(
+                f"downpour: n_fetch={n_fetch} needs local_lr, the step a worker takes on its "
+                "own copy after each gradient between fetches (Dean et al.'s Algorithm 7.1: "
+                "parameters -= alpha * gradient), e.g. the server's learning rate; "
+                "local_lr=0 computes every gradient on what was fetched."
+            )
+        local_lr = 0.0
+    return Downpour(n_fetch, n_push, check_real("downpour local_lr", local_lr, minimum=0.0))
 
 
 def async_local(steps: int, *, reset: bool = False, dynamic: bool = False) -> AsyncLocal:
@@ -363,7 +389,7 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
     if isinstance(protocol, SSP):
         protocol = ssp(protocol.bound)
     if isinstance(protocol, Downpour):
-        protocol = downpour(protocol.n_fetch, protocol.n_push)
+        protocol = downpour(protocol.n_fetch, protocol.n_push, local_lr=protocol.local_lr)
     if isinstance(protocol, AsyncLocal):
         protocol = async_local(protocol.steps, reset=protocol.reset, dynamic=protocol.dynamic)
     return protocol
