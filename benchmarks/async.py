@@ -39,7 +39,7 @@ def protocols(lr: float) -> dict:
         "async + scale_by_staleness": ("async", optax.chain(ddl.scale_by_staleness(), sgd)),
         "softsync(2)": (ddl.softsync(2), sgd),
         "ssp(2)": (ddl.ssp(2), sgd),
-        "downpour(2, 2)": (ddl.downpour(2, 2), sgd),
+        "downpour(2, 2)": (ddl.downpour(2, 2, local_lr=lr), sgd),
     }
 
 
