@@ -29,6 +29,14 @@ def test_shares_partition_the_examples_and_skew_with_small_alpha(train):
     assert gap[100.0] < 0.1 < 0.5 < gap[0.1]
 
 
+def test_more_workers_than_a_class_has_examples_is_refused_with_the_reason():
+    """Each class is split on its own: 100 examples a class reach at most 100 of 500
+    workers, so at any alpha some may get none; the error says why, not only "larger"."""
+    labels = np.repeat(np.arange(10), 100)
+    with pytest.raises(ValueError, match=r"a class of 100 examples reaches at most 100 of them"):
+        ddl.data.dirichlet_shares(labels, 500, 1e6, seed=0)
+
+
 def test_each_workers_rows_come_from_its_share_and_resume(train):
     shares = ddl.data.dirichlet_shares(train["label"], 4, 0.3, seed=0)
     stream = ddl.data.non_iid_batches(train, 32, workers=4, alpha=0.3, seed=0)

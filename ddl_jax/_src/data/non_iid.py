@@ -16,16 +16,30 @@ _TRIES = 100
 def dirichlet_shares(
     labels: np.ndarray, workers: int, alpha: float, *, seed: int = 0
 ) -> list[np.ndarray]:
-    """Splits the examples among ``workers`` with label skew (Hsu, Qi, Brown 2019).
+    """Splits the examples among ``workers`` with label skew, class by class.
 
     For each class, the proportions of its examples going to each worker are drawn from a
-    symmetric Dirichlet(``alpha``): large alpha gives every worker about the global label
-    mix (i.i.d. as alpha -> infinity), small alpha gives each worker a few classes. The
-    shares partition the examples; proportions are redrawn (seeded) until every worker has
-    at least one example.
+    symmetric Dirichlet(``alpha``) over the workers, and its examples cut at the rounded
+    cumulative proportions: large alpha gives every worker about the global label mix
+    (i.i.d. as alpha -> infinity, while every class has many more examples than there are
+    workers), small alpha gives each worker a few classes, and the shares' sizes vary.
+    Each class is split on its own, so with more workers than a class has examples a
+    share holds a few classes whatever alpha, and some workers may get none. The shares
+    partition the examples; proportions are redrawn (seeded) until every worker has at
+    least one example.
 
-    Reference: Hsu, Qi, Brown, "Measuring the effects of non-identical data distribution
-    for federated visual classification", 2019, arXiv:1909.06335.
+    This is the per-class split of Yurochkin et al. 2019 as NIID-Bench runs it
+    (Xtra-Computing/NIID-Bench ``utils.py``, ``partition_data``, ``"noniid-labeldir"``),
+    without NIID-Bench's cap on a worker's share (a worker past the mean size gets no more
+    of the later classes) and with at least one example a worker where it asks for 10.
+    It is not Hsu et al.'s scheme (arXiv:1909.06335), where each worker's label mix is
+    drawn, ``q ~ Dir(alpha p)``, and the workers' shares are equal: at the same alpha
+    the two skew differently.
+
+    References:
+      Yurochkin et al., "Bayesian nonparametric federated learning of neural networks",
+      ICML 2019. Li, Diao, Chen, He, "Federated learning on non-IID data silos: an
+      experimental study", ICDE 2022 (NIID-Bench).
 
     Args:
       labels: 1-D integer class labels, one per example.
@@ -55,9 +69,16 @@ def dirichlet_shares(
         out = [np.sort(np.concatenate(parts)) for parts in shares]
         if all(len(s) for s in out):
             return out
+    smallest = min(len(idx) for idx in by_class)
+    why = "; use a larger alpha or fewer workers."
+    if smallest < workers:
+        why = (
+            f"; a class of {smallest} examples reaches at most {smallest} of them, whatever "
+            "alpha: use fewer workers."
+        )
     raise ValueError(
         f"dirichlet_shares: in {_TRIES} draws at alpha={alpha:g} some of the {workers} "
-        "workers got no example; use a larger alpha or fewer workers."
+        f"workers got no example{why}"
     )
 
 
