@@ -25,6 +25,14 @@ def test_best_replica_by_score():
     np.testing.assert_array_equal(replica["w"], [5.0])
 
 
+def test_a_diverged_replica_is_never_the_best():
+    replicas = {"w": jnp.array([[1.0], [3.0], [jnp.nan]])}
+    index, _ = ddl.consistency.best_replica(replicas, lambda r: -abs(r["w"][0] - 4.5))
+    assert index == 1
+    with pytest.raises(ValueError, match="every replica's score is nan"):
+        ddl.consistency.best_replica({"w": jnp.full((2, 1), jnp.nan)}, lambda r: r["w"][0])
+
+
 @pytest.mark.parametrize(
     "fn",
     [ddl.consistency.consensus_distance, lambda r: ddl.consistency.best_replica(r, len)],

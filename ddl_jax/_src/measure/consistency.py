@@ -72,14 +72,20 @@ def best_replica(replicas: Any, score: Callable[[Any], Any]) -> tuple[int, Any]:
     Args:
       replicas: a pytree whose leaves have a leading worker axis ``[N, ...]`` (a state's
         ``params``).
-      score: ``replica -> scalar``, higher is better, on one replica's pytree.
+      score: ``replica -> scalar``, higher is better, on one replica's pytree; a nan score
+        (a diverged replica) is never the best.
+
+    Raises:
+      ValueError: no leading worker axis, or every score is nan.
     """
     leaves, treedef = jax.tree.flatten(replicas)
     host = [np.asarray(x) for x in leaves]
     n = _workers(host)
     trees = [jax.tree.unflatten(treedef, [x[i] for x in host]) for i in range(n)]
-    scores = [float(score(tree)) for tree in trees]
-    best = int(np.argmax(scores))
+    scores = np.array([float(score(tree)) for tree in trees])
+    if np.isnan(scores).all():
+        raise ValueError(f"best_replica: every replica's score is nan ({n} replicas).")
+    best = int(np.nanargmax(scores))  # a diverged replica (nan) is never the best
     return best, trees[best]
 
 
