@@ -83,7 +83,12 @@ BAD = [
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
     (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, sparseloco:0.01, noloco:16"),
-    (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be > 0"),
+    (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got 0.0"),
+    (["--non-iid", "nan"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got nan"),
+    (
+        ["--non-iid", "0.5", "--workers", "1024", "--strategies", "sync"],
+        "the workload's batches: dirichlet_shares: in 100 draws at alpha=0.5 some of the 1024",
+    ),
     (["--workload", "text-gpt", "--non-iid", "0.5"], "a digits workload, not text-gpt"),
     (["--strategies", "ssp/fsdp:3"], "cannot stack 'ssp/fsdp:3': the outer method"),
     (["--strategies", "diloco:16/gossip"], "the inner one of sync, fsdp"),

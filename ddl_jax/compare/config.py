@@ -256,9 +256,14 @@ def _unreliable(v: dict[str, Any], checked: dict[str, Any]) -> None:
                 f"that do: {able} (e.g. --preset unreliable)."
             )
     if "non_iid" in v:
-        checked["non_iid"] = _number("non_iid", v["non_iid"], 0.0)
-        if not checked["non_iid"]:
-            raise CompareError("non_iid (a Dirichlet alpha) must be > 0, got 0.")
+        alpha = v["non_iid"]
+        with contextlib.suppress(ValueError, TypeError):
+            alpha = alpha if isinstance(alpha, bool) else float(alpha)
+        if not isinstance(alpha, float) or not 0 < alpha < float("inf"):
+            raise CompareError(
+                f"non_iid (a Dirichlet alpha) must be a finite number > 0, got {alpha!r}."
+            )
+        checked["non_iid"] = alpha
         if checked.get("workload", Config.workload) == "text-gpt":
             raise CompareError("non_iid splits labels: a digits workload, not text-gpt.")
 

@@ -479,7 +479,10 @@ def _check_strategies(
     """Builds every strategy, places its state and traces its first step (the step is
     not compiled and nothing trains), so one that refuses the mesh or the workload stops
     the comparison before any trains."""
-    batch = next(workload.batches(0))
+    try:
+        batch = next(workload.batches(0))
+    except (ValueError, TypeError) as e:  # e.g. too many workers for --non-iid's split
+        raise CompareError(f"the workload's batches: {str(e).splitlines()[0]}") from None
     refused = []
     for spec in specs:
         try:
