@@ -65,3 +65,15 @@ def test_a_strategy_step_is_priced_the_same_every_time(mlp):
     # Each worker's 8 examples: the forward and the backward of 12 -> 16 -> 5 (the first
     # layer's input gradient is not needed): 2 * 8 * (12*16 + 16*5) * 3 - 2 * 8 * 12*16.
     assert first.flops == 2 * 8 * (12 * 16 + 16 * 5) * 3 - 2 * 8 * 12 * 16
+
+
+def test_the_measuring_functions_name_a_wrong_argument():
+    stats = ddl.sim.compute_stats(jax.jit(lambda x: x * 2), jnp.ones(4))
+    with pytest.raises(TypeError, match="compute_stats: jitted must be a jax.jit function"):
+        ddl.sim.compute_stats(lambda x: x * 2, jnp.ones(4))
+    with pytest.raises(ValueError, match="stats.flops must be a finite real number >= 0"):
+        ddl.sim.estimate_compute_time(stats._replace(flops=-1.0), ddl.sim.CPU_CORE)
+    with pytest.raises(TypeError, match="estimate_step_time: stats must be a ddl.sim.CommStats"):
+        ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G)
+    with pytest.raises(ValueError, match="mixing_matrix: n must be an int >= 1, got 0"):
+        ddl.mixing_matrix("ring", 0)

@@ -150,6 +150,8 @@ def compute_stats(jitted: Any, *args: Any, **kwargs: Any) -> ComputeStats:
       >>> stats.flops  # 2 * 64 * 16 * 32
       65536.0
     """
+    if not hasattr(jitted, "lower"):
+        raise TypeError(f"compute_stats: jitted must be a jax.jit function, got {jitted!r}.")
     return hlo_compute(jitted.lower(*args, **kwargs).compile().as_text())
 
 
@@ -157,4 +159,10 @@ def estimate_compute_time(stats: ComputeStats, device: Device) -> float:
     """Seconds of one call on ``device``: ``flops / flops_per_s + bytes / bytes_per_s``."""
     flops_per_s = check_real("device.flops_per_s", device.flops_per_s, minimum=0, exclusive=True)
     bytes_per_s = check_real("device.bytes_per_s", device.bytes_per_s, minimum=0, exclusive=True)
-    return stats.flops / flops_per_s + stats.bytes / bytes_per_s
+    if not isinstance(stats, ComputeStats):
+        raise TypeError(
+            f"estimate_compute_time: stats must be a ddl.sim.ComputeStats (from "
+            f"ddl.sim.compute_stats), got {type(stats).__name__}."
+        )
+    flops = check_real("stats.flops", stats.flops, minimum=0)
+    return flops / flops_per_s + check_real("stats.bytes", stats.bytes, minimum=0) / bytes_per_s

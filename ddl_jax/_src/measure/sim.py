@@ -152,6 +152,12 @@ def estimate_step_time(
       >>> ddl.sim.estimate_step_time(stats, slow, inner_network=fast, island_devices=4)
       0.003
     """
+    if not isinstance(stats, CommStats):
+        raise TypeError(
+            f"estimate_step_time: stats must be a ddl.sim.CommStats (from ddl.comm_stats), got "
+            f"{type(stats).__name__}; a ComputeStats prices by "
+            "ddl.sim.estimate_compute_time, passed here as compute_s."
+        )
     if branch is not None and branch not in stats.branches:
         raise ValueError(f"branch={branch!r} is not one of stats.branches: {list(stats.branches)}.")
     if (inner_network is None) != (island_devices is None):

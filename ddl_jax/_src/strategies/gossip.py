@@ -78,6 +78,7 @@ def mixing_matrix(topology: str, n: int) -> np.ndarray:
     ``W[i, j]`` is the weight device i gives device j's model; W is doubly stochastic for
     every topology here (each is regular and built from permutations).
     """
+    n = check_int("mixing_matrix: n", n, minimum=1)
     perms = neighbour_permutations(topology, n)
     w = np.eye(n) / (len(perms) + 1)
     for perm in perms:
