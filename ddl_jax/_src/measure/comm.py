@@ -338,7 +338,9 @@ def per_worker(stats: CommStats, per_device: int) -> CommStats:
     times a worker's. Bytes and rounds then follow the module's table; a permute's
     sources send 1 / ``per_device`` of their device's bytes each. Exact where each device
     shift of a permutation is one worker shift: on 2 devices a ring's left and right
-    moves are the same device shift, one permute, and count once.
+    moves are the same device shift, one permute, and count once. Not otherwise: gossip's
+    exponential graph over 8 workers on 4 devices (worker shifts 1, 2, 4) compiles to 2
+    device permutes where 8 devices send 3, and is priced at the 2 (a third low).
 
     Args:
       stats: what ``comm_stats`` read from the program.

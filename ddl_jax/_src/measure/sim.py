@@ -47,7 +47,10 @@ class Network(NamedTuple):
         collectives it runs in turn. ``c`` is each program's fixed cost (launching it),
         fitted and left out of the model. The samples need two different message counts
         and two different sizes (e.g. an all-reduce sweep of 4 B to 16 MB, and 32 scalar
-        all-reduces in one program); the overhead, collectives of two different rounds
+        all-reduces in one program, each reading the last: XLA combines independent ones
+        into one all-reduce of 32 buffers, one collective to ``comm_stats`` with
+        ``buffers=32``, whose buffers XLA:CPU's gloo still sends one by one, so count
+        ``rounds * buffers`` messages there); the overhead, collectives of two different rounds
         (e.g. 32 scalar permutes, one round each, beside the all-reduces). A fitted
         latency or overhead below 0 is taken as 0 (the other terms refitted).
 
