@@ -99,6 +99,10 @@ BAD = [
     (["--workers", "12"], "workers=12 must be a multiple of devices=8"),
     (["--workers", "16", "--strategies", "sync,fsdp:3"], "fsdp:3: fsdp splits its state over"),
     (["--workers", "16", "--strategies", "ring"], "ring: a worker's compute in the ring grows"),
+    (
+        ["--workers", "16", "--strategies", "gossip:exponential"],
+        "gossip:exponential with several workers a device is priced from the device shifts",
+    ),
     (["--workers", "16", "--strategies", "diloco/sync"], "which islands do not"),
     (["--workers", "16", "--strategies", "async", "--measure"], "drop measure or workers"),
     (["--workers", "0"], "workers must be an integer >= 1, got 0"),

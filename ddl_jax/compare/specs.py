@@ -339,6 +339,26 @@ def _one_a_device(why: str, build: Callable[[Any, BuildContext], Strategy]) -> A
     return checked
 
 
+def _gossip(topology: str, ctx: BuildContext) -> Strategy:
+    """Gossip; with several workers a device only on a ring, whose worker shifts are
+    device shifts (``ddl.sim.per_worker`` prices the others' merged shifts low)."""
+    if topology != "ring" and ctx.workers not in (None, ctx.mesh.shape["data"]):
+        raise ValueError(
+            f"gossip:{topology} with several workers a device is priced from the device "
+            "shifts its worker shifts merge into, fewer than it sends: use gossip:ring, or "
+            "drop workers."
+        )
+    return ddl.gossip(
+        ctx.loss_fn,
+        _adam(),
+        ctx.mesh,
+        topology=topology,
+        consensus_every=ctx.consensus_every,
+        drop=ctx.drop,
+        workers=ctx.workers,
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "sync": Family(
         _reduced(None),
@@ -513,15 +533,7 @@ FAMILIES: dict[str, Family] = {
         unreliable=True,
     ),
     "gossip": Family(
-        lambda topology, ctx: ddl.gossip(
-            ctx.loss_fn,
-            _adam(),
-            ctx.mesh,
-            topology=topology,
-            consensus_every=ctx.consensus_every,
-            drop=ctx.drop,
-            workers=ctx.workers,
-        ),
+        lambda topology, ctx: _gossip(topology, ctx),
         _topology,
         "ring",
         f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",
