@@ -214,6 +214,12 @@ def softsync(n: int) -> SoftSync:
     gradients) is ``softsync(N // n)`` here: their 1-softsync, synchronous SGD, is
     ``softsync(N)``.
 
+    With :func:`scale_by_staleness` in the server's optimizer, a group's mean gradient is
+    scaled by a function of its mean staleness. Zhang et al.'s staleness-aware n-softsync
+    scales each gradient of the group by its own, ``(1/n) sum_l (lr / tau_l) g_l``: the
+    two agree where a group's gradients are equally stale, and differ otherwise (not yet
+    an option here).
+
     References:
       Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
       learning: a systematic study", ICDM 2016, arXiv:1509.04210.
