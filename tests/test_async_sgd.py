@@ -56,12 +56,16 @@ def reference_sgd(loss_fn, optimizer, params, batches):
     return params
 
 
-def simulate(loss_fn, lr, params, batches, n, times, protocol="async", scale=lambda tau: 1.0):
+def simulate(
+    loss_fn, lr, params, batches, n, times, protocol="async", scale=lambda tau: 1.0, each=None
+):
     """The event model of ``async_sgd``, one event at a time in plain Python, with SGD.
 
     Per step: every started worker without a gradient computes it on its fetched params
     and its shard; then arrivals are taken in (time, worker) order until one has no
-    gradient yet. Returns the final server params and each push's staleness. Downpour
+    gradient yet. Returns the final server params and each push's staleness. ``scale``
+    scales an update by its group's mean staleness; ``each``, Zhang et al.'s rule, each
+    gradient of the group by its own: ``(lr / n) sum_l each(tau_l) g_l``. Downpour
     follows Dean et al.'s Algorithm 7.1: with ``step`` a worker's gradients before this
     one, it fetches where ``step mod n_fetch == 0``, steps its own copy by ``-alpha g``
     after each gradient, and pushes its accrued sum where ``step mod n_push == 0``.
@@ -98,7 +102,9 @@ def simulate(loss_fn, lr, params, batches, n, times, protocol="async", scale=lam
             if step % n_push == 0:
                 tau = version - fetched_version[w]
                 taus.append(tau)
-                group.append((accrued[w], tau))  # Dean et al.: the sum, Delta w
+                weight = 1.0 if each is None else each(tau)
+                pushed = jax.tree.map(lambda a, c=weight: c * a, accrued[w])
+                group.append((pushed, tau))  # Dean et al.: the sum, Delta w
                 accrued[w] = jax.tree.map(jnp.zeros_like, params)
                 if len(group) == group_n:
                     g = jax.tree.map(lambda *gs: sum(gs) / group_n, *[g for g, _ in group])
@@ -195,6 +201,25 @@ def test_staleness_scaled_steps_follow_lr_over_tau(mlp):
     )
     assert max(taus) > 1
     chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+
+
+def test_softsync_with_a_scale_scales_each_gradient_by_its_own_staleness(mlp):
+    """Zhang et al.'s staleness-aware n-softsync: ``(lr / n) sum_l g_l / tau_l``, which
+    differs from scaling the group's mean by its mean staleness where the taus differ."""
+    loss_fn, params = mlp
+    times = compute_times([1.0, 2.0, 1.0, 3.0])
+    batches = make_batches(8, 16)
+    protocol = softsync(2, scale="inverse")
+    strategy = async_sgd(
+        loss_fn, optax.sgd(0.3), ddl.make_mesh(data=4), compute_time=times, protocol=protocol
+    )
+    state, _ = run(strategy, params, batches)
+    inverse = lambda tau: 1 / max(tau, 1)  # noqa: E731
+    expected, _ = simulate(loss_fn, 0.3, params, batches, 4, times, softsync(2), each=inverse)
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-5, rtol=0)
+    by_mean, _ = simulate(loss_fn, 0.3, params, batches, 4, times, softsync(2), scale=inverse)
+    assert max(np.abs(a - b).max() for a, b in zip(
+        jax.tree.leaves(expected), jax.tree.leaves(by_mean), strict=True)) > 1e-3  # fmt: skip
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

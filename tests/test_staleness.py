@@ -135,6 +135,8 @@ def test_protocol_values():
     [
         (lambda: softsync(0), "softsync n must be an int >= 1, got 0"),
         (lambda: softsync(2.5), "softsync n must be an int >= 1, got 2.5"),
+        (lambda: softsync(2, scale="linear"), "softsync scale rule='linear' is not known"),
+        (lambda: softsync(2, scale=lambda tau: -tau), "softsync scale rule must map a staleness"),
         (lambda: ssp(-1), "ssp bound must be an int >= 0, got -1"),
         (lambda: downpour(0, 1), "downpour n_fetch must be an int >= 1, got 0"),
         (lambda: downpour(1, -2), "downpour n_push must be an int >= 1, got -2"),

@@ -307,6 +307,7 @@ class _Program(NamedTuple):
     inner: optax.GradientTransformation | None = None
     counts: tuple[int, ...] | None = None
     sharded: bool = False
+    group_scale: Callable[[jax.Array], jax.Array] | None = None
 
     @property
     def shards(self) -> int:
@@ -346,8 +347,20 @@ class _Program(NamedTuple):
             counts = None if set(counts) == {local.steps} else counts
         times = sl.task_time(times, protocol)
         sharded = _check_server(server, protocol)
+        group_scale = None  # softsync(n, scale=rule): each push by its own staleness
+        if isinstance(protocol, sl.SoftSync) and protocol.scale is not None:
+            group_scale = sl.staleness_scale(protocol.scale, protocol.decay, "softsync scale")
         program = cls(
-            kit, rules, times, server_opt, downpour, local, inner_optimizer, counts, sharded
+            kit,
+            rules,
+            times,
+            server_opt,
+            downpour,
+            local,
+            inner_optimizer,
+            counts,
+            sharded,
+            group_scale,
         )
         specs = program.specs()
         params = kit.replicated(program.variables) if sharded else program.variables
@@ -569,7 +582,11 @@ class _Program(NamedTuple):
         return self.receive(local, gradient, model_state, event)
 
     def receive(self, local: _Local, gradient: Any, model_state: Any, event: ev.Event) -> _Local:
-        """The server takes a push into its group; applies the group's mean if it is full."""
+        """The server takes a push into its group (scaled by its own staleness under
+        ``softsync(n, scale=...)``); applies the group's mean if it is full."""
+        if self.group_scale is not None:  # Zhang et al.: each gradient by its own tau
+            factor = self.group_scale(event.staleness)
+            gradient = jax.tree.map(lambda g: (factor * g).astype(g.dtype), gradient)
         if isinstance(local.protocol, Group):
             size = self.rules.group_size
             held = Group(

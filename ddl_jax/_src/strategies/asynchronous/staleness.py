@@ -122,9 +122,14 @@ class SoftSync(NamedTuple):
 
     Attributes:
       n: gradients per server update, in [1, N]; n = N is synchronous SGD, n = 1 is async.
+      scale: a staleness rule scaling each gradient by its own staleness as it joins the
+        group (Zhang et al.'s), or ``None``.
+      decay: lambda of the ``"exp"`` rule.
     """
 
     n: int
+    scale: str | Callable[[jax.Array], jax.Array] | None = None
+    decay: float = 0.1
 
 
 class SSP(NamedTuple):
@@ -207,27 +212,39 @@ def as_churn(value: Churn | None) -> Churn:
     return churn(value.leave, value.away)
 
 
-def softsync(n: int) -> SoftSync:
+def softsync(
+    n: int, *, scale: str | Callable[[jax.Array], jax.Array] | None = None, decay: float = 0.1
+) -> SoftSync:
     """The n-softsync protocol: the server averages every ``n`` arrivals into one update.
 
     ``n`` is gradients per update; Gupta et al.'s n-softsync (which waits for floor(N / n)
     gradients) is ``softsync(N // n)`` here: their 1-softsync, synchronous SGD, is
     ``softsync(N)``.
 
-    With :func:`scale_by_staleness` in the server's optimizer, a group's mean gradient is
-    scaled by a function of its mean staleness. Zhang et al.'s staleness-aware n-softsync
-    scales each gradient of the group by its own, ``(1/n) sum_l (lr / tau_l) g_l``: the
-    two agree where a group's gradients are equally stale, and differ otherwise (not yet
-    an option here).
+    **Staleness-aware** (Zhang et al.): ``scale="inverse"`` (or ``"exp"``, or a callable,
+    :func:`scale_by_staleness`'s rules) scales each gradient by its own staleness as it
+    joins the group, so that with ``optax.sgd(lr)`` the server applies Zhang et al.'s
+    ``(1/n) sum_l (lr / tau_l) g_l``. :func:`scale_by_staleness` in the server's optimizer
+    instead scales the group's step by a function of its mean staleness: the two agree
+    where a group's gradients are equally stale. The first is their rule; the second also
+    scales the step of an adaptive optimizer (Adam), which normalises a scaled gradient.
 
     References:
       Gupta, Zhang, Wang, "Model accuracy and runtime tradeoff in distributed deep
       learning: a systematic study", ICDM 2016, arXiv:1509.04210.
+      Zhang, Gupta, Lian, Liu, "Staleness-aware async-SGD for distributed deep learning",
+      IJCAI 2016, arXiv:1511.05950.
 
     Args:
       n: gradients per server update, an int >= 1 (and <= N, checked by ``async_sgd``).
+      scale: ``None`` (default, Gupta et al.'s plain mean), ``"inverse"`` (``1 /
+        max(tau, 1)``, Zhang et al.), ``"exp"`` or a callable ``tau -> scale``.
+      decay: lambda of the ``"exp"`` rule, finite and >= 0.
     """
-    return SoftSync(check_int("softsync n", n, minimum=1))
+    n = check_int("softsync n", n, minimum=1)
+    if scale is not None:
+        staleness_scale(scale, decay, "softsync scale")  # checked now, not in a step
+    return SoftSync(n, scale, float(decay))
 
 
 def ssp(bound: int) -> SSP:
@@ -386,7 +403,7 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
         )
     # Built again by their checked constructors: a SoftSync(...) made by hand is checked too.
     if isinstance(protocol, SoftSync):
-        protocol = softsync(protocol.n)
+        protocol = softsync(protocol.n, scale=protocol.scale, decay=protocol.decay)
         if protocol.n > n:
             raise ValueError(
                 f"softsync n={protocol.n} is outside [1, N] for N={n} workers; n=N is "
@@ -451,27 +468,7 @@ def scale_by_staleness(
       An ``optax.GradientTransformationExtraArgs`` whose ``update(updates, state, params,
       *, staleness)`` requires the ``staleness`` keyword (a scalar).
     """
-    if rule == "inverse":
-        scale_fn = lambda tau: 1.0 / jnp.maximum(tau, 1.0)  # noqa: E731
-    elif rule == "exp":
-        decay = check_real("scale_by_staleness decay", decay, minimum=0)
-        scale_fn = lambda tau: jnp.exp(-decay * tau)  # noqa: E731
-    elif callable(rule):
-        scale_fn = rule
-        scales = np.asarray([np.asarray(rule(jnp.float32(t))) for t in SAMPLE_STALENESS])
-        bad = ~(np.isfinite(scales) & (scales >= 0))
-        if scales.shape != SAMPLE_STALENESS.shape or bad.any():
-            where = SAMPLE_STALENESS[bad] if scales.shape == SAMPLE_STALENESS.shape else "?"
-            raise ValueError(
-                "scale_by_staleness rule must map a staleness tau to a finite scalar scale "
-                f">= 0; at tau={where} it returned {scales[bad] if bad.any() else scales} "
-                f"(checked at tau in {SAMPLE_STALENESS.tolist()})."
-            )
-    else:
-        raise ValueError(
-            f"scale_by_staleness rule={rule!r} is not known; valid: {list(RULES)} or a "
-            "callable tau -> scale."
-        )
+    scale_fn = staleness_scale(rule, decay)
 
     def init(params):
         del params
@@ -488,3 +485,32 @@ def scale_by_staleness(
         return jax.tree.map(lambda u: (scale * u).astype(u.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def staleness_scale(
+    rule: str | Callable[[jax.Array], jax.Array], decay: float, name: str = "scale_by_staleness"
+) -> Callable[[jax.Array], jax.Array]:
+    """The checked function ``tau -> scale`` of :func:`scale_by_staleness`'s ``rule``
+    (``name`` the function whose argument it is, for the errors)."""
+    if rule == "inverse":
+        scale_fn = lambda tau: 1.0 / jnp.maximum(tau, 1.0)  # noqa: E731
+    elif rule == "exp":
+        decay = check_real(f"{name} decay", decay, minimum=0)
+        scale_fn = lambda tau: jnp.exp(-decay * tau)  # noqa: E731
+    elif callable(rule):
+        scale_fn = rule
+        scales = np.asarray([np.asarray(rule(jnp.float32(t))) for t in SAMPLE_STALENESS])
+        bad = ~(np.isfinite(scales) & (scales >= 0))
+        if scales.shape != SAMPLE_STALENESS.shape or bad.any():
+            where = SAMPLE_STALENESS[bad] if scales.shape == SAMPLE_STALENESS.shape else "?"
+            raise ValueError(
+                f"{name} rule must map a staleness tau to a finite scalar scale "
+                f">= 0; at tau={where} it returned {scales[bad] if bad.any() else scales} "
+                f"(checked at tau in {SAMPLE_STALENESS.tolist()})."
+            )
+    else:
+        raise ValueError(
+            f"{name} rule={rule!r} is not known; valid: {list(RULES)} or a callable tau -> scale."
+        )
+
+    return scale_fn
