@@ -642,11 +642,27 @@ def test_power_sgd_without_error_feedback_approximates_the_mean_gradient_afresh(
     assert state.residual == ()  # no residual leaves: the state is Q, the step and the ratio
     assert len(jax.tree.leaves(state)) == 3
     for t in range(steps):
-        mean = grads["w"][t].mean(0).astype(np.float64)  # 6 x 20: the [a, b] view itself
+        # the kernel is [6 in, 20 out]: the outputs-first view is its transpose, 20 x 6
+        mean = grads["w"][t].mean(0).astype(np.float64).T
         expected, q = rank_r_step(mean, q)
-        np.testing.assert_allclose(outs["w"][t, 0], expected, atol=2e-5)
+        np.testing.assert_allclose(outs["w"][t, 0], expected.T, atol=2e-5)
         np.testing.assert_allclose(outs["b"][t, 0], grads["b"][t].mean(0), rtol=1e-6, atol=1e-7)
         assert np.linalg.matrix_rank(outs["w"][t, 0], tol=1e-4) == rank
+
+
+def test_power_sgd_smaller_orientation_puts_p_on_the_smaller_side():
+    """``orientation="smaller"``: the 6 x 20 kernel is its own view, P 6 x r."""
+    n, rank = 4, 2
+    grads = random_grads(2, n, seed=11)
+    reducer = power_sgd(rank, use_error_feedback=False, orientation="smaller")
+    q = np.asarray(reducer.init({k: jnp.zeros(s) for k, s in SHAPES.items()}).q[0])
+    assert q.shape == (20, rank)
+    _, outs, _ = run_reducer(reducer, grads, n)
+    for t in range(2):
+        expected, q = rank_r_step(grads["w"][t].mean(0).astype(np.float64), q)
+        np.testing.assert_allclose(outs["w"][t, 0], expected, atol=2e-5)
+    with pytest.raises(ValueError, match=r"orientation must be one of \['outputs', 'smaller'\]"):
+        power_sgd(rank, orientation="rows")
 
 
 def test_power_sgd_without_warm_start_draws_q_per_step_from_the_seed():
@@ -663,11 +679,11 @@ def test_power_sgd_without_warm_start_draws_q_per_step_from_the_seed():
     got = outputs(seed)
     np.testing.assert_array_equal(got, outputs(seed))  # reproducible
     assert not np.allclose(got, outputs(seed + 1), atol=1e-4)
-    mean = one["w"][0].mean(0).astype(np.float64)
+    mean = one["w"][0].mean(0).astype(np.float64).T  # the outputs-first view, 20 x 6
     for t in range(steps):
         key = jax.random.fold_in(jax.random.key(seed), t)
-        q = np.asarray(jax.random.normal(jax.random.fold_in(key, 0), (20, 1)), np.float64)
-        np.testing.assert_allclose(got[t], rank_r_step(mean, q)[0], atol=2e-5)
+        q = np.asarray(jax.random.normal(jax.random.fold_in(key, 0), (6, 1)), np.float64)
+        np.testing.assert_allclose(got[t], rank_r_step(mean, q)[0].T, atol=2e-5)
     assert not np.allclose(got[0], got[1], atol=1e-4)  # same gradient, a different Q
 
 

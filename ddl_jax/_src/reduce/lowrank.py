@@ -37,29 +37,39 @@ class PowerSGDState(NamedTuple):
     compression_ratio: jax.Array
 
 
-def _matrix(x: jax.Array) -> jax.Array:
-    """``x`` viewed as a matrix: every leading axis by the last one, smaller side first.
+#: ``power_sgd``'s ``orientation``s: which side of a matrix ``P`` (the first factor) is on.
+ORIENTATIONS = ("outputs", "smaller")
+
+
+def _transposed(shape: tuple[int, ...], orientation: str) -> bool:
+    """Whether :func:`_matrix` puts the last axis (a Flax kernel's outputs) first."""
+    return orientation == "outputs" or math.prod(shape[:-1]) > shape[-1]
+
+
+def _matrix(x: jax.Array, orientation: str) -> jax.Array:
+    """``x`` viewed as a matrix ``[a, b]``, every leading axis by the last one.
 
     Flax keeps output features last (a Dense kernel is ``[in, out]``, a conv kernel
-    ``[h, w, in, out]``), so this is the paper's ``[out, in * h * w]`` view, transposed:
-    a ``[3, 3, 64, 64]`` kernel is ``576 x 64``, not ``3 x 12288`` (whose rank is at most 3
-    and whose factors are as large as the kernel). P lives on the smaller side, so at full
-    rank ``P P^T = I`` and the mean is exact.
+    ``[h, w, in, out]``). ``"outputs"``: the outputs first, ``[out, in * h * w]``, the view
+    of PyTorch's hook and of the paper's authors (``tensor.view(shape[0], -1)`` of a
+    PyTorch weight, ``[out, in, h, w]``): ``P`` has a row per output feature. ``"smaller"``:
+    the smaller side first, so ``P`` is the smaller factor. Either way a ``[3, 3, 64, 64]``
+    kernel is ``64 x 576`` or ``576 x 64``, not ``3 x 12288`` (whose rank is at most 3 and
+    whose factors are as large as the kernel).
     """
     m = x.reshape(-1, x.shape[-1])
-    return m if m.shape[0] <= m.shape[1] else m.T
+    return m.T if _transposed(np.shape(x), orientation) else m
 
 
-def _view(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The shape ``[a, b]`` (``a <= b``) of :func:`_matrix` of an array shaped ``shape``."""
+def _view(shape: tuple[int, ...], orientation: str) -> tuple[int, int]:
+    """The shape ``[a, b]`` of :func:`_matrix` of an array shaped ``shape``."""
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    return (rows, cols) if rows <= cols else (cols, rows)
+    return (cols, rows) if _transposed(shape, orientation) else (rows, cols)
 
 
-def _unmatrix(m: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def _unmatrix(m: jax.Array, shape: tuple[int, ...], orientation: str) -> jax.Array:
     """The inverse of :func:`_matrix` for a parameter shaped ``shape``."""
-    rows = math.prod(shape[:-1])
-    return (m if m.shape[0] == rows else m.T).reshape(shape)
+    return (m.T if _transposed(shape, orientation) else m).reshape(shape)
 
 
 class _Plan(NamedTuple):
@@ -70,7 +80,7 @@ class _Plan(NamedTuple):
       key_index: each compressed matrix's index among the tree's matrices (``ndim >= 2``),
         which its random ``Q`` folds into the key.
       views: each compressed matrix's ``[a, b]`` view.
-      ranks: each compressed matrix's rank ``r' = min(r, a)``.
+      ranks: each compressed matrix's rank ``r' = min(r, a, b)``.
       groups: positions in ``compressed`` of the matrices of one view, stacked and
         compressed together (singletons when not batching).
       dense: leaf indices all-reduced uncompressed (vectors, matrices not worth compressing).
@@ -84,15 +94,17 @@ class _Plan(NamedTuple):
     dense: tuple[int, ...]
 
 
-def _plan(shapes: list[tuple[int, ...]], rank: int, rate: float, batch: bool) -> _Plan:
+def _plan(
+    shapes: list[tuple[int, ...]], rank: int, rate: float, batch: bool, orientation: str
+) -> _Plan:
     compressed, key_index, views, ranks, dense = [], [], [], [], []
     matrices = 0
     for leaf, shape in enumerate(shapes):
         if len(shape) < 2:
             dense.append(leaf)
             continue
-        a, b = _view(shape)
-        r = min(rank, a)
+        a, b = _view(shape, orientation)
+        r = min(rank, a, b)
         # PyTorch's _should_compress: the factors must beat the matrix by the rate.
         if r * (a + b) * rate < a * b:
             compressed.append(leaf)
@@ -128,13 +140,16 @@ def power_sgd(
     min_compression_rate: float = 2.0,
     use_error_feedback: bool = True,
     warm_start: bool = True,
+    orientation: str = "outputs",
     seed: int = 0,
     axis: str = "data",
 ) -> optax.GradientTransformation:
     """PowerSGD: rank-r approximation of the mean gradient, with error feedback.
 
     Each matrix parameter (``ndim >= 2``) is viewed ``[a, b]``, its leading axes by its
-    last, the smaller side first, with rank ``r' = min(r, a)``. It is compressed when
+    last, the output features (a Flax kernel's last axis) first as PyTorch's hook and the
+    authors' library view a weight (``orientation="outputs"``; ``"smaller"``: the smaller
+    side first, this library's earlier view), with rank ``r' = min(r, a, b)``. It is compressed when
     ``r' (a + b) * min_compression_rate < a b`` (PyTorch's rule, decided at ``init`` from
     the shapes); other matrices and the vectors (biases) travel dense: all-reduced
     uncompressed, as in the paper. For a compressed matrix worker i forms
@@ -144,7 +159,7 @@ def power_sgd(
     matrix (``ndim >= 2`` leaf, counting from 0):
     ``P = (1/N) sum_i M_i Q`` (all-reduce), ``P <- orthonormalise(P)`` (QR),
     ``Q <- (1/N) sum_i M_i^T P`` (all-reduce), ``g = P Q^T``, ``e_i <- M_i - g``.
-    With ``rank >= a`` ``g`` is the exact mean. For the first ``start_iter`` steps every
+    With ``rank >= min(a, b)`` ``g`` is the exact mean. For the first ``start_iter`` steps every
     parameter travels dense (``g`` the plain mean, ``e`` and ``Q`` kept as they are); the
     compiled step holds both branches (``lax.cond``), and ``ddl.comm_stats`` reports each
     branch's bytes.
@@ -179,6 +194,8 @@ def power_sgd(
       use_error_feedback: keep each worker's residual ``e`` (else no residual is stored).
       warm_start: reuse the previous step's ``Q`` (else ``Q`` is drawn afresh each step,
         keyed by ``seed`` and the step, and not stored).
+      orientation: ``"outputs"`` (default: ``P`` has a row per output feature, as in
+        PyTorch and the authors' code) or ``"smaller"`` (``P`` on the smaller side).
       seed: key of the initial (or every fresh) ``Q ~ N(0, 1)``.
       axis: the mesh axis the workers live on.
 
@@ -222,6 +239,7 @@ def power_sgd(
         min_compression_rate=min_compression_rate,
         use_error_feedback=use_error_feedback,
         warm_start=warm_start,
+        orientation=orientation,
         seed=seed,
         axis=axis,
         batch=True,
@@ -250,6 +268,7 @@ def _power_sgd(
     seed: int,
     axis: str,
     batch: bool,
+    orientation: str = "outputs",
 ) -> optax.GradientTransformation:
     """:func:`power_sgd`; ``batch=False`` compresses and all-reduces matrix by matrix."""
     check_axis_name("power_sgd", axis)
@@ -259,9 +278,13 @@ def _power_sgd(
     use_error_feedback = _check_bool("power_sgd: use_error_feedback", use_error_feedback)
     warm_start = _check_bool("power_sgd: warm_start", warm_start)
     seed = check_int("power_sgd: seed", seed)
+    if orientation not in ORIENTATIONS:
+        raise ValueError(
+            f"power_sgd: orientation must be one of {list(ORIENTATIONS)}, got {orientation!r}."
+        )
 
     def plan_of(leaves: list) -> _Plan:
-        return _plan([tuple(np.shape(x)) for x in leaves], rank, rate, batch)
+        return _plan([tuple(np.shape(x)) for x in leaves], rank, rate, batch, orientation)
 
     def draw_q(key: jax.Array, plan: _Plan) -> list[jax.Array]:
         return [
@@ -316,7 +339,7 @@ def _power_sgd(
             grads = [leaves[j].astype(jnp.float32) for j in plan.compressed]
             if use_error_feedback:
                 grads = [g + e for g, e in zip(grads, state.residual, strict=True)]
-            ms = [_matrix(g) for g in grads]
+            ms = [_matrix(g, orientation) for g in grads]
             if warm_start:
                 qs = list(state.q)
             else:
@@ -337,8 +360,9 @@ def _power_sgd(
                 for pos, k in enumerate(group):
                     leaf = plan.compressed[k]
                     shape = np.shape(leaves[leaf])
-                    out[leaf] = _unmatrix(approx[pos], shape).astype(leaves[leaf].dtype)
-                    residual[k] = _unmatrix(m[pos] - approx[pos], shape)
+                    out[leaf] = _unmatrix(approx[pos], shape, orientation)
+                    out[leaf] = out[leaf].astype(leaves[leaf].dtype)
+                    residual[k] = _unmatrix(m[pos] - approx[pos], shape, orientation)
                     q_out[k] = q[pos]
             new = (
                 tuple(residual) if use_error_feedback else (),
