@@ -519,7 +519,8 @@ FAMILIES: dict[str, Family] = {
         "gradients per server update, an integer >= 1, then optionally a staleness rule "
         "for the server's step, inverse or exp (e.g. softsync:2, softsync:8:inverse)",
         "n-softsync: the server averages every n arrivals (softsync:N:RULE: Adam's step "
-        "scaled by the group's mean staleness tau, Zhang et al.)",
+        "scaled by the group's mean staleness tau, Zhang et al.'s rule for an Adam server; "
+        "for SGD, ddl.softsync(n, scale=RULE) scales each gradient by its own)",
         asynchronous=True,
         unreliable=True,
     ),
