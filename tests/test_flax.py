@@ -134,3 +134,41 @@ def test_update_module_names_what_does_not_match():
     )
     with pytest.raises(ValueError, match=r"not in the module \[\"\['layers'\]\[2\]"):
         ddl.flax.update_module(model, deeper)
+
+
+class Sowing(nnx.Module):
+    """Keeps its hidden layer with ``sow`` (an ``nnx.Intermediate``) on every call."""
+
+    def __init__(self, rngs):
+        self.layer = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.layer(x)
+        self.sow(nnx.Intermediate, "hidden", h)
+        return h
+
+
+def test_what_sow_kept_from_an_earlier_call_is_not_state():
+    model, x = Sowing(nnx.Rngs(0)), jnp.ones((4, 3))
+    expected = model(x)  # a call before splitting sows its hidden layer
+    apply, params = ddl.flax.split(model)
+    np.testing.assert_allclose(apply(params, x), expected, rtol=1e-6)
+    loss_fn, variables = ddl.flax.loss_from_module(model, lambda m, b: jnp.mean(m(b["x"]) ** 2))
+    np.testing.assert_allclose(loss_fn(variables, {"x": x}), jnp.mean(expected**2), rtol=1e-6)
+    assert "hidden" in nnx.state(model, nnx.Intermediate)  # the user's module keeps it
+
+
+def test_a_linen_module_that_updates_a_collection_evaluates_through_split():
+    class Counter(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            calls = self.variable("counter", "calls", lambda: jnp.zeros((), jnp.int32))
+            calls.value += 1
+            return linen.Dense(2)(x)
+
+    module, x = Counter(), jnp.ones((4, 3))
+    variables = module.init(jax.random.key(0), x)
+    apply, v = ddl.flax.split(module, variables=variables)
+    np.testing.assert_allclose(apply(v, x), module.apply(variables, x, mutable=True)[0])
+    _, updated = apply(v, x, mutable=["counter"])  # asked for, the update comes back
+    assert int(updated["counter"]["calls"]) == 2

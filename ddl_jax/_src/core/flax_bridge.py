@@ -25,7 +25,12 @@ _CARRIED = (nnx.Param, nnx.BatchStat, nnx.RngKey, nnx.RngCount)
 
 
 def _split_nnx(module: nnx.Module) -> tuple[Any, Params, Params, Params, Params]:
-    """``(graphdef, params, batch_stats, rng_keys, rng_counts)`` as pure dicts."""
+    """``(graphdef, params, batch_stats, rng_keys, rng_counts)`` as pure dicts. What
+    ``sow`` kept from an earlier call (``nnx.Intermediate``) is an output, not state: it
+    is left out (of a copy sharing the arrays; the module keeps it)."""
+    if nnx.to_flat_state(nnx.state(module, nnx.Intermediate)):
+        module = nnx.clone(module)
+        nnx.pop(module, nnx.Intermediate)
     graphdef, *states, rest = nnx.split(module, *_CARRIED, ...)
     if other := [
         f"{'/'.join(map(str, path))} ({type(v).__name__})" for path, v in nnx.to_flat_state(rest)
@@ -154,7 +159,9 @@ def split(module: Any, *, variables: Any = None) -> tuple[Callable[..., Any], An
     """Splits a Flax module into a pure ``apply(variables, *inputs)`` and its variables.
 
     For evaluation: the module runs as it is (``model.eval()`` first for inference with
-    running batch statistics and no dropout); state it updates while running is dropped.
+    running batch statistics and no dropout); state it updates while running is dropped
+    (a Linen ``apply`` given ``mutable=`` returns it, as Flax's does), and what ``sow``
+    kept from an earlier call is left out.
 
     Args:
       module: a ``flax.nnx.Module``, or a ``flax.linen.Module`` together with ``variables``.
@@ -172,7 +179,16 @@ def split(module: Any, *, variables: Any = None) -> tuple[Callable[..., Any], An
         rest = {k: v for k, v in variables.items() if k != "params"}
         if not rest:
             return (lambda p, *a, **k: module.apply({"params": p}, *a, **k)), variables["params"]
-        return (lambda v, *a, **k: module.apply(v, *a, **k)), dict(variables)
+
+        def apply_linen(v, *args, **kwargs):
+            if "mutable" in kwargs:  # the caller asks for the updated collections
+                return module.apply(v, *args, **kwargs)
+            # collections the module updates while running (batch statistics in training
+            # mode, counters) are updated and dropped, not refused as immutable
+            out, _ = module.apply(v, *args, mutable=[k for k in v if k != "params"], **kwargs)
+            return out
+
+        return apply_linen, dict(variables)
     graphdef, params, batch_stats, rng_keys, rng_counts = _split_nnx(module)
     if not batch_stats and not rng_keys:
         return (lambda p, *a, **k: nnx.merge(graphdef, p, {}, {}, {})(*a, **k)), params
