@@ -5,9 +5,9 @@ them. A protocol decides what waits in the simulated parameter server: plain asy
 (apply each gradient on arrival), n-softsync (apply the average of every n arrivals),
 stale-synchronous parallel (a worker more than ``bound`` clocks ahead waits),
 Downpour (fetch every ``n_fetch`` gradients, push every ``n_push``, a local step between)
-and asynchronous local
-SGD (each task is ``steps`` inner optimizer steps, or a number scaled to the worker's
-speed with dynamic local updates; the push is their pseudo-gradient).
+and asynchronous local SGD (each task is ``steps`` inner optimizer steps, or a number
+scaled to the worker's speed with dynamic local updates; the push is their
+pseudo-gradient).
 """
 
 from __future__ import annotations
