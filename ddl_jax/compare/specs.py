@@ -534,7 +534,7 @@ FAMILIES: dict[str, Family] = {
         unreliable=True,
     ),
     "gossip": Family(
-        lambda topology, ctx: _gossip(topology, ctx),
+        _gossip,
         _topology,
         "ring",
         f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",

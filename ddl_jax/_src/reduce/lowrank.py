@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -360,9 +361,9 @@ def _power_sgd(
                 for pos, k in enumerate(group):
                     leaf = plan.compressed[k]
                     shape = np.shape(leaves[leaf])
-                    out[leaf] = _unmatrix(approx[pos], shape, orientation)
-                    out[leaf] = out[leaf].astype(leaves[leaf].dtype)
-                    residual[k] = _unmatrix(m[pos] - approx[pos], shape, orientation)
+                    unview = functools.partial(_unmatrix, shape=shape, orientation=orientation)
+                    out[leaf] = unview(approx[pos]).astype(leaves[leaf].dtype)
+                    residual[k] = unview(m[pos] - approx[pos])
                     q_out[k] = q[pos]
             new = (
                 tuple(residual) if use_error_feedback else (),
