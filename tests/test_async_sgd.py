@@ -69,9 +69,13 @@ def simulate(
     follows Dean et al.'s Algorithm 7.1: with ``step`` a worker's gradients before this
     one, it fetches where ``step mod n_fetch == 0``, steps its own copy by ``-alpha g``
     after each gradient, and pushes its accrued sum where ``step mod n_push == 0``.
+    SSP's cached reads follow Ho et al.'s SSPTable (Bosen's ``SSPConsistencyController::
+    Get``): a worker at clock c fetches only where its copy's clock (the least clock when
+    it was fetched) is below c - bound; otherwise its copy takes its own update.
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
+    cached = isinstance(protocol, SSP) and protocol.reads == "cached"
     n_fetch, n_push, alpha = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
 
@@ -80,7 +84,7 @@ def simulate(
 
     theta, version = params, 0
     fetched = [params] * n
-    fetched_version, tasks = [0] * n, [0] * n
+    fetched_version, tasks, read_clock, own = [0] * n, [0] * n, [0] * n, [None] * n
     arrival = [d(i, 0) for i in range(n)]
     grad = [None] * n
     accrued = [jax.tree.map(jnp.zeros_like, params) for _ in range(n)]
@@ -109,7 +113,9 @@ def simulate(
                 if len(group) == group_n:
                     g = jax.tree.map(lambda *gs: sum(gs) / group_n, *[g for g, _ in group])
                     s = scale(sum(tau for _, tau in group) / group_n)
+                    before = theta
                     theta = jax.tree.map(lambda p, g, s=s: p - lr * s * g, theta, g)
+                    own[w] = jax.tree.map(jnp.subtract, theta, before)
                     version += 1
                     group = []
             waiting.add(w)
@@ -117,8 +123,12 @@ def simulate(
                 if group or (bound is not None and tasks[i] - min(tasks) > bound):
                     continue
                 waiting.discard(i)
-                if tasks[i] % n_fetch == 0:
+                if read_clock[i] < tasks[i] - bound if cached else tasks[i] % n_fetch == 0:
                     fetched[i], fetched_version[i] = theta, version
+                    read_clock[i] = min(tasks)
+                elif cached:  # read-my-writes: the copy takes its own update
+                    fetched[i] = jax.tree.map(jnp.add, fetched[i], own[i])
+                    fetched_version[i] += 1
                 arrival[i] = t + d(i, tasks[i])
     return theta, taus
 
@@ -142,6 +152,8 @@ CASES = {
     "async_random": (compute_times(1.0, spread=0.7, seed=3), "async"),
     "softsync_2": (compute_times([1.0, 2.0, 1.0, 3.0]), softsync(2)),
     "ssp_1": (compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1)),
+    "ssp_1_fresh": (compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1, reads="fresh")),
+    "ssp_2_random": (compute_times(1.0, spread=0.8, seed=5), ssp(2)),
     "downpour": (
         compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
         downpour(3, 2, local_lr=0.3),
@@ -299,12 +311,31 @@ def test_ssp_never_exceeds_its_bound(mlp):
             lead = np.asarray(state.clock.tasks) - np.asarray(state.clock.tasks).min()
             assert lead.max() <= bound + 1, lead
             np.testing.assert_array_equal(np.asarray(state.clock.waiting), lead == bound + 1)
+            # Ho et al.'s read: every task in flight computes on a copy whose clock (the
+            # server's when it was fetched) is at least the task's number minus the bound.
+            clock = jax.device_get(state.clock)
+            started = ~clock.waiting
+            assert np.all(clock.read_clock[started] >= clock.tasks[started] - bound)
             # While a gradient is in flight every other worker can push at most 2s + 1 times.
             assert metrics["staleness_max"] <= 7 * (2 * bound + 1)
             spans.append(lead.max() - bound)
 
     check()
     assert 1 in spans  # the bound is reached: the check above is tight
+
+
+def test_ssp_cached_reads_are_staler_than_fresh_ones(mlp, random_times_run):
+    """Ho et al.'s cached copy misses the updates that arrive while it serves; a fresh
+    fetch before every gradient does not: the same bound, staler gradients."""
+
+    def mean_staleness(history):
+        return sum(h["staleness_mean"] * h["pushes"] for h in history) / sum(
+            h["pushes"] for h in history
+        )
+
+    cached = mean_staleness(random_times_run(mlp, ssp(1), 2))
+    fresh = mean_staleness(random_times_run(mlp, ssp(1, reads="fresh"), 2))
+    assert cached > fresh + 0.25, (cached, fresh)
 
 
 def test_same_seed_same_trajectory_other_seed_another(mlp, random_times_run):
@@ -369,16 +400,17 @@ def plain_schedule(n, times, protocol, steps):
 
     Returns per step ``(computes, events, clock)``: the workers that compute, each
     processed arrival as ``(worker, time, tau or None, update_tau or None, started,
-    fetched)``, and the clock after the step.
+    fetched)``, and the clock after the step. SSP's cached reads as in ``simulate``.
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
+    cached = isinstance(protocol, SSP) and protocol.reads == "cached"
     n_fetch, n_push, _ = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
     d = functools.cache(
         lambda i, k: np.float32(duration(times, n, key, jnp.int32(i), jnp.int32(k)))
     )
-    version, fetched_version, tasks = 0, [0] * n, [0] * n
+    version, fetched_version, tasks, read_clock = 0, [0] * n, [0] * n, [0] * n
     arrival, ready, waiting, group, now = [d(i, 0) for i in range(n)], [False] * n, set(), [], 0
     log = []
     for _ in range(steps):
@@ -403,9 +435,11 @@ def plain_schedule(n, times, protocol, steps):
                     continue
                 waiting.discard(i)
                 started.append(i)
-                if tasks[i] % n_fetch == 0:
+                if read_clock[i] < tasks[i] - bound if cached else tasks[i] % n_fetch == 0:
                     fetched.append(i)
-                    fetched_version[i] = version
+                    fetched_version[i], read_clock[i] = version, min(tasks)
+                elif cached:  # its own update is in its copy
+                    fetched_version[i] += 1
                 arrival[i] = np.float32(now + d(i, tasks[i]))
             events.append((w, now, tau, update, started, fetched))
         clock = {
@@ -417,6 +451,7 @@ def plain_schedule(n, times, protocol, steps):
             "version": version,
             "group_count": len(group),
             "group_staleness": sum(group),
+            "read_clock": list(read_clock),
         }
         log.append((computes, events, clock))
     return log
@@ -431,6 +466,7 @@ SCHEDULES = {
     "ssp_0_of_3": (3, compute_times([1.0, 2.0, 0.5]), ssp(0)),
     "ssp_1_straggler": (4, compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1)),
     "ssp_2_random_8": (8, compute_times([1.0] * 6 + [2.0, 5.0], spread=0.8, seed=1), ssp(2)),
+    "ssp_1_fresh": (4, compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1, reads="fresh")),
     "downpour_3_2": (
         4,
         compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
@@ -506,6 +542,7 @@ IN_ORDER = {  # protocols without the SSP bound or churn: (n, times, protocol, d
         0.3,
     ),
     "ssp_3_of_16": (16, compute_times(1.0, spread=1.0, seed=7), ssp(3), 0.1),
+    "ssp_2_fresh_drop": (8, compute_times(1.0, spread=0.8, seed=1), ssp(2, reads="fresh"), 0.3),
     # churn: workers leave after a task and return ``away`` later, within a step or after
     "churn": (8, compute_times(1.0, spread=0.5, seed=2), "async", 0.0, churn(0.3, 2.5)),
     "churn_short_away": (6, compute_times(1.0, spread=0.5), "async", 0.2, churn(0.4, 0.3)),
@@ -601,13 +638,25 @@ def regression_batches(count, size, seed=0):
     return [{"x": x[i], "y": y[i]} for i in range(count)]
 
 
-def test_model_state_and_dropout_on_one_worker_equal_a_hand_written_loop():
+@pytest.mark.parametrize("case", ["async", "ssp_cached", "ssp_cached_sharded"])
+def test_model_state_and_dropout_on_one_worker_equal_a_hand_written_loop(case):
     """One async worker: fetch (params, state), gradient and new state with the key of
-    task k, push both; the server takes the state with the update."""
+    task k, push both; the server takes the state with the update. Under SSP's cached
+    reads with a bound it never reaches, the worker never fetches: its copy takes its own
+    update and keeps the state it pushed, which is the same run."""
     loss, variables = counting_loss()
     batches = regression_batches(4, 8)
-    strategy = async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=1))
+    protocol, server = {
+        "async": ("async", None),
+        "ssp_cached": (ssp(8), None),
+        "ssp_cached_sharded": (ssp(8), "sharded"),
+    }[case]
+    strategy = async_sgd(loss, optax.sgd(0.1), ddl.make_mesh(data=1), protocol=protocol,
+                         server=server)  # fmt: skip
     state, history = run(strategy, variables, batches)
+    if case != "async":  # fetched at the start only, version 0 at clock 0
+        assert state.clock.read_clock.tolist() == [0] and state.clock.tasks.tolist() == [4]
+        assert state.clock.fetched_version.tolist() == [4]  # its own 4 updates
     base = jax.random.key(7, impl="threefry2x32")
     grad_fn = jax.jit(jax.value_and_grad(loss.fn, has_aux=True))
     params, model_state = variables["params"], {"stats": variables["stats"]}

@@ -38,6 +38,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
     """
     group_n = protocol.n if isinstance(protocol, SoftSync) else 1
     bound = protocol.bound if isinstance(protocol, SSP) else None
+    cached = isinstance(protocol, SSP) and protocol.reads == "cached"
     n_fetch, n_push, alpha = protocol if isinstance(protocol, Downpour) else (1, 1, 0.0)
     key = jax.random.key_data(jax.random.key(times.seed, impl="threefry2x32"))
     d = functools.cache(
@@ -48,6 +49,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
     grad_fn = jax.jit(jax.grad(loss_fn)) if loss_fn else None
     zero = jax.tree.map(jnp.zeros_like, theta)
     version, fetched_version, tasks, fetched = 0, [0] * n, [0] * n, [theta] * n
+    read_clock, own = [0] * n, [None] * n  # SSP's cached reads (Ho et al.)
     arrival, ready, waiting, gone, group = (
         [d(i, 0) for i in range(n)],
         [False] * n,
@@ -77,6 +79,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
             else:
                 k, ready[w], tasks[w] = tasks[w], False, tasks[w] + 1
                 accrued[w] = jax.tree.map(jnp.add, accrued[w], grad[w])
+                own[w] = None  # a lost push's update is nowhere
                 if k % n_push == 0:  # Dean et al.'s step mod n_push, k counting from 0
                     lost = flip(ev.DROP, w, k, drop)
                     if not lost:
@@ -85,7 +88,9 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
                     accrued[w] = zero
                     if len(group) == group_n:
                         g = jax.tree.map(lambda *gs: sum(gs) / group_n, *[e[1] for e in group])
+                        before = theta
                         theta = jax.tree.map(lambda p, g: p - lr * g, theta, g)
+                        own[w] = jax.tree.map(jnp.subtract, theta, before)
                         update, version, group = sum(e[2] for e in group) / group_n, version + 1, []
                 leaves = flip(ev.LEAVE, w, tasks[w], leave)
             if leaves:
@@ -100,9 +105,13 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
                     continue
                 waiting.discard(i)
                 started.append(i)
-                if tasks[i] % n_fetch == 0 or (i == w and rejoin):
+                due = read_clock[i] < tasks[i] - bound if cached else tasks[i] % n_fetch == 0
+                if due or (i == w and rejoin):
                     fetched_now.append(i)
-                    fetched[i], fetched_version[i] = theta, version
+                    fetched[i], fetched_version[i], read_clock[i] = theta, version, min(tasks)
+                elif cached and own[i] is not None:  # read-my-writes: its own update
+                    fetched[i] = jax.tree.map(jnp.add, fetched[i], own[i])
+                    fetched_version[i] += 1
                 arrival[i] = np.float32(now + d(i, tasks[i]))
             events.append((w, now, tau, update, started, fetched_now, lost, rejoin, leaves))
         log.append((computes, events))
@@ -113,6 +122,7 @@ def plain(n, times, protocol, steps, drop=0.0, leave=0.0, away=0.0, model=None):
         "away": [i in gone for i in range(n)],
         "version": version,
         "group_count": len(group),
+        "read_clock": read_clock,
     }
     return log, clock, theta
 
@@ -124,6 +134,14 @@ SCHEDULES = {
     "softsync_4_drop": (4, compute_times(1.0), softsync(4), 0.25, 0.0, 0.0),
     "softsync_3_all_leave": (3, compute_times(1.0, spread=0.3, seed=5), softsync(3), 0.0, 1.0, 0.5),
     "ssp_1_drop_churn": (4, compute_times([1.0, 1.0, 1.0, 3.0]), ssp(1), 0.2, 0.3, 4.0),
+    "ssp_2_fresh_drop_churn": (
+        5,
+        compute_times(1.0, spread=0.6, seed=4),
+        ssp(2, reads="fresh"),
+        0.3,
+        0.2,
+        1.5,
+    ),
     "downpour_drop_churn": (
         4,
         compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
@@ -241,11 +259,12 @@ def test_softsync_n_with_lost_pushes_is_synchronous_sgd_redoing_the_lost_gradien
     chex.assert_trees_all_close(strategy.params(state), theta, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["async", "downpour"])
+@pytest.mark.parametrize("case", ["async", "downpour", "ssp"])
 def test_trajectory_with_faults_equals_the_plain_simulation(mlp, case):
     loss_fn, params = mlp
     times, protocol = {
         "async": (compute_times(1.0, spread=0.6, seed=4), "async"),
+        "ssp": (compute_times([1.0, 1.0, 1.0, 3.0], spread=0.4, seed=2), ssp(1)),
         "downpour": (
             compute_times([1.0, 1.0, 2.0, 1.0], spread=0.3, seed=1),
             downpour(2, 2, local_lr=0.1),

@@ -126,7 +126,8 @@ def test_bad_compute_times_raise(args, kwargs, match):
 
 def test_protocol_values():
     assert as_protocol("async", 8) == Async()
-    assert softsync(8) == SoftSync(8) and ssp(0) == SSP(0)
+    assert softsync(8) == SoftSync(8) and ssp(0) == SSP(0) == SSP(0, "cached")
+    assert ssp(2, reads="fresh") == SSP(2, "fresh")
     assert downpour(3, 2, local_lr=0.1) == Downpour(3, 2, 0.1) and downpour(1, 2) == Downpour(1, 2)
 
 
@@ -138,6 +139,8 @@ def test_protocol_values():
         (lambda: softsync(2, scale="linear"), "softsync scale rule='linear' is not known"),
         (lambda: softsync(2, scale=lambda tau: -tau), "softsync scale rule must map a staleness"),
         (lambda: ssp(-1), "ssp bound must be an int >= 0, got -1"),
+        (lambda: ssp(1, reads="stale"), 'ssp reads must be "cached" or "fresh", got \'stale\''),
+        (lambda: as_protocol(SSP(1, "newest"), 4), 'ssp reads must be "cached" or "fresh"'),
         (lambda: downpour(0, 1), "downpour n_fetch must be an int >= 1, got 0"),
         (lambda: downpour(1, -2), "downpour n_push must be an int >= 1, got -2"),
         (lambda: downpour(2, 1), "downpour: n_fetch=2 needs local_lr, the step a worker takes"),

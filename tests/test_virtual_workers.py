@@ -20,6 +20,9 @@ CASES = {
         compute_time=compute_times(1.0, spread=0.5, seed=1), protocol=ddl.softsync(2)
     ),
     "ssp_1": dict(compute_time=compute_times([1.0] * 7 + [3.0]), protocol=ddl.ssp(1)),
+    "ssp_2_drop": dict(
+        compute_time=compute_times(1.0, spread=0.8, seed=3), protocol=ddl.ssp(2), drop=0.3
+    ),
     "drop_churn": dict(
         compute_time=compute_times(1.0, spread=0.5, seed=2),
         drop=0.3,

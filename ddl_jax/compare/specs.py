@@ -529,7 +529,8 @@ FAMILIES: dict[str, Family] = {
         _int(0),
         "2",
         "the staleness bound, an integer >= 0 (e.g. ssp:2)",
-        "stale-synchronous parallel: at most s clocks ahead",
+        "stale-synchronous parallel: at most s clocks ahead, each worker reading its cached "
+        "copy while it is within the bound (Ho et al.)",
         asynchronous=True,
         unreliable=True,
     ),

@@ -38,6 +38,13 @@ scheduler draw the same:
   server's state and starts task k as a worker that just completed one would: the SSP
   bound, or its push still in the open softsync group, may hold it (it fetches when
   it starts).
+
+SSP's cached reads (``Rules.cached``, Ho et al.'s SSPTable): a worker that starts task c
+fetches only where its copy's clock (``Clock.read_clock``, the least task count when it
+last fetched) is below c - bound; a worker held by the bound always fetches (its copy's
+clock is at most the least, which is below c - bound), so one that keeps its copy does
+so at its own arrival (``Event.keep``), and its push's update, in its copy, is not
+counted in its next push's staleness.
 """
 
 from __future__ import annotations
@@ -58,7 +65,9 @@ class Clock(NamedTuple):
       now: the simulated time of the last event, float32 scalar.
       arrival: ``[N]`` float32, when each worker's task in flight completes (ignored
         where ``waiting``).
-      fetched_version: ``[N]`` int32, the server version each worker last fetched.
+      fetched_version: ``[N]`` int32, the server version each worker last fetched, plus
+        the updates of its own pushes its copy took since (SSP's cached reads): a push's
+        staleness is the server's version minus this.
       tasks: ``[N]`` int32, gradients each worker has completed (its SSP clock); the task
         in flight of worker i is its ``tasks[i]``-th (from 0).
       ready: ``[N]`` bool, whether the gradient of a worker's task in flight is computed.
@@ -71,6 +80,9 @@ class Clock(NamedTuple):
         churn.
       away: ``[N]`` bool, workers that left; their ``arrival`` is their rejoin time.
       grouped: ``[N]`` bool, workers whose push is in the server's open softsync group.
+      read_clock: ``[N]`` int32, the server's clock (the least of ``tasks``) when each
+        worker last fetched: under SSP's cached reads its copy serves a task while this
+        is at least the task's number minus the bound.
     """
 
     now: jax.Array
@@ -85,6 +97,7 @@ class Clock(NamedTuple):
     key: jax.Array
     away: jax.Array
     grouped: jax.Array
+    read_clock: jax.Array
 
 
 class Event(NamedTuple):
@@ -98,7 +111,8 @@ class Event(NamedTuple):
       push: bool, the server receives a push (every arrival, or under Downpour the
         worker's 1st, (``n_push`` + 1)-th, ... gradient's, unless it is ``lost``).
       apply: bool, the server then applies an update (the push completes a group).
-      staleness: float32, the push's tau: server updates since the worker's fetch.
+      staleness: float32, the push's tau: server updates since the worker's fetch, less
+        its own that its copy holds.
       update_staleness: float32, the mean tau of the pushes the update applies.
       start: ``[N]`` bool, workers that start a new task after the event.
       fetch: ``[N]`` bool, those of them that first fetch the server's (updated) state.
@@ -106,6 +120,9 @@ class Event(NamedTuple):
       lost: bool, the worker sent a push that is lost in transit.
       rejoin: bool, the event is the worker's return (no task completes).
       leave: bool, the worker leaves after this event's task.
+      keep: bool, the worker starts its next task at this event on its own copy, without
+        fetching (Downpour between fetches; SSP's cached read, the copy then holding the
+        push's update).
     """
 
     happens: jax.Array
@@ -120,6 +137,7 @@ class Event(NamedTuple):
     lost: jax.Array
     rejoin: jax.Array
     leave: jax.Array
+    keep: jax.Array
 
 
 class Rules(NamedTuple):
@@ -128,6 +146,8 @@ class Rules(NamedTuple):
     Attributes:
       group_size: pushes per server update (softsync n; 1 otherwise).
       bound: the SSP bound, or ``None``.
+      cached: SSP's cached reads: a starting worker fetches only where its copy's
+        ``read_clock`` is below its task count minus the bound (or it rejoins).
       n_fetch: a worker fetches every ``n_fetch`` gradients (Downpour; 1 otherwise).
       n_push: a worker pushes after its 1st, (``n_push`` + 1)-th, ... gradient (Downpour,
         Dean et al.'s ``step mod n_push == 0`` counting from 0; 1 otherwise).
@@ -138,6 +158,7 @@ class Rules(NamedTuple):
 
     group_size: int = 1
     bound: int | None = None
+    cached: bool = False
     n_fetch: int = 1
     n_push: int = 1
     drop: float = 0.0
@@ -154,7 +175,7 @@ class Rules(NamedTuple):
         if isinstance(protocol, sl.SoftSync):
             return cls(group_size=protocol.n, **faults)
         if isinstance(protocol, sl.SSP):
-            return cls(bound=protocol.bound, **faults)
+            return cls(bound=protocol.bound, cached=protocol.reads == "cached", **faults)
         if isinstance(protocol, sl.Downpour):
             return cls(n_fetch=protocol.n_fetch, n_push=protocol.n_push, **faults)
         return cls(**faults)
@@ -240,6 +261,7 @@ def initial_clock(times: sl.ComputeTime, n: int) -> Clock:
         key=key,
         away=jnp.zeros(n, bool),
         grouped=jnp.zeros(n, bool),
+        read_clock=zeros,
     )
 
 
@@ -257,8 +279,10 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     the push is not lost, the server counts it into its group and applies an update when
     the group is full. Then w (unless it leaves) and every waiting worker start a new task
     unless their push is in a softsync group still open or the SSP bound holds them back;
-    a starting worker fetches first if its task count is a multiple of ``n_fetch`` (or it
-    rejoins), and its next arrival is ``now + d(i, tasks[i])``; a leaving one returns at
+    a starting worker fetches first if its task count is a multiple of ``n_fetch`` (under
+    SSP's cached reads: if its copy's clock is behind its task count minus the bound), or
+    if it rejoins; one that does not keeps its copy (with its own update, under SSP), and
+    its next arrival is ``now + d(i, tasks[i])``; a leaving one returns at
     ``now + away``. Where the arrival's gradient is not ready (and it is no rejoin), the
     clock is returned unchanged and the event is empty.
     """
@@ -288,13 +312,17 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
     if rules.bound is not None:
         allowed &= lead <= rules.bound
     start = waiting & allowed
-    fetch = start & ((tasks % rules.n_fetch == 0) | (me & rejoin))
+    due = clock.read_clock < tasks - rules.bound if rules.cached else tasks % rules.n_fetch == 0
+    fetch = start & (due | (me & rejoin))
+    keep = start[w] & ~fetch[w]
+    # SSP's cached read holds the worker's own update: not one it missed
+    own = me & keep & apply if rules.cached else jnp.zeros(n, bool)
     took = jnp.where(tasks == drawn.tasks, drawn.now, drawn.next)
     arrival = jnp.where(start, t + took, clock.arrival)
     after = Clock(
         now=t,
         arrival=jnp.where(me & leave, t + rules.away, arrival),
-        fetched_version=jnp.where(fetch, version, clock.fetched_version),
+        fetched_version=jnp.where(fetch, version, clock.fetched_version + own),
         tasks=tasks,
         ready=clock.ready.at[w].set(False),
         waiting=waiting & ~start,
@@ -304,6 +332,7 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
         key=clock.key,
         away=(clock.away & ~me) | (me & leave),
         grouped=grouped,
+        read_clock=jnp.where(fetch, tasks.min(), clock.read_clock),
     )
     clock = jax.tree.map(lambda new, old: jnp.where(happens, new, old), after, clock)
     event = Event(
@@ -319,6 +348,7 @@ def next_event(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Event]:
         lost=happens & lost,
         rejoin=happens & rejoin,
         leave=happens & leave,
+        keep=happens & keep,
     )
     return clock, event
 
@@ -435,7 +465,14 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     arrived = of_workers(w, arrives & happens, n)
     now_tasks = drawn.tasks + arrived
     own_return = of_workers(w, started & is_return & (release == index), n)
-    fetches = (start_of < big) & ((now_tasks % rules.n_fetch == 0) | own_return)
+    if rules.cached:
+        due = clock.read_clock < now_tasks - rules.bound
+    else:
+        due = now_tasks % rules.n_fetch == 0
+    fetches = (start_of < big) & (due | own_return)
+    keeps = (start_of < big) & ~fetches
+    keep = started & (release == index) & ~fetches[w]
+    own = keeps & of_workers(w, apply, n) if rules.cached else jnp.zeros(n, bool)
     after_start = clock.version + jnp.cumsum(apply.astype(jnp.int32))  # after each event
     # the open group's staleness: integers, whose float32 sums (the scan's) are exact
     taus = jnp.cumsum(jnp.where(push, tau, 0))
@@ -468,7 +505,7 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
     clock = clock._replace(
         now=jnp.where(count > 0, t[last], clock.now),
         arrival=jnp.where(starts, new_arrival, pending),
-        fetched_version=jnp.where(fetches, fetched_at, clock.fetched_version),
+        fetched_version=jnp.where(fetches, fetched_at, clock.fetched_version + own),
         tasks=clock.tasks + arrived,
         ready=clock.ready & ~arrived & ~returned,
         waiting=waiting,
@@ -479,6 +516,7 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
         ),
         away=now_away,
         grouped=grouped,
+        read_clock=jnp.where(fetches, least[jnp.minimum(start_of, size - 1)], clock.read_clock),
     )
     stop = jnp.argmin(jnp.where(clock.waiting, jnp.inf, clock.arrival)).astype(jnp.int32)
     starting = (index[:, None] == start_of[None, :]) & happens[:, None]
@@ -495,6 +533,7 @@ def events_in_order(clock: Clock, rules: Rules, drawn: Draws) -> tuple[Clock, Ev
         lost=lost,
         rejoin=happens & is_return,
         leave=leave,
+        keep=keep,
     )
     return clock, events, jnp.where(fetches, start_of, -1)  # a worker starts once a step
 
@@ -539,6 +578,7 @@ def summarize(events: Event) -> Summary:
 
 
 def replica_lag(clock: Clock) -> jax.Array:
-    """The mean over workers of the server updates since each one's last fetch (float32):
-    how far behind the server, in versions, the parameters the workers hold are."""
+    """The mean over workers of the server updates since each one's last fetch that its
+    copy lacks (float32): how far behind the server, in versions, the parameters the
+    workers hold are."""
     return jnp.mean((clock.version - clock.fetched_version).astype(jnp.float32))

@@ -495,12 +495,24 @@ class _Program(NamedTuple):
         arrival, which comes before its last fetch or is that event (the push is read
         first), so its row is free when its slot is written. Each event then has at most
         one fetching worker, its own, unless softsync groups or the SSP bound release
-        several at once; an all-to-all sends each worker its shards."""
+        several at once; an all-to-all sends each worker its shards.
+
+        Under SSP's cached reads a worker that keeps its copy (``events.keep``) adds the
+        server's update for its push: the update is written to the worker's own row at
+        its arrival (a row no fetch reads: it is not fetching), and added to its copy
+        after the events."""
         owners = last if self.sharded else last[me]  # the workers whose slots are here
         m, count = owners.shape[0], events.worker.shape[0]
         at = jnp.where(owners >= 0, owners, count)  # a worker that did not fetch: the end
         first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
         writer, slot = first[:count], first[at]  # slot m: none (a scratch row, or clamped)
+        kept = None  # SSP's cached reads: the workers here that keep their copy
+        if self.rules.cached:
+            here = events.worker - (0 if self.sharded else me[0])  # the row of its worker
+            keeper = jnp.where(events.keep & (here >= 0) & (here < m), here, m)
+            kept = jnp.zeros(m + 1, bool).at[keeper].set(True)[:m]
+        else:
+            keeper = jnp.full(count, m, jnp.int32)
         rows = (pushed, local.workers.new_model_state)
         gradients, model_states = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
         server = local._replace(workers=None)  # the events leave the workers' rows alone
@@ -511,31 +523,44 @@ class _Program(NamedTuple):
         params = gradients if self.sharded else jax.tree.map(empty, server.params)
         slots = (params, jax.tree.map(empty, server.model_state))
 
+        write = _write_over if self.sharded else _write
+
         def one(carry: tuple[_Local, Any], xs: Any) -> tuple[tuple[_Local, Any], None]:
             local, (params, model_state) = carry
-            event, at = xs
+            event, at, keeps = xs
             pushes = (params if self.sharded else gradients, model_states)
+            before = local.params
             local = lax.cond(event.push, functools.partial(self.push, pushes), _keep, local, event)
-            params = (_write_over if self.sharded else _write)(params, local.params, at)
+            if kept is not None:  # the push's update, for its worker's cached copy
+                params = write(params, jax.tree.map(jnp.subtract, local.params, before), keeps)
+            params = write(params, local.params, at)
             return (local, (params, _write(model_state, local.model_state, at))), None
 
         carry = (server, vary(slots, (self.kit.axis,)))
         # not the events' [events, N] start and fetch flags: O(N^2), read through ``last``
         events = events._replace(start=None, fetch=None)
-        (server, (params, model_state)), _ = lax.scan(one, carry, (events, writer))
+        (server, (params, model_state)), _ = lax.scan(one, carry, (events, writer, keeper))
         model_state = jax.tree.map(lambda s: s[slot], model_state)
-        if not (self.sharded and self.rules.group_size == 1 and self.rules.bound is None):
+        if kept is not None:  # a keeper's own row holds its update
+            params = jax.tree.map(lambda s: jnp.where(_rows(kept, s[:m]), s[:m], s[slot]), params)
+        elif not (self.sharded and self.rules.group_size == 1 and self.rules.bound is None):
             params = jax.tree.map(lambda s: s[slot], params)  # else each row is its worker's
         workers = local.workers
         if self.sharded:
             server = _shard(server, restack)
             params = self.fetch_shards(params, workers.params)
             model_state = jax.tree.map(lambda x: x[me], model_state)
+            kept = None if kept is None else kept[me]
         fetched = last[me] >= 0
+        own_params, own_state = workers.params, workers.model_state
+        if kept is not None:  # the copy with its own update, and the state it pushed
+            updated = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), own_params, params)
+            own_params = _select_rows(kept, updated, own_params)
+            own_state = _select_rows(kept, workers.new_model_state, own_state)
         return server._replace(
             workers=workers._replace(
-                params=_select_rows(fetched, params, workers.params),
-                model_state=_select_rows(fetched, model_state, workers.model_state),
+                params=_select_rows(fetched, params, own_params),
+                model_state=_select_rows(fetched, model_state, own_state),
             )
         )
 
@@ -692,7 +717,9 @@ def async_sgd(
       applied, then fetches. n = N with equal compute times is synchronous SGD (Gupta et
       al.'s n-softsync, which waits for floor(N / n), is ``softsync(N // n)`` here).
     * ``ddl.ssp(s)`` (Ho et al.): as async, but a worker whose clock (gradients completed)
-      is more than s ahead of the slowest worker's waits until it is not.
+      is more than s ahead of the slowest worker's waits until it is not; it computes on
+      its cached copy (with its own updates) while the copy is fresh enough for the bound,
+      fetching only then (``ddl.ssp(s, reads="fresh")``: before every gradient).
     * ``ddl.downpour(n_fetch, n_push, local_lr=alpha)`` (Dean et al.'s Algorithm 7.1): a
       worker fetches before its 1st, (n_fetch + 1)-th, ... gradient, steps its own copy
       by ``-alpha g`` after each, and pushes the sum since its last push (their Delta w)
@@ -794,8 +821,8 @@ def async_sgd(
       over its pushes (0 if none); ``pushes`` (received); ``updates_applied`` (server
       version); ``wall_clock`` (simulated time); ``clock_gap_max`` (the largest lead, in
       clocks, of a worker starting a task over the slowest); ``replica_lag`` (the mean
-      over workers of the server updates since their fetch); ``pushes_lost`` (``drop``),
-      ``workers_away`` (``churn``).
+      over workers of the server updates since their fetch that their copy lacks);
+      ``pushes_lost`` (``drop``), ``workers_away`` (``churn``).
 
     Example (four equal workers averaging their four gradients: synchronous SGD):
 

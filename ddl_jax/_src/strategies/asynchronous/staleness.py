@@ -138,9 +138,14 @@ class SSP(NamedTuple):
     Attributes:
       bound: s, a worker that has pushed more than ``s`` gradients beyond the slowest
         worker waits before starting its next one; s = 0 keeps all workers on one clock.
+      reads: ``"cached"`` (Ho et al.'s SSPTable): a worker computes on its cached copy,
+        with its own updates, while the copy is fresh enough for the bound, and fetches
+        only when it is not; ``"fresh"``: it fetches the server's state before every
+        gradient.
     """
 
     bound: int
+    reads: str = "cached"
 
 
 class Downpour(NamedTuple):
@@ -247,18 +252,36 @@ def softsync(
     return SoftSync(n, scale, float(decay))
 
 
-def ssp(bound: int) -> SSP:
+def ssp(bound: int, *, reads: str = "cached") -> SSP:
     """Stale-synchronous parallel: no worker runs more than ``bound`` clocks ahead.
+
+    A worker's clock counts the gradients it has pushed; the server's clock is the least
+    of them. A worker at clock c computes its next gradient on parameters that hold every
+    worker's updates from clocks before ``c - bound``, and waits until the server's clock
+    reaches ``c - bound`` if it must. With ``reads="cached"`` (the default) it reads as
+    Ho et al.'s SSPTable does (Petuum Bosen, ``SSPConsistencyController::Get`` in
+    ``src/petuum_ps/consistency/ssp_consistency_controller.cpp``): from its cached copy,
+    which holds the server's state at its last fetch and its own updates since
+    (read-my-writes), while the copy's clock (the server's when it was fetched) is at
+    least ``c - bound``; only then does it fetch the server's current state (its clock
+    becoming the copy's). A push's own update is the server's update for it (the
+    gradient's ``-lr g`` under SGD), none where the push is lost (``drop``). With
+    ``reads="fresh"`` a worker fetches before every gradient, reading the newest state
+    the server holds: at the same bound its gradients are less stale than Ho et al.'s.
 
     References:
       Ho et al., "More effective distributed ML via a stale synchronous parallel parameter
-      server", NeurIPS 2013.
+      server", NeurIPS 2013; their code: sailing-pmls/bosen.
 
     Args:
       bound: s >= 0, the largest allowed gap between a worker's clock (gradients pushed)
         and the slowest worker's clock when it starts a gradient.
+      reads: ``"cached"`` (Ho et al.'s) or ``"fresh"``.
     """
-    return SSP(check_int("ssp bound", bound, minimum=0))
+    bound = check_int("ssp bound", bound, minimum=0)
+    if reads not in ("cached", "fresh"):
+        raise ValueError(f'ssp reads must be "cached" or "fresh", got {reads!r}.')
+    return SSP(bound, reads)
 
 
 def downpour(n_fetch: int = 1, n_push: int = 1, *, local_lr: float | None = None) -> Downpour:
@@ -410,7 +433,7 @@ def as_protocol(protocol: str | Protocol, n: int) -> Protocol:
                 "synchronous SGD, n=1 is plain async."
             )
     if isinstance(protocol, SSP):
-        protocol = ssp(protocol.bound)
+        protocol = ssp(protocol.bound, reads=protocol.reads)
     if isinstance(protocol, Downpour):
         protocol = downpour(protocol.n_fetch, protocol.n_push, local_lr=protocol.local_lr)
     if isinstance(protocol, AsyncLocal):
