@@ -4,7 +4,8 @@ distance against N, 8 to 1,024 workers simulated on 8 devices.
 The digits MLP workload of ``ddl-jax compare`` (its model, test set and Adam learning
 rate; 16 examples per worker each step, drawn with replacement from the 1,437 training
 images, as 1,024 workers' batches outnumber them), every strategy with ``workers=N``
-(N / 8 workers a device): naive ``async`` SGD, ``softsync(8)``, ``ssp(4)`` (random
+(N / 8 workers a device): naive ``async`` SGD, ``softsync(8)``, ``ssp(4)`` (reading
+its cached copy, Ho et al.'s SSPTable, and fetching before every gradient; random
 compute times, spread 0.2), async and softsync(8) with Zhang et al.'s staleness-aware
 learning rate (``ddl.scale_by_staleness()`` after Adam: lr / tau), ``gossip`` on a ring,
 and local SGD (period 16) whose
@@ -15,6 +16,7 @@ consensus distance at the end (gossip's as it measures it). Writes
 benchmarks/results/many_workers.md.
 
     python -P benchmarks/many_workers.py [--workers 8,64,256,1024] [--steps 150]
+        [--strategies NAME,...]
 """
 
 import os
@@ -48,6 +50,9 @@ def strategies(loss_fn, mesh, n):
         "async": ddl.async_sgd(loss_fn, adam, mesh, **server),
         "softsync:8": ddl.async_sgd(loss_fn, adam, mesh, **softsync),
         "ssp:4": ddl.async_sgd(loss_fn, adam, mesh, protocol=ddl.ssp(4), **server),
+        "ssp:4 (fresh reads)": ddl.async_sgd(
+            loss_fn, adam, mesh, protocol=ddl.ssp(4, reads="fresh"), **server
+        ),
         "async, lr / tau": ddl.async_sgd(loss_fn, aware, mesh, **server),
         "softsync:8, lr / tau": ddl.async_sgd(loss_fn, aware, mesh, **softsync),
         "gossip:ring": ddl.gossip(loss_fn, adam, mesh, workers=n, consensus_every=1),
@@ -57,11 +62,15 @@ def strategies(loss_fn, mesh, n):
     }
 
 
-def run(n: int, steps: int) -> dict[str, dict[str, float]]:
+def run(n: int, steps: int, only: list[str] | None) -> dict[str, dict[str, float]]:
     workload = make_workload("digits-mlp", seed=0, devices=8)
     mesh = ddl.make_mesh(data=8)
-    out = {}
-    for name, strategy in strategies(workload.loss_fn, mesh, n).items():
+    out, study = {}, strategies(workload.loss_fn, mesh, n)
+    if only is not None and not set(only) <= set(study):
+        raise SystemExit(f"--strategies: {sorted(set(only) - set(study))} not in {list(study)}")
+    for name, strategy in study.items():
+        if only is not None and name not in only:
+            continue
         state, step = strategy.init(workload.params), jax.jit(strategy.step, donate_argnums=0)
         train, _ = ddl.data.digits(flatten=True)  # 16 examples a worker, with replacement
         stream, history = ddl.data.batches(train, 16 * n, replace=True), []
@@ -89,9 +98,11 @@ def main() -> None:
     parser.add_argument("--workers", default="8,64,256,1024")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--strategies", help="comma-separated names of the study (default: all)")
     args = parser.parse_args()
     ns = [int(w) for w in args.workers.split(",")]
-    results = {n: run(n, args.steps) for n in ns}
+    only = None if args.strategies is None else args.strategies.split(",")
+    results = {n: run(n, args.steps, only) for n in ns}
     names = list(results[ns[0]])
     lines = [
         f"digits MLP, {args.steps} steps, 16 examples per worker, 8 simulated CPU devices. "
