@@ -452,15 +452,21 @@ def test_a_flag_overrides_the_configs_strategies_or_preset(tmp_path, monkeypatch
 
 def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(tmp_path, capsys):
     tensorboard = tmp_path / "tb"
-    flags = ["--strategies", "sync,local:4,async", "--steps", "12", "--target", "0.3"]
+    flags = ["--strategies", "sync,local:4,async,ssp:2", "--steps", "12", "--target", "0.3"]
     runs = _run(tmp_path, *flags, "--tensorboard", str(tensorboard))
     sync, push = runs["sync"], runs["async"]
     params = sum(x.nbytes for x in jax.tree.leaves(_bundled_params()))
-    # A push sends the gradient (its share per device) and the server answers with the
-    # parameters; its compute is a data-parallel step's, not its SPMD simulation's.
+    # A push sends the gradient (its share per device), a fetch brings the parameters
+    # back; its compute is a data-parallel step's, not its SPMD simulation's.
     assert push["comm_bytes_per_event"] == pytest.approx(params / DEVICES)
-    assert push["comm_s_per_event"] == pytest.approx(2 * (50e-6 + params / (1e9 / 8)))
+    assert push["comm_s_per_event"] == pytest.approx(50e-6 + params / (1e9 / 8))
+    assert push["comm_s_per_fetch"] == push["comm_s_per_event"]
     assert push["compute_ms_per_step"] == pytest.approx(sync["compute_ms_per_step"])
+    # Plain async fetches after every push; SSP's workers read their cached copies while
+    # they are within the bound, and fetch about half as often here.
+    assert push["fetches"] == push["events"] > 0
+    assert 0.3 * runs["ssp:2"]["events"] < runs["ssp:2"]["fetches"] < 0.7 * runs["ssp:2"]["events"]
+    assert "fetches" not in sync and "fetches_to_target" not in runs["local:4"]
     # The crossover sweep re-prices each run from its alpha-beta terms: on the run's own
     # network it gives the table's time.
     for run in runs.values():
@@ -470,7 +476,7 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
     table = (tmp_path / "results.md").read_text()
     assert "| strategy | reaches the target sooner |" in table
     assert (tmp_path / "time_vs_bandwidth.png").read_bytes()[:4] == b"\x89PNG"
-    for name in ("sync", "local_4", "async"):
+    for name in ("sync", "local_4", "async", "ssp_2"):
         assert list((tensorboard / name).glob("events.out.tfevents.*")), name
 
 

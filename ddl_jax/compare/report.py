@@ -116,7 +116,8 @@ def markdown(results: dict[str, Any]) -> str:
         "alpha-beta cost of the step's collectives on the network; local SGD's "
         "synchronisations as they happen); async strategies run on their event clock in "
         "units of a data-parallel step's compute, each push sending the gradient to a "
-        "parameter server and fetching the parameters back. Diverged (unranked): the "
+        "parameter server and each fetch bringing the parameters back (under SSP, only "
+        "when a worker's cached copy falls out of the bound). Diverged (unranked): the "
         "loss grew 100x or went non-finite, or the metric did.",
     ]
     cross = crossovers(results)
@@ -202,11 +203,14 @@ def time_to_target(
         comm += run[f"comm_busy_bytes_per_{per}"] / bandwidth
         return comm + run[f"comm_{ops}_per_{per}"] * overhead
 
-    return (
+    total = (
         run["compute_seconds_to_target"]
         + run["steps_to_target"] * seconds("step")
         + run["events_to_target"] * seconds("event")
     )
+    if run.get("fetches_to_target") is not None:  # a parameter server's fetches
+        total += run["fetches_to_target"] * seconds("fetch")
+    return total
 
 
 def crossovers(results: dict[str, Any]) -> list[tuple[str, str]]:

@@ -25,8 +25,10 @@ The asynchronous family is priced as a parameter server would run it, not as its
 simulation: compute ``wall_clock(k) * g``, with ``wall_clock`` the event clock in units
 of one worker's gradient (its straggler, ``compute_time`` F, included) and ``g`` the
 modeled time of a synchronous data-parallel step of the same workload; each push sends
-the gradient to the server and fetches the parameters back over the server's link
-(``2 * (latency + P / bandwidth)`` for P parameter bytes; the worker sends P).
+the gradient to the server and each fetch brings the parameters back over the server's
+link (``latency + P / bandwidth`` each for P parameter bytes; the worker sends P). A
+worker fetches after each push but under SSP's cached reads, which fetch only when the
+copy falls out of the bound (metric ``fetches``).
 
 The time to target is resolved to the evaluations: the target was crossed after the last
 evaluation below it and by the first at it. Strategies whose such intervals overlap share
@@ -169,21 +171,25 @@ def _curves(
     compute_s: float,
     straggler: float,
 ) -> dict[str, list[float]]:
-    """Per step: cumulative bytes per device and simulated seconds."""
+    """Per step: cumulative bytes per device and simulated seconds (a parameter server's
+    fetches priced at ``comm["fetch_seconds"]`` each, their bytes the server's)."""
     steps = np.array([r["step"] for r in history], dtype=np.float64)
     events = np.cumsum([sum(r[m] for m in event.split("+")) if event else 0.0 for r in history])
+    fetches = np.cumsum([r.get("fetches", 0.0) for r in history])
     if "wall_clock" in history[0]:
         compute = np.array([r["wall_clock"] for r in history]) * compute_s
     else:
         compute = steps * straggler * compute_s
     sent = steps * comm["bytes"] + events * comm["event_bytes"]
     comm_s = steps * comm["seconds"] + events * comm["event_seconds"]
+    comm_s = comm_s + fetches * comm.get("fetch_seconds", 0.0)
     return {
         "bytes": sent.tolist(),
         "seconds": (compute + comm_s).tolist(),
         "compute": compute.tolist(),
         "events_by_step": events.tolist(),
         "events": float(events[-1]),
+        "fetches_by_step": fetches.tolist(),
     }
 
 
@@ -200,19 +206,21 @@ def _float_bytes(params: Any) -> int:
 
 
 def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[str, float]:
-    """A push to a parameter server and the fetch of the parameters it answers with: the
-    pushing worker sends ``param_bytes`` (per device, averaged over the ``workers``), and
-    the server's link carries both ways in turn, one push after another."""
-    seconds = 2 * (network.overhead + network.latency + param_bytes / network.bandwidth)
-    event = {"rounds": 2.0, "calls": 2.0, "ops": 2.0, "op_buffers": 2.0,
-             "busy_bytes": 2.0 * param_bytes}  # fmt: skip
+    """A push to a parameter server (the event) and a fetch of the parameters from it: the
+    pushing worker sends ``param_bytes`` (per device, averaged over the ``workers``), the
+    server sends them back at a fetch, and its link carries one message after another."""
+    seconds = network.overhead + network.latency + param_bytes / network.bandwidth
+    message = {"rounds": 1.0, "calls": 1.0, "ops": 1.0, "op_buffers": 1.0,
+               "busy_bytes": float(param_bytes)}  # fmt: skip
     return {
         "bytes": 0.0,
         "seconds": 0.0,
         **dict.fromkeys(TERMS, 0.0),
         "event_bytes": param_bytes / workers,
         "event_seconds": seconds,
-        **{f"event_{key}": value for key, value in event.items()},
+        **{f"event_{key}": value for key, value in message.items()},
+        "fetch_seconds": seconds,
+        **{f"fetch_{key}": value for key, value in message.items()},
     }
 
 
@@ -359,6 +367,7 @@ def run_one(
         "comm_s_per_event": comm["event_seconds"],
         **{f"comm_{key}_per_step": comm[key] for key in TERMS},
         **{f"comm_{key}_per_event": comm[f"event_{key}"] for key in TERMS},
+        **_fetch_record(comm, curves),
         "compute_flops_per_step": work.flops,
         "compute_bytes_per_step": work.bytes,
         "compute_ms_per_step": 1e3 * compute_s,
@@ -378,10 +387,26 @@ def run_one(
         record["simulated_seconds_to_target"] = curves["seconds"][at]
         record["compute_seconds_to_target"] = curves["compute"][at]
         record["events_to_target"] = curves["events_by_step"][at]
+        if "fetches" in record:
+            record["fetches_to_target"] = curves["fetches_by_step"][at]
         before = curves["seconds"][evals[reached - 1][0]] if reached else 0.0
         record["simulated_seconds_before_target"] = before
     print(f"{label} {spec.text}: {_summary(record, workload)}", flush=True)
     return record
+
+
+def _fetch_record(comm: dict[str, float], curves: dict[str, Any]) -> dict[str, Any]:
+    """A parameter server's fetches in a run's record (nothing for other families):
+    their count, the seconds and alpha-beta terms of one, and (set where the target is
+    reached) the fetches until then."""
+    if "fetch_seconds" not in comm:
+        return {}
+    return {
+        "fetches": curves["fetches_by_step"][-1],
+        "comm_s_per_fetch": comm["fetch_seconds"],
+        **{f"comm_{key}_per_fetch": comm[f"fetch_{key}"] for key in TERMS},
+        "fetches_to_target": None,
+    }
 
 
 def _summary(record: dict[str, Any], workload: Workload) -> str:

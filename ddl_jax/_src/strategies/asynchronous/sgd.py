@@ -668,6 +668,7 @@ class _Program(NamedTuple):
             "staleness_mean": summary.staleness_mean,
             "staleness_max": summary.staleness_max,
             "pushes": summary.pushes,
+            "fetches": (last >= 0).sum().astype(jnp.float32),  # a worker fetches once a step
             "updates_applied": clock.version.astype(jnp.float32),
             "wall_clock": clock.now,
             "clock_gap_max": summary.clock_gap_max,
@@ -818,9 +819,11 @@ def async_sgd(
       A ``Strategy`` with ``AsyncSGDState``; ``params(state)`` is the server's parameters
       (``{"params": ..., <model state>}`` for a ``ModelLoss``). Metrics: ``loss`` (and
       aux), the mean over this step's tasks (0 if none); ``staleness_mean`` / ``_max``
-      over its pushes (0 if none); ``pushes`` (received); ``updates_applied`` (server
-      version); ``wall_clock`` (simulated time); ``clock_gap_max`` (the largest lead, in
-      clocks, of a worker starting a task over the slowest); ``replica_lag`` (the mean
+      over its pushes (0 if none); ``pushes`` (received); ``fetches`` (the workers that
+      fetched the server's state: after a push, a rejoin, or under Downpour and SSP's
+      cached reads only when due); ``updates_applied`` (server version); ``wall_clock``
+      (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of a worker
+      starting a task over the slowest); ``replica_lag`` (the mean
       over workers of the server updates since their fetch that their copy lacks);
       ``pushes_lost`` (``drop``), ``workers_away`` (``churn``).
 
