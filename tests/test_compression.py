@@ -790,3 +790,32 @@ def test_power_sgd_refuses_a_state_of_other_parameters():
     )
     with pytest.raises(ValueError, match="power_sgd: the state holds 1 residual arrays, the "):
         program({"w": jnp.zeros((6, 20)), "v": jnp.zeros((6, 20))})
+
+
+WITH_AN_EMPTY_LEAF = {
+    "cast": lambda: cast(jnp.bfloat16),
+    "sign": sign,
+    "qsgd": lambda: qsgd(4),
+    "top_k": lambda: top_k(0.5),
+    "power_sgd": lambda: power_sgd(2),
+    "sparse_loco": lambda: ddl.compression.sparse_loco(0.25),
+    "demo": lambda: ddl.compression.demo(0.25),
+    "onebit_adam": lambda: ddl.compression.onebit_adam(2),
+    "adasum": ddl.adasum,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITH_AN_EMPTY_LEAF))
+def test_a_zero_size_leaf_is_carried_and_changes_nothing(name):
+    """A parameter with no entries (a layer of width 0) beside a matrix: the matrix trains
+    as it does alone."""
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + jnp.sum(p.get("z", 0.0)) - b["y"]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": np.ones((16, 4), np.float32)}
+    mesh, trained = ddl.make_mesh(data=4), []
+    for params in ({"w": jnp.full((16, 4), 0.1)}, {"w": jnp.full((16, 4), 0.1), "z": jnp.zeros(0)}):
+        strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh, reducer=WITH_AN_EMPTY_LEAF[name]())
+        state, _ = train(strategy, params, [batch] * 2)
+        trained.append(strategy.params(state))
+    assert trained[1]["z"].shape == (0,)
+    chex.assert_trees_all_close(trained[1]["w"], trained[0]["w"], atol=1e-6, rtol=0)

@@ -216,3 +216,33 @@ def test_bad_arguments_are_named(kwargs, error, match):
     args = {"loss_fn": lambda params, batch: 0.0, **kwargs}
     with pytest.raises(error, match=match):
         mixed_precision(**args)
+
+
+REDUCERS_IN_BFLOAT16 = {
+    "cast": lambda: ddl.compression.cast(jnp.bfloat16),
+    "qsgd": lambda: ddl.compression.qsgd(8),
+    "top_k": lambda: ddl.compression.top_k(0.5),
+    "threshold": lambda: ddl.compression.threshold(1e-3),
+    "sparse_loco": lambda: ddl.compression.sparse_loco(0.25),
+    "demo": lambda: ddl.compression.demo(0.25),
+    "cast_e3m0": lambda: ddl.compression.cast_e3m0(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCERS_IN_BFLOAT16))
+def test_a_compressing_reducer_keeps_bfloat16_parameters_in_bfloat16(name):
+    """Parameters held in bfloat16: every reducer returns updates in their dtype, as the
+    default all-reduce does, so local SGD's synchronisation and Adam's state keep it."""
+    loss_fn, params = mlp_pair()
+    params = bf16(params)
+    mesh = ddl.make_mesh(data=4)
+    batch = make_batches(1, 32)[0]
+    for build in (
+        lambda r: ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1, reducer=r),
+        lambda r: ddl.data_parallel(loss_fn, optax.adam(1e-2), mesh, reducer=r),
+    ):
+        strategy = build(REDUCERS_IN_BFLOAT16[name]())
+        state, _ = jax.jit(strategy.step)(strategy.init(params), batch)
+        assert floating_dtypes(strategy.params(state)) == {jnp.dtype(jnp.bfloat16)}
+        if hasattr(state, "opt_state"):
+            assert jnp.dtype(jnp.float32) not in floating_dtypes(state.opt_state)

@@ -299,3 +299,20 @@ def test_zero_one_adam_rejects_bad_arguments():
     strategy = ddl.zero_one_adam(loss_fn, 0.1, mesh, exp_avg_mask={"w": np.ones((8, 16))})
     with pytest.raises(ValueError, match="exp_avg_mask must be a pytree"):
         strategy.init(params)
+
+
+def test_zero_one_adam_carries_a_zero_size_leaf_and_trains_as_without_it():
+    """A parameter without entries beside a matrix, across the variance freeze and the
+    local phase's 1-bit synchronisations: the matrix trains as it does alone."""
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + jnp.sum(p.get("z", 0.0)) - b["y"]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": np.ones((16, 4), np.float32)}
+    trained = []
+    for params in ({"w": jnp.full((16, 4), 0.1)}, {"w": jnp.full((16, 4), 0.1), "z": jnp.zeros(0)}):
+        strategy = ddl.zero_one_adam(loss, 1e-2, ddl.make_mesh(data=4), var_freeze_step=2)
+        state, step = strategy.init(params), jax.jit(strategy.step)
+        for _ in range(5):
+            state, _ = step(state, batch)
+        trained.append(strategy.params(state))
+    assert trained[1]["z"].shape == (0,)
+    np.testing.assert_array_equal(trained[1]["w"], trained[0]["w"])

@@ -42,8 +42,8 @@ _AGGREGATES = ("senders", "workers")
 
 def _largest_divisor(n: int, target: int) -> int:
     """The largest divisor of ``n`` that is at most ``target`` (the references'
-    ``_get_smaller_split``)."""
-    return next(d for d in range(min(n, target), 0, -1) if n % d == 0)
+    ``_get_smaller_split``); 1 for ``n = 0`` (a tensor without entries: no tiles)."""
+    return next((d for d in range(min(n, target), 0, -1) if n % d == 0), 1)
 
 
 class _Tiling(NamedTuple):
@@ -463,7 +463,7 @@ def demo(
         outs = []
         for tiling, first in plans:
             index, values = gathered[first : first + 2]
-            mean = _combine(index, values, tiling, aggregate).reshape(tiling.count, -1)
+            mean = _combine(index, values, tiling, aggregate).reshape(tiling.count, tiling.width)
             outs.append(tiling.join(transform(mean, tiling, inverse=True)))
         out = jnp.concatenate(outs) if outs else jnp.zeros(0, jnp.float32)
         momentum = jnp.concatenate(momenta) if momenta else m

@@ -53,14 +53,9 @@ def ratio(dense_elements: int, wire_bytes: float, n: int) -> jax.Array:
 
 
 def unravel_updates(view: FlatView, vector: jax.Array) -> Any:
-    """The updates tree read from the flat ``vector`` (padding past ``view.size`` ignored).
-
-    Leaves come back as ``jax.flatten_util.ravel_pytree``'s unravel gives them, which these
-    reducers used: a tree of one dtype in ``vector``'s dtype (float32 updates for bfloat16
-    gradients), a tree of mixed dtypes cast back leaf by leaf.
-    """
-    if len(set(view.dtypes)) == 1:
-        view = view._replace(dtypes=(vector.dtype,) * len(view.dtypes))
+    """The updates tree read from the flat ``vector`` (padding past ``view.size`` ignored),
+    each leaf cast back to its gradient's dtype, as the plain all-reduce returns it (so
+    bfloat16 parameters get bfloat16 updates, and an optimizer's state keeps its dtype)."""
     return view.unravel(vector)
 
 

@@ -493,8 +493,9 @@ def _variance_phase(
     # DeepSpeed zeroes the residuals once, after the last step before the freeze: they
     # held the gradients' compression errors, and will hold the accumulated updates'.
     last = step == cfg.var_freeze_step - 1
-    e = [jnp.where(last, 0.0, x) for x in e]
-    e2 = [jnp.where(last, 0.0, x) for x in e2]
+    # (typed varying again: a residual without entries comes back from where unvarying)
+    e = vary([jnp.where(last, 0.0, x) for x in e], (axis,))
+    e2 = vary([jnp.where(last, 0.0, x) for x in e2], (axis,))
     w = w._replace(mu=mu, nu=nu, residual=e, owner_residual=e2)
     params = [p + -lr * u for p, u in zip(w.params, _direction(cfg, w), strict=True)]
     counter = jnp.where(update_variance, w.var_counter + 1, w.var_counter)
