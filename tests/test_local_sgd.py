@@ -664,3 +664,29 @@ def test_absent_workers_take_no_step_and_miss_the_synchronisation(mlp):
     for i in range(n):
         replica = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.params)
         chex.assert_trees_all_close(replica, expected[i], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "reducer",
+    [
+        lambda: ddl.compression.sparse_loco(0.25),
+        lambda: ddl.compression.top_k(0.5),
+        lambda: ddl.adasum(),
+        lambda: ddl.chain(optax.clip_by_global_norm(1.0), ddl.allreduce_mean()),
+    ],
+    ids=["sparse_loco", "top_k", "adasum", "chained_mean"],
+)
+@pytest.mark.parametrize("faults", [{"drop": 0.4}, {"churn": 0.2}], ids=["drop", "churn"])
+def test_workers_left_out_need_the_plain_mean(mlp, reducer, faults):
+    """A worker left out of a synchronisation enters the reducer as zeros, which only the
+    plain mean leaves out exactly (SparseLoCo's median clip fell to 0 once half dropped):
+    any other reducer is refused with drop or churn, and every all-reduce algorithm of the
+    mean is taken."""
+    loss_fn, _ = mlp
+    mesh = ddl.make_mesh(data=8)
+    with pytest.raises(ValueError, match="only the plain mean .ddl.allreduce_mean"):
+        ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=reducer(), **faults)
+    for algorithm in ("psum", "ring", "tree", "ps"):
+        mean = ddl.allreduce_mean(algorithm=algorithm)
+        ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=mean, **faults)
+    ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=reducer())  # reliable

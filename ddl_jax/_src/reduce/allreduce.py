@@ -15,6 +15,7 @@ values typed as varying; they carry the ``PermuteReducer`` mark, which ``ddl.cha
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any
 
@@ -204,4 +205,16 @@ def allreduce_mean(
         return jax.tree.map(lambda s: s / n, total(updates, axis)), state
 
     kind = optax.GradientTransformation if algorithm == "psum" else PermuteReducer
+    _PLAIN_MEANS.add(update)
     return kind(lambda params: optax.EmptyState(), update)
+
+
+# The update functions of ``allreduce_mean``'s reducers (see ``is_plain_mean``).
+_PLAIN_MEANS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def is_plain_mean(reducer: Any) -> bool:
+    """Whether ``reducer`` is one of :func:`allreduce_mean`'s: a stateless, linear mean, so
+    a worker that sends zeros leaves exactly the others' sum over N (what a strategy that
+    leaves workers out of an exchange rescales)."""
+    return getattr(reducer, "update", None) in _PLAIN_MEANS

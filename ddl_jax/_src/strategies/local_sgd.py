@@ -34,7 +34,7 @@ from ddl_jax._src.core.strategy import (
 )
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.reduce import collectives
-from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, worker_mean
+from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, is_plain_mean, worker_mean
 
 
 class LocalSGDState(NamedTuple):
@@ -160,11 +160,14 @@ def local_sgd(
       average_optimizer_state: also average the workers' inner optimizer states when
         synchronising (otherwise each worker keeps its own).
       state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
-      drop, churn: the probabilities that a worker misses a synchronisation, is absent.
+      drop, churn: the probabilities that a worker misses a synchronisation, is absent;
+        with the plain mean only (the default reducer, or ``ddl.allreduce_mean`` with any
+        algorithm): a worker left out sends zeros, which another reducer would take as
+        its message.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
-        any reducer works, compressing ones included; or a function of the workers' axis
-        returning one.
+        any reducer works, compressing ones included (but with ``drop`` or ``churn``); or
+        a function of the workers' axis returning one.
       accumulate: micro-batches per worker per step (with ``inner``: the inner's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
         inner's).
@@ -276,9 +279,23 @@ def _configure(
         warmup_sync_steps,
         average_optimizer_state,
         _state_periods(state_periods, average_optimizer_state),
-        check_probability("drop", unreliable[0]),
-        check_probability("churn", unreliable[1]),
+        *_unreliable_settings(kit.reducer, *unreliable),
     )
+
+
+def _unreliable_settings(reducer: Any, drop: Any, churn: Any) -> tuple[float, float]:
+    """``drop`` and ``churn`` checked, and the reducer with them: a worker left out sends
+    zeros, which only a plain mean leaves out exactly."""
+    drop, churn = check_probability("drop", drop), check_probability("churn", churn)
+    if (drop or churn) and not is_plain_mean(reducer):
+        raise ValueError(
+            f"local_sgd: drop={drop} and churn={churn} leave workers out of synchronisations, "
+            "which only the plain mean (ddl.allreduce_mean, the default reducer) does "
+            "exactly; the reducer given would take a left-out worker's zeros as its message "
+            "(into its error feedback, a median clip, Adasum's combination). Use the default "
+            "reducer with drop and churn, or this one without them."
+        )
+    return drop, churn
 
 
 def _state_periods(
