@@ -592,10 +592,13 @@ def test_desloc_names_a_field_the_optimizer_state_lacks(mlp):
         strategy.init(params)
 
 
-def reference_unreliable_averaging(loss_fn, params, batches, *, n, period, arrived_at, present_at):
+def reference_unreliable_averaging(
+    loss_fn, params, batches, *, n, period, arrived_at, present_at, groups=None
+):
     """Per-worker SGD, a worker absent at t (present_at(t)) taking no step; at a
     synchronisation the workers whose message arrives (arrived_at(t)) take the mean of
-    their replicas and the others keep their own."""
+    their replicas and the others keep their own. ``groups = (size, every)``: at the other
+    steps t with (t + 1) % every == 0, the same within blocks of ``size`` workers."""
     replicas = [params] * n
     for t, batch in enumerate(batches):
         shards, here = worker_shards(batch, n), present_at(t)
@@ -604,7 +607,13 @@ def reference_unreliable_averaging(loss_fn, params, batches, *, n, period, arriv
             for i, (r, s) in enumerate(zip(replicas, shards, strict=True))
         ]
         if (t + 1) % period == 0:
-            arrived = [i for i, a in enumerate(arrived_at(t)) if a]
+            blocks = [range(n)]
+        elif groups is not None and (t + 1) % groups[1] == 0:
+            blocks = [range(k, k + groups[0]) for k in range(0, n, groups[0])]
+        else:
+            continue
+        for block in blocks:
+            arrived = [i for i in block if arrived_at(t)[i]]
             if arrived:
                 mean = mean_tree([replicas[i] for i in arrived])
                 replicas = [mean if i in arrived else r for i, r in enumerate(replicas)]
@@ -690,3 +699,43 @@ def test_workers_left_out_need_the_plain_mean(mlp, reducer, faults):
         mean = ddl.allreduce_mean(algorithm=algorithm)
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=mean, **faults)
     ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=reducer())  # reliable
+
+
+def test_a_groups_average_leaves_out_the_absent_and_the_dropped(mlp):
+    """hierarchy with churn and drop: a pair's average (every step) is over the members
+    present whose message arrived, the others keeping their replicas, as at the
+    synchronisation of all 8 (every 3 steps); against the per-worker reference."""
+    loss_fn, params = mlp
+    n, batches = 8, make_batches(6, 32)
+    strategy = ddl.local_sgd(
+        loss_fn,
+        optax.sgd(0.1),
+        ddl.make_mesh(data=n),
+        hierarchy=((1, 2), (3, n)),
+        churn=0.3,
+        drop=0.2,
+    )
+    state, step, history = strategy.init(params), jax.jit(strategy.step), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append(jax.device_get(metrics))
+    key = state.model.key
+
+    def present(t):
+        return np.asarray(ddl.consistency.arrivals(key, t, n, 0.3, CHURN_STREAM))
+
+    def arrived(t):
+        return np.asarray(ddl.consistency.arrivals(key, t, n, 0.2)) & present(t)
+
+    pairs_short = [
+        t for t in range(6) if any(arrived(t)[k] != arrived(t)[k + 1] for k in (0, 2, 4, 6))
+    ]
+    assert [t for t in pairs_short if (t + 1) % 3] != []  # a pair averaged with one left out
+    expected = reference_unreliable_averaging(
+        loss_fn, params, batches, n=n, period=3, arrived_at=arrived, present_at=present,
+        groups=(2, 1),
+    )  # fmt: skip
+    for i in range(n):
+        replica = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.params)
+        chex.assert_trees_all_close(replica, expected[i], atol=1e-5)
+    assert [h["arrived"] for h in history] == pytest.approx([arrived(t).mean() for t in range(6)])

@@ -493,13 +493,15 @@ def _exchange(
         fires = ~warm & ((step + cfg.offset) % period == 0)
         branch = jnp.where(fires, 2 if size == cfg.kit.n else len(branches), branch)
         if size != cfg.kit.n:
-            branches.append(functools.partial(_group_average, cfg=cfg, size=size))
+            branches.append(
+                functools.partial(_group_average, cfg=cfg, size=size, arrived=arrived)
+            )
             sizes.append(size)
     carry = lax.switch(branch, branches, carry)
     metrics = {"synchronised": (branch >= 2).astype(jnp.float32)}
     if arrived is not None:
         share = jnp.mean(arrived.astype(jnp.float32))
-        metrics["arrived"] = jnp.where(branch == 2, share, 0.0)
+        metrics["arrived"] = jnp.where(branch >= 2, share, 0.0)  # a group's average too
     # DES-LOC's averages wait for the switch: XLA:CPU may otherwise run their collectives and
     # the switch's in another order on each device, which crashed (islands, cores shared).
     # The anchor's first entry is an output of the switch, and never unequal to itself.
@@ -598,9 +600,11 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
-    """Replicas (and model, optimizer states) averaged within blocks of ``size`` workers."""
-    mean = functools.partial(_block_mean, axis=cfg.kit.workers_axis, n=cfg.kit.n, size=size)
+def _group_average(carry: Carry, cfg: _Config, size: int, arrived: jax.Array | None) -> Carry:
+    """Replicas (and model, optimizer states) averaged within blocks of ``size`` workers
+    (over those that ``arrived``; the others keep theirs)."""
+    axis, n = cfg.kit.workers_axis, cfg.kit.n
+    mean = functools.partial(_block_mean, axis=axis, n=n, size=size, arrived=arrived)
     opt_state = carry.opt_state
     if cfg.average_optimizer_state:
         opt_state = mean(opt_state)
@@ -609,8 +613,12 @@ def _group_average(carry: Carry, cfg: _Config, size: int) -> Carry:
     )
 
 
-def _block_mean(tree: Any, axis: collectives.Axis, n: int, size: int) -> Any:
-    """Each floating leaf's mean over the worker's block ``k size, ..., (k+1) size - 1``.
+def _block_mean(
+    tree: Any, axis: collectives.Axis, n: int, size: int, arrived: jax.Array | None = None
+) -> Any:
+    """Each floating leaf's mean over the worker's block ``k size, ..., (k+1) size - 1``;
+    with ``arrived`` (``bool[N]``), over the block's members that arrived, and a worker
+    that did not (or whose block has none that did) keeps its own.
 
     ``shard_map`` collectives take no ``axis_index_groups``, so the block's members arrive
     by ``size - 1`` ``ppermute`` rounds within the block (round r: from the member r places
@@ -625,9 +633,14 @@ def _block_mean(tree: Any, axis: collectives.Axis, n: int, size: int) -> Any:
     def one(x: jax.Array) -> jax.Array:
         if not jnp.issubdtype(x.dtype, jnp.inexact) or size == 1:
             return x
-        arrived = jnp.stack([x] + [collectives.ppermute(x, axis, perm) for perm in rounds])
-        by_member = arrived[(position - jnp.arange(size)) % size]  # member j's value at j
-        return jnp.sum(by_member, axis=0) / size
+        sent = jnp.stack([x] + [collectives.ppermute(x, axis, perm) for perm in rounds])
+        by_member = sent[(position - jnp.arange(size)) % size]  # member j's value at j
+        if arrived is None:
+            return jnp.sum(by_member, axis=0) / size
+        members = arrived[me - position + jnp.arange(size)]  # in member order
+        kept = jnp.where(members.reshape((size,) + (1,) * x.ndim), by_member, 0)
+        mean = (jnp.sum(kept, axis=0) / jnp.maximum(members.sum(), 1)).astype(x.dtype)
+        return jnp.where(arrived[me], mean, x)  # one that arrived: its block has one
 
     return jax.tree.map(one, tree)
 
