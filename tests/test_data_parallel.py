@@ -395,3 +395,19 @@ def test_float_labels_are_named_with_the_batchs_dtypes(mlp):
     batch = {"x": np.zeros((8, 12), np.float32), "y": np.zeros(8, np.float32)}
     with pytest.raises(TypeError, match=r"expected integers .*'y': float32.*astype\(jnp.int32\)"):
         strategy.step(strategy.init(params), batch)
+
+
+@pytest.mark.parametrize("name", ["loss", "synchronised", "synchronised_mu", "eval_acc"])
+def test_aux_names_that_metrics_take_are_refused(mlp, name):
+    """An aux value named as a metric the strategies or ddl.fit write would replace it (a
+    constant "loss" hid a nan from fit) or be replaced: refused, naming it."""
+    loss_fn, params = mlp
+    strategy = ddl.local_sgd(
+        lambda p, b: (loss_fn(p, b), {name: jnp.float32(1.0)}),
+        optax.sgd(0.1),
+        ddl.make_mesh(data=8),
+        period=2,
+        has_aux=True,
+    )
+    with pytest.raises(ValueError, match=rf"aux names \['{name}'\] are metrics .* aux_{name}"):
+        strategy.step(strategy.init(params), make_batches(1, 8)[0])

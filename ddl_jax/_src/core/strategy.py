@@ -96,6 +96,18 @@ def _described(out: Any) -> str:
     return str(jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", out)).replace("'", "")
 
 
+#: Metric names the strategies and ``ddl.fit`` write themselves: an aux value of one of
+#: these names would replace theirs (a ``loss`` that hides a non-finite one from ``fit``),
+#: or be replaced. ``synchronised_<field>`` (DES-LOC's averages) is reserved too.
+RESERVED_METRICS = frozenset({
+    "loss", "step", "skipped", "synchronised", "arrived", "sync_group_size",
+    "consensus_distance", "compression_ratio", "fragment", "messages_dropped",
+    "workers_present", "staleness_mean", "staleness_max", "pushes", "fetches",
+    "pushes_lost", "updates_applied", "wall_clock", "clock_gap_max", "replica_lag",
+    "workers_away", "variance_updated",
+})  # fmt: skip
+
+
 def check_loss_output(out: Any, *, has_aux: bool) -> None:
     """Checks the abstract output of ``loss_fn`` (from ``jax.eval_shape``)."""
     if has_aux:
@@ -105,6 +117,14 @@ def check_loss_output(out: Any, *, has_aux: bool) -> None:
                 f"it returned {_described(out)}."
             )
         loss, aux = out
+        taken = sorted(k for k in aux if k in RESERVED_METRICS or k.startswith("synchronised_"))
+        if taken or any(k.startswith("eval") for k in aux):
+            names = taken or sorted(k for k in aux if k.startswith("eval"))
+            raise ValueError(
+                f"loss_fn's aux names {names} are metrics the strategies or ddl.fit write "
+                "themselves (loss, step, eval..., synchronised, staleness_mean, ...); rename "
+                "them, e.g. aux_" + names[0] + "."
+            )
         for name, value in aux.items():
             if (
                 not isinstance(value, jax.ShapeDtypeStruct)

@@ -493,9 +493,7 @@ def _exchange(
         fires = ~warm & ((step + cfg.offset) % period == 0)
         branch = jnp.where(fires, 2 if size == cfg.kit.n else len(branches), branch)
         if size != cfg.kit.n:
-            branches.append(
-                functools.partial(_group_average, cfg=cfg, size=size, arrived=arrived)
-            )
+            branches.append(functools.partial(_group_average, cfg=cfg, size=size, arrived=arrived))
             sizes.append(size)
     carry = lax.switch(branch, branches, carry)
     metrics = {"synchronised": (branch >= 2).astype(jnp.float32)}
