@@ -103,6 +103,10 @@ BAD = [
         ["--workers", "16", "--strategies", "gossip:exponential"],
         "gossip:exponential with several workers a device is priced from the device shifts",
     ),
+    (
+        ["--devices", "2", "--workers", "8", "--strategies", "gossip"],
+        "gossip:ring on 2 devices with several workers a device is priced from the device",
+    ),
     (["--workers", "16", "--strategies", "diloco/sync"], "which islands do not"),
     (["--workers", "16", "--strategies", "async", "--measure"], "drop measure or workers"),
     (["--workers", "0"], "workers must be an integer >= 1, got 0"),
@@ -274,6 +278,20 @@ def vector_metric(seed, devices):
     return w._replace(evaluate=lambda params: w.evaluate(params) * jnp.ones(3))
 
 
+def dict_metric(seed, devices):
+    w = make_workload("digits-mlp", seed=seed, devices=devices)
+    return w._replace(evaluate=lambda params: {"accuracy": w.evaluate(params)})
+
+
+def text_metric(seed, devices):
+    w = make_workload("digits-mlp", seed=seed, devices=devices)
+    return w._replace(evaluate=lambda params: "0.5")
+
+
+def wrong_batch_size(seed, devices):
+    return make_workload("digits-mlp", seed=seed, devices=devices)._replace(batch_size=7)
+
+
 def any_keywords(**options):
     return make(options["seed"], options["devices"])
 
@@ -366,6 +384,9 @@ def test_a_users_workload_runs_through_the_cli_and_python_as_the_bundled_one(
         ("no_such_module:make", "cannot load it"),
         ("user_workloads:no_keywords", "needs model; it may take any of seed, devices"),
         ("user_workloads:vector_metric", "evaluate(params) must return one finite number"),
+        ("user_workloads:dict_metric", "one finite number (the metric), got dict {'accuracy'"),
+        ("user_workloads:text_metric", "one finite number (the metric), got str '0.5'"),
+        ("user_workloads:wrong_batch_size", "batch_size=7, but the first batch of batches(0) has"),
         ("user_workloads:loss_raises", "sync: RuntimeError: my loss is broken"),
     ],
 )
@@ -411,6 +432,11 @@ def test_divergence_is_the_loss_growing_or_going_non_finite(user_module, tmp_pat
     assert "sync: test accuracy" in capsys.readouterr().out
     table = (tmp_path / "b" / "results.md").read_text()
     assert "| - | sync |" in table and "failed" not in table
+    # where local SGD stopped on a nan its replicas were not measured: no distance (it was
+    # the initial state's 0)
+    late = _run(tmp_path / "d", "--strategies", "local:2", "--steps", "18", "--target", "0.3",
+                "--workload", "user_workloads:nan_loss_later")["local:2"]  # fmt: skip
+    assert late["diverged"] and late["consensus_distance"] is None, late
     metric = _run(tmp_path / "c", *flags, "--workload", "user_workloads:nan_metric_later")
     assert all(run["diverged"] and run["rank"] is None for run in metric.values())
     text = (tmp_path / "c" / "results.json").read_text()

@@ -233,10 +233,11 @@ def _fit(
     eval_every: int,
     label: str,
 ) -> tuple[Any, list[dict[str, float]], str | None]:
-    """``ddl.fit`` of one strategy: its state, its records, and why it diverged (``None``:
-    it did not). A run diverged where ``fit`` warned that the loss grew 100x
-    (``ddl.LossGrowthWarning``), stopped on a non-finite loss (its records until then are
-    kept), or where an evaluation was not finite."""
+    """``ddl.fit`` of one strategy: its state (``None`` where fit stopped on a non-finite
+    loss: only the records until then are kept), its records, and why it diverged
+    (``None``: it did not). A run diverged where ``fit`` warned that the loss grew 100x
+    (``ddl.LossGrowthWarning``), stopped on a non-finite loss, or where an evaluation was
+    not finite."""
     records: list[dict[str, float]] = []
     why = None
     with warnings.catch_warnings(record=True) as caught:
@@ -259,7 +260,7 @@ def _fit(
         except FloatingPointError as e:  # "fit: loss is nan at step 9; lower the ..."
             if not records:
                 raise
-            state, history, why = strategy.init(workload.params), records, _clause(e)
+            state, history, why = None, records, _clause(e)
     for w in caught:
         print(f"{label} {spec.text}: warning: {w.message}", file=sys.stderr, flush=True)
         if why is None and issubclass(w.category, ddl.LossGrowthWarning):
@@ -306,6 +307,10 @@ def run_one(
     strategy = spec.build(_context(workload, mesh, config, eval_every))
     print(f"{label} {spec.text}: {family.describe}", flush=True)
     state, history, diverged = _fit(strategy, workload, config, spec, steps, eval_every, label)
+    # the replicas' distance where the run ended (none measured where it stopped on a nan)
+    consensus = history[-1].get("consensus_distance", None if state is None else _consensus(state))
+    if state is None:  # the programs' costs, read from a fresh state's
+        state = strategy.init(workload.params)
     batch = next(workload.batches(0))
     jitted = jax.jit(strategy.step)
     stats = ddl.comm_stats(jitted, state, batch)
@@ -378,7 +383,7 @@ def run_one(
         "simulated_seconds_before_target": None,
         "compute_seconds_to_target": None,
         "events_to_target": None,
-        "consensus_distance": history[-1].get("consensus_distance", _consensus(state)),
+        "consensus_distance": consensus,
     }
     if reached is not None:
         at = evals[reached][0]

@@ -340,13 +340,16 @@ def _one_a_device(why: str, build: Callable[[Any, BuildContext], Strategy]) -> A
 
 
 def _gossip(topology: str, ctx: BuildContext) -> Strategy:
-    """Gossip; with several workers a device only on a ring, whose worker shifts are
-    device shifts (``ddl.sim.per_worker`` prices the others' merged shifts low)."""
-    if topology != "ring" and ctx.workers not in (None, ctx.mesh.shape["data"]):
+    """Gossip; with several workers a device only on a ring of 3 devices or more, whose
+    worker shifts are device shifts (``ddl.sim.per_worker`` prices merged shifts low: the
+    other topologies', and a ring's two on 2 devices, both to the other device)."""
+    devices = ctx.mesh.shape["data"]
+    if ctx.workers not in (None, devices) and (topology != "ring" or devices < 3):
+        why = f"gossip:{topology}" if topology != "ring" else f"gossip:ring on {devices} devices"
         raise ValueError(
-            f"gossip:{topology} with several workers a device is priced from the device "
-            "shifts its worker shifts merge into, fewer than it sends: use gossip:ring, or "
-            "drop workers."
+            f"{why} with several workers a device is priced from the device shifts its "
+            "worker shifts merge into, fewer than it sends: use gossip:ring on 3 devices or "
+            "more, or drop workers."
         )
     return ddl.gossip(
         ctx.loss_fn,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -259,21 +258,38 @@ def check(workload: Any, where: str) -> Workload:
         if not callable(value) and not (field == "loss_fn" and hasattr(value, "fn")):
             raise CompareError(f"workload {where!r}: {field} must be callable, got {value!r}.")
     try:
-        next(iter(workload.batches(0)))
+        first = next(iter(workload.batches(0)))
     except Exception as e:
         raise CompareError(
             f"workload {where!r}: batches(0) must yield global batches; it raised "
             f"{type(e).__name__}: {e}"
         ) from None
+    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(first)}
+    if rows != {workload.batch_size}:
+        raise CompareError(
+            f"workload {where!r}: batch_size={workload.batch_size!r}, but the first batch of "
+            f"batches(0) has {sorted(rows, key=str)} rows (its leaves' leading sizes): give "
+            "the rows of every global batch."
+        )
     try:
         value = workload.evaluate(workload.params)
     except Exception as e:
         raise CompareError(
             f"workload {where!r}: evaluate(params) raised {type(e).__name__}: {e}"
         ) from None
-    if np.ndim(value) != 0 or not math.isfinite(float(value)):
+    if not _finite_number(value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         raise CompareError(
             f"workload {where!r}: evaluate(params) must return one finite number (the "
-            f"metric), got {np.shape(value)} {np.asarray(value).ravel()[:3]}."
+            f"metric), got {type(value).__name__} {shown}."
         )
     return workload
+
+
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is one finite real number (a Python number, a 0-d array)."""
+    if isinstance(value, bool) or np.ndim(value) != 0:
+        return False
+    array = np.asarray(value)
+    real = np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)
+    return bool(real and np.isfinite(array))
