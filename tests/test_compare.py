@@ -76,6 +76,8 @@ BAD = [
     (["--target", "95"], "target 95 is not an accuracy in (0, 1]"),
     (["--target", "95", "--steps", "3"], "test accuracy); e.g. --target 0.95."),
     (["--target", "0"], "test accuracy); e.g. --target 0.9."),
+    (["--target", "-0.5"], "target -0.5 is not an accuracy in (0, 1]"),
+    (["--target=-inf"], "target must be finite, got -inf"),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
     (["--strategies", "asynclocal:5"], "H=5 inner steps do not divide the 16 rows a worker ge"),
     (["--strategies", "asynclocal:5"], "choose a divisor, e.g. asynclocal:4."),
@@ -158,6 +160,8 @@ def test_make_config_accepts_toml_values():
     assert (config.steps, config.straggler, config.network) == (5, 2.0, "1gbps")
     with pytest.raises(CompareError, match="seed must be an integer >= 0"):
         make_config({"seed": -1})
+    # a metric of one's own may be negative (a log-likelihood): any finite target
+    assert make_config({"target": "-2.5"}).target == -2.5
 
 
 def _tiny(out, config):
@@ -414,6 +418,12 @@ def test_settings_that_cannot_reach_a_users_workload_are_refused(user_module, tm
         compare(user_workloads.make(0, DEVICES), "sync", non_iid=0.5)
     with pytest.raises(CompareError, match="not a ddl_jax.compare.Workload; call it"):
         compare(user_workloads.make, "sync")
+    # Processes build the workload themselves: a built one, even under a bundled name,
+    # cannot tell them how.
+    renamed = user_workloads.make(0, DEVICES)._replace(name="digits-mlp")
+    for setting in ({"measure": True}, {"emulate": "100mbit"}):
+        with pytest.raises(CompareError, match="--workload module:function --measure"):
+            compare(renamed, "sync", **setting)
 
 
 def test_divergence_is_the_loss_growing_or_going_non_finite(user_module, tmp_path, capsys):

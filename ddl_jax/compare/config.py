@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -114,8 +115,9 @@ def _number(key: str, value: Any, minimum: float) -> float:
         with contextlib.suppress(ValueError):
             value = float(value)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
-        raise CompareError(f"{key} must be a number >= {minimum:g}, got {value!r}.")
-    if value == float("inf"):
+        least = "" if minimum == -math.inf else f" >= {minimum:g}"
+        raise CompareError(f"{key} must be a number{least}, got {value!r}.")
+    if abs(value) == math.inf:
         raise CompareError(f"{key} must be finite, got {value!r}.")
     return float(value)
 
@@ -169,7 +171,9 @@ def make_config(values: Mapping[str, Any]) -> Config:
     if "straggler" in v:
         checked["straggler"] = _number("straggler", v["straggler"], 1.0)
     if "target" in v:
-        checked["target"] = _number("target", v["target"], 0.0)
+        # any finite number: a metric of one's own may be negative (a log-likelihood);
+        # an accuracy's range is checked against the workload
+        checked["target"] = _number("target", v["target"], -math.inf)
     _unreliable(v, checked)
     if "out" in v:
         if not isinstance(v["out"], str | Path) or not str(v["out"]):

@@ -674,7 +674,9 @@ def compare(
         ``compute``, ``straggler``, ``drop``, ``seed``, ``target``, ``eval_every``,
         ``out``), checked as the command line's flags are. The workload is built, so
         ``seed`` seeds only the strategies' own draws (compute times, lost messages), and
-        ``non_iid`` is refused: give the workload label-skewed batches instead.
+        ``non_iid`` is refused: give the workload label-skewed batches instead; so are
+        ``measure`` and ``emulate``, whose processes build the workload themselves (use
+        the command line's ``--workload module:function``).
 
     Returns:
       The results the command writes to ``results.json``: ``{"config", "environment",
@@ -684,8 +686,6 @@ def compare(
       CompareError: a bad setting, a workload that does not work, or strategies that cannot
         run on it (one line naming what to change).
     """
-    if "workload" in settings:
-        raise CompareError("compare: pass the workload as the first argument, not a setting.")
     if not isinstance(workload, Workload):
         raise CompareError(
             f"compare: the workload is a {type(workload).__name__}, not a "
@@ -695,6 +695,13 @@ def compare(
         raise CompareError(
             "compare: non_iid shapes the batches of a workload, and this one is built; give "
             "it label-skewed batches (ddl.data.non_iid_batches) and leave non_iid out."
+        )
+    if settings.get("measure") or settings.get("emulate") is not None:
+        raise CompareError(
+            "compare: measure and emulate start processes that build the workload "
+            "themselves, which a built one cannot tell them how to do (a bundled name would "
+            "build the bundled workload): run `ddl-jax compare --workload module:function "
+            "--measure`, the function yours returning this workload."
         )
     values = {**settings, "strategies": strategies}
     config = dataclasses.replace(make_config(values), workload=workload.name)
