@@ -194,6 +194,30 @@ def test_compressed_reduce_scatter_trains():
         )
 
 
+@pytest.mark.parametrize(
+    "reducer",
+    [
+        lambda: ddl.compression.scatter_cast(jnp.bfloat16),
+        lambda: ddl.compression.scatter_qsgd(8),
+        lambda: ddl.compression.scatter_top_k(0.5),
+    ],
+    ids=["cast", "qsgd", "top_k"],
+)
+def test_a_compressed_reduce_scatter_with_no_leaf_to_split_trains_as_the_default(reducer):
+    """No leaf divides by the 4 workers: every one stays whole and is averaged as the
+    default reducer averages it, nothing is compressed (ratio 1)."""
+    loss = lambda p, b: jnp.mean((b["x"][:, :6] @ p["w"] - b["y"][:, :3]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": np.ones((16, 4), np.float32)}
+    params, mesh, trained = {"w": jnp.zeros((6, 3))}, ddl.make_mesh(data=4), []
+    for chosen in (None, reducer()):
+        strategy = ddl.fsdp(loss, optax.sgd(0.1), mesh, stage=2, reducer=chosen)
+        state, metrics = train(strategy, params, [batch] * 3)
+        trained.append(strategy.params(state))
+    assert metrics["compression_ratio"] == 1.0
+    chex.assert_trees_all_close(trained[1], trained[0], atol=1e-6, rtol=0)
+
+
 def test_bad_arguments_name_what_is_valid():
     loss_fn, params = wide_mlp()
     mesh = ddl.make_mesh(data=8)

@@ -49,8 +49,9 @@ class ScatterTopKState(NamedTuple):
 
 
 def _ratio(chunks: Any, wire_bytes: float, n: int) -> jax.Array:
-    """``compression_ratio``: a float32 reduce-scatter's bytes per device / ``wire_bytes``."""
-    if n == 1:
+    """``compression_ratio``: a float32 reduce-scatter's bytes per device / ``wire_bytes``
+    (1 where nothing is sent: no leaf splits over the workers)."""
+    if n == 1 or wire_bytes == 0:
         return jnp.ones((), jnp.float32)
     dense = (n - 1) / n * 4 * sum(x.size for x in jax.tree.leaves(chunks))
     return jnp.asarray(dense / wire_bytes, jnp.float32)
