@@ -300,3 +300,25 @@ def test_the_momentum_mask_keeps_always_zero_entries_at_zero():
     assert np.abs(masked_outs["w"][-1]).max() < 1e3
     with pytest.raises(ValueError, match="exp_avg_mask must be None"):
         onebit_adam(2, exp_avg_mask="zeros")
+
+
+def test_onebit_adam_where_it_cannot_run_says_why():
+    """Several workers a device would each hold the frozen variance apart, and optax.chain
+    hides the mark that lets the strategy skip shard_map's replication check: both are
+    refused naming what to do; ddl.chain keeps the mark."""
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": np.ones((16, 4), np.float32)}
+    params, mesh = {"w": jnp.full((16, 4), 0.1)}, ddl.make_mesh(data=4)
+    with pytest.raises(ValueError, match="onebit_adam runs one worker a device.*drop workers="):
+        per_axis = lambda a: ddl.compression.onebit_adam(2, axis=a)  # noqa: E731
+        strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh, workers=8, reducer=per_axis)
+        jax.jit(strategy.step)(strategy.init(params), batch)
+    clip = optax.clip_by_global_norm(1.0)
+    hidden = optax.chain(clip, ddl.compression.onebit_adam(2))
+    strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh, reducer=hidden)
+    with pytest.raises(TypeError, match="onebit_adam must run where .* ddl.chain"):
+        jax.jit(strategy.step)(strategy.init(params), batch)
+    kept = ddl.chain(clip, ddl.compression.onebit_adam(2))
+    strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh, reducer=kept)
+    jax.jit(strategy.step)(strategy.init(params), batch)

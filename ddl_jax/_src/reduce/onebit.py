@@ -119,7 +119,8 @@ def onebit_adam(
       eps: added to ``sqrt(v)``, > 0.
       exp_avg_mask: ``None`` (no mask) or a pytree of 0/1 arrays like the parameters
         (DeepSpeed's ``exp_avg_mask``, above).
-      axis: the mesh axis the workers live on.
+      axis: the mesh axis the workers live on, one a device (not with ``workers=``: the
+        frozen variance is each worker's own copy).
 
     Returns:
       A reducer whose per-worker state is a ``OnebitAdamState``.
@@ -128,6 +129,12 @@ def onebit_adam(
       ValueError: an argument out of range (the message names it).
     """
     check_axis_name("onebit_adam", axis)
+    if not isinstance(axis, str):
+        raise ValueError(
+            "onebit_adam runs one worker a device: each worker's step divides by its own "
+            "copy of the frozen variance, which a device's several workers (workers=) would "
+            "each hold apart; drop workers= (or give as many devices as workers)."
+        )
     freeze_step = check_int("onebit_adam: freeze_step", freeze_step, minimum=1)
     for name, beta in (("b1", b1), ("b2", b2)):
         check_real(f"onebit_adam: {name}", beta, minimum=0)
@@ -176,7 +183,17 @@ def onebit_adam(
             masks = treedef.flatten_up_to(exp_avg_mask)
             return [m * jnp.asarray(k, m.dtype) for m, k in zip(mu, masks, strict=True)]
 
-        mu, nu, e, e2, ratio = lax.cond(state.count < freeze_step, warm, compressed, *flat)
+        try:
+            mu, nu, e, e2, ratio = lax.cond(state.count < freeze_step, warm, compressed, *flat)
+        except TypeError as error:  # run under shard_map's replication check
+            if "branches must have equal output types" not in str(error):
+                raise
+            raise TypeError(
+                "onebit_adam must run where a strategy skips shard_map's replication check "
+                "(its frozen variance is each worker's own copy, equal on all, which JAX "
+                "cannot prove): give it as reducer= as it is, or chained with ddl.chain(...); "
+                "optax.chain hides the mark that asks for that."
+            ) from None
         out = [
             (m / (jnp.sqrt(v) + eps)).astype(g.dtype)
             for m, v, g in zip(mu, nu, leaves, strict=True)
