@@ -201,6 +201,18 @@ def test_qsgd_quantiser_is_unbiased_within_its_variance_bound(d, s):
     assert np.all(error <= 2 * bound / samples), (error, bound / samples)
 
 
+@pytest.mark.parametrize("scale", [3e19, 1e-20])
+def test_qsgd_quantises_entries_whose_squares_leave_float32(scale):
+    """Buckets of entries past 1.8e19 (whose squares overflow float32) or under 1e-19
+    (underflow): their norms, and so their dequantised values, keep their scale."""
+    v = jnp.asarray(np.random.default_rng(1).normal(size=(2, 64)) * scale, jnp.float32)
+    q, norms = quantise(v, 127, jax.random.key(0))
+    np.testing.assert_allclose(norms, np.linalg.norm(np.asarray(v, np.float64), axis=-1), rtol=1e-5)
+    back = dequantise(q, norms, 127)
+    assert np.all(np.isfinite(back))
+    np.testing.assert_allclose(back, v, atol=float(norms.max()) / 127 * 1.01)
+
+
 def test_qsgd_reducer_is_unbiased_within_its_variance_bound():
     n, steps, levels, bucket = 4, 400, 2, 16
     one = random_grads(1, n, seed=1)

@@ -303,7 +303,11 @@ class QSGDState(NamedTuple):
 
 
 def quantise(x: jax.Array, levels: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    norms = jnp.sqrt(jnp.sum(x * x, axis=-1))
+    # each bucket's norm taken on it scaled by its largest entry: squares of entries past
+    # 1.8e19 (or under 1e-19) overflow (underflow) float32
+    largest = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    unit = x / jnp.where(largest > 0, largest, 1.0)
+    norms = largest[..., 0] * jnp.sqrt(jnp.sum(unit * unit, axis=-1))
     safe = jnp.where(norms > 0, norms, 1.0)[..., None]
     noise = jax.random.uniform(key, x.shape)
     q = jnp.floor(jnp.abs(x) / safe * levels + noise)
