@@ -831,3 +831,11 @@ def test_a_zero_size_leaf_is_carried_and_changes_nothing(name):
         trained.append(strategy.params(state))
     assert trained[1]["z"].shape == (0,)
     chex.assert_trees_all_close(trained[1]["w"], trained[0]["w"], atol=1e-6, rtol=0)
+
+
+def test_a_builder_given_uncalled_as_the_reducer_says_to_call_it(mlp):
+    loss_fn, _ = mlp
+    mesh = ddl.make_mesh(data=4)
+    with pytest.raises(TypeError, match=r"reducer=top_k is a builder taking ratio first: call"):
+        ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=top_k)
+    ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=ddl.allreduce_mean)  # of the axis

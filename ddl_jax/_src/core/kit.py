@@ -25,6 +25,7 @@ over islands. The islands never talk: an outer method (``ddl.local_sgd(inner=...
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -452,6 +453,25 @@ def _onto(mesh: Mesh, tree: Any) -> Any:
     return jax.tree.map(onto, tree)
 
 
+def _check_not_a_factory(reducer: Callable[..., Any]) -> None:
+    """A function given as ``reducer=`` is called with the workers' axis: one of the
+    library's builders whose first argument is something else (``top_k``'s ratio) was
+    meant to be called first."""
+    if not getattr(reducer, "__module__", "").startswith("ddl_jax."):
+        return
+    try:
+        first = next(iter(inspect.signature(reducer).parameters), "axis")
+    except (TypeError, ValueError):  # no signature to read
+        return
+    if first != "axis":
+        name = getattr(reducer, "__name__", "the reducer")
+        raise TypeError(
+            f"reducer={name} is a builder taking {first} first: call it, e.g. "
+            f"reducer=ddl.compression.{name}(...) (or, with workers=, reducer=lambda "
+            f"axis: ddl.compression.{name}(..., axis=axis))."
+        )
+
+
 def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(params, model_state, batch, key)``, its commonest mistakes named: a key that
     neither the batch nor the params hold, a traced value made concrete inside it, float
@@ -604,6 +624,8 @@ def prepare(
             "reducer must be an optax.GradientTransformation (ddl.compression.top_k(0.01)) "
             f"or a function of the workers' axis returning one; got {reducer!r}."
         )
+    elif reducer is not None:
+        _check_not_a_factory(reducer)
     accumulate = st.check_int("accumulate", accumulate, minimum=1)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
