@@ -5,11 +5,13 @@ strategy is DiLoCo whose workers each compute the gradient of their island's sha
 batch, which the flat ``local_sgd`` on one device per island does.
 """
 
+import functools
 import re
 import warnings
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -259,6 +261,24 @@ def test_error_feedback_is_kept_per_shard_under_fsdp(model):
     assert all(leaf.shape[0] == 8 for leaf in residual)
     assert history[-1]["loss"] < history[0]["loss"]
     assert history[-1]["compression_ratio"] > 1
+
+
+@pytest.mark.parametrize("method", ["local_sgd", "streaming_diloco"])
+def test_a_reducer_given_as_a_function_of_the_axis_is_the_reducer_over_islands(model, method):
+    """As the flat methods take it: the strategy calls it with the island axis."""
+    loss_fn, params, specs = model
+    build = {
+        "local_sgd": functools.partial(ddl.local_sgd, period=2),
+        "streaming_diloco": functools.partial(ddl.streaming_diloco, period=2, fragments=1),
+    }
+    runs = []
+    for reducer in (ddl.compression.cast(jnp.bfloat16, axis="island"),
+                    lambda axis: ddl.compression.cast(jnp.bfloat16, axis=axis)):  # fmt: skip
+        inner = inner_strategy("data_parallel", loss_fn, optax.adam(1e-2), specs)
+        strategy = build[method](inner=inner, outer_optimizer=OUTER, reducer=reducer)
+        state, _ = train(strategy, params, make_batches(4, 32))
+        runs.append(strategy.params(state))
+    chex.assert_trees_all_equal(*runs)
 
 
 def per_device_bytes(compiled):

@@ -26,7 +26,7 @@ from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
 from ddl_jax._src.core.reducer import PermuteReducer, checks_vma
-from ddl_jax._src.core.strategy import check_real, vary_over
+from ddl_jax._src.core.strategy import check_real, check_transform, vary_over
 from ddl_jax._src.reduce.collectives import (
     check_axis_in_scope,
     ps_allreduce,
@@ -207,6 +207,17 @@ def allreduce_mean(
     kind = optax.GradientTransformation if algorithm == "psum" else PermuteReducer
     _PLAIN_MEANS.add(update)
     return kind(lambda params: optax.EmptyState(), update)
+
+
+def reducer_for(reducer: Any, axis: str) -> optax.GradientTransformation:
+    """A strategy's ``reducer=`` for the workers of ``axis``: ``None`` is the plain mean, a
+    function of the axis is called with it, and what results is checked."""
+    if reducer is None:
+        return allreduce_mean(axis)
+    if not hasattr(reducer, "update") and callable(reducer):
+        reducer = reducer(axis)
+    check_transform("reducer", reducer, f"ddl.allreduce_mean({axis!r})")
+    return reducer
 
 
 # The update functions of ``allreduce_mean``'s reducers (see ``is_plain_mean``).

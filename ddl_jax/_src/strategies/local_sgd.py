@@ -34,7 +34,13 @@ from ddl_jax._src.core.strategy import (
 )
 from ddl_jax._src.measure.consistency import CHURN_STREAM, arrivals, check_probability
 from ddl_jax._src.reduce import collectives
-from ddl_jax._src.reduce.allreduce import allreduce_mean, in_buckets, is_plain_mean, worker_mean
+from ddl_jax._src.reduce.allreduce import (
+    allreduce_mean,
+    in_buckets,
+    is_plain_mean,
+    reducer_for,
+    worker_mean,
+)
 
 
 class LocalSGDState(NamedTuple):
@@ -650,9 +656,7 @@ def _over_islands(
     each device running ``_exchange`` on its shard with ``axis="island"``."""
     names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "workers")
     check_outer_only("local_sgd", dict(zip(names, flat[:6], strict=True)), flat[6], (None, ISLAND))
-    if reducer is not None:
-        check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
-    reducer = allreduce_mean(ISLAND) if reducer is None else reducer
+    reducer = reducer_for(reducer, ISLAND)
 
     def method(mesh: Any) -> Exchange:
         kit = island_kit(mesh, reducer)

@@ -35,7 +35,7 @@ from ddl_jax._src.core.strategy import (
     check_transform,
     vary_over,
 )
-from ddl_jax._src.reduce.allreduce import allreduce_mean, worker_mean
+from ddl_jax._src.reduce.allreduce import allreduce_mean, reducer_for, worker_mean
 
 _ORDERS = ("depth", "strided")
 _SCHEDULES = ("paper", "torchft")
@@ -218,9 +218,7 @@ def streaming_diloco(
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
                 "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("streaming_diloco", flat, axis, ("data", ISLAND))
-        if reducer is not None:
-            check_transform("reducer", reducer, 'ddl.allreduce_mean("island")')
-        reducer = allreduce_mean(ISLAND) if reducer is None else reducer
+        reducer = reducer_for(reducer, ISLAND)
 
         def method(mesh: Any) -> Exchange:
             kit = island_kit(mesh, reducer)
