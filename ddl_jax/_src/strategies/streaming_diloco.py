@@ -162,8 +162,9 @@ def streaming_diloco(
         ``fragments``.
       fragments: P, how many fragments, >= 1 and at most the parameters' number of leaves
         (of blocks when strided; checked by ``init``); or a list of P lists of key
-        paths (``"layers_0"``, ``"params/Dense_0/kernel"``, ``/`` or ``.`` between
-        names), every parameter leaf under exactly one of them.
+        paths into the trained parameters (``"layers_0"``, ``"Dense_0/kernel"`` for a
+        Flax model through ``ddl.flax``, whose ``params`` collection is the tree; ``/`` or
+        ``.`` between names), every parameter leaf under exactly one of them.
       fragment_order: with an int ``fragments``, ``"depth"`` (contiguous runs of blocks
         of about equal bytes) or ``"strided"`` (block i to fragment i mod P).
       overlap: tau, the steps an outer gradient is in flight, 0 <= tau < H/P (a fragment
