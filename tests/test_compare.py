@@ -467,6 +467,8 @@ def test_a_run_whose_batches_ran_out_is_priced_per_step_trained(user_module, tmp
     assert sync["steps_trained"] == 4
     assert sync["bytes_per_device_per_step"] == sync["comm_bytes_per_step"]
     assert "batches ran out after 4 of 8 steps" in capsys.readouterr().err
+    header = (tmp_path / "results.md").read_text().splitlines()[0]
+    assert "8 steps asked, 4 trained (the batches ran out) x " in header, header
 
 
 def test_figures_are_named_by_the_metric(user_module, tmp_path):

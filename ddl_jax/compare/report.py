@@ -51,10 +51,11 @@ def subtitle(results: dict[str, Any]) -> str:
     devices = f"{c['devices']} {env['platform']} devices"
     if c.get("workers") not in (None, c["devices"]):
         devices = f"{c['workers']} workers on {devices}"
-    return (
-        f"{w['title']}, {devices}, {c['steps']} steps x "
-        f"{w['batch_size']} examples, {', '.join(settings)}"
-    )
+    steps = f"{c['steps']} steps"
+    trained = {r.get("steps_trained") for r in results["runs"] if not r.get("diverged")} - {None}
+    if trained and max(trained) < c["steps"]:  # the workload's batches ran out
+        steps = f"{c['steps']} steps asked, {max(trained)} trained (the batches ran out)"
+    return f"{w['title']}, {devices}, {steps} x {w['batch_size']} examples, {', '.join(settings)}"
 
 
 def _stacked_bytes(c: dict[str, Any]) -> str:
