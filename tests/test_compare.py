@@ -242,6 +242,7 @@ def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(
     params = workloads.make_workload("digits-mlp", seed=0, devices=8).params
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     assert fast["events"] == 2.0
+    assert fast["consensus_distance"] == 0.0  # the islands measured, synchronised at step 4
     assert fast["comm_bytes_per_event"] == pytest.approx(model_bytes / 4, rel=0.01)
     assert fast["comm_bytes_per_step"] <= 8  # across islands every step: the loss
     assert slow["compute_ms_per_step"] > fast["compute_ms_per_step"]

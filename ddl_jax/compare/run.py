@@ -116,6 +116,8 @@ def _consensus(state: Any) -> float | None:
     """The replicas' consensus distance, for states holding one replica per worker."""
     if isinstance(state, REPLICA_STATES):
         return consistency.consensus_distance(state.params)
+    if isinstance(state, ddl.IslandsState):  # the islands' models, one an island
+        return consistency.consensus_distance(state.inner.params)
     return None
 
 
