@@ -119,7 +119,7 @@ class Kit(NamedTuple):
       per_device: workers per device (``prepare(..., workers=W)``: W / the axis size);
         ``n`` counts them all, and a state stacked per worker holds ``per_device`` rows
         on each device, worker ``d * per_device + j`` at device d's row j.
-      given_mesh: the mesh as the user gave it (every axis Explicit, without the axes
+      given_mesh: the mesh as the user gave it (its axis types too, without the axes
         ``prepare`` added), where ``Strategy.params`` returns; ``None``: ``mesh``.
     """
 
@@ -291,6 +291,12 @@ class Kit(NamedTuple):
         given, so that it meets the user's other arrays there)."""
         mesh = self.mesh if self.given_mesh is None else self.given_mesh
         return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+
+    def on_given_mesh(self, fn: Callable[[st.State], Any]) -> Callable[[st.State], Any]:
+        """``fn`` whose output is replicated already: as it is where the state lives on
+        the user's mesh, else moved there (``replicated``: a hand-built mesh's Auto axes,
+        or axes ``prepare`` added)."""
+        return fn if self.given_mesh in (None, self.mesh) else self.replicated(fn)
 
     def replica_variables(self) -> Callable[[st.State], Any]:
         """``Strategy.params`` of a state whose ``params`` and ``model.state`` are stacked
@@ -637,7 +643,7 @@ def prepare(
         st.check_mesh_axis(mesh, axis)
     on_islands = islands and st.ISLAND in mesh.axis_names
     _check_no_unused_axis(mesh, (axis, *add_axes, *((st.ISLAND,) if on_islands else ())))
-    given, mesh = explicit_mesh(mesh), explicit_mesh(mesh, add_axes)
+    given, mesh = mesh, explicit_mesh(mesh, add_axes)
     islands = mesh.shape[st.ISLAND] if on_islands else 0
     devices = mesh.shape[axis]
     n = devices if workers is None else st.check_int("workers", workers, minimum=1)

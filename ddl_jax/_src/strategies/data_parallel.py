@@ -138,5 +138,5 @@ def data_parallel(
     return Strategy(
         kit.init(make_state, specs),
         kit.step(worker_step, specs),
-        kit.over_islands(lambda state: kit.variables(state.params, state.model)),
+        kit.on_given_mesh(kit.over_islands(lambda state: kit.variables(state.params, state.model))),
     )

@@ -363,7 +363,7 @@ class _Program(NamedTuple):
             group_scale,
         )
         specs = program.specs()
-        params = kit.replicated(program.variables) if sharded else program.variables
+        params = (kit.replicated if sharded else kit.on_given_mesh)(program.variables)
         divisor, why = None, None
         if local is not None:  # each worker's shard splits into H inner micro-batches
             divisor = kit.n * kit.accumulate * local.steps
