@@ -126,7 +126,7 @@ def test_what_layer_by_layer_cannot_do_is_a_clear_error():
         jax.eval_shape(strategy.step, state, batch)
     # 8 layers of 4 x 4: only the layer axis divides over 8 workers
     strategy = ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, stage=3)
-    with pytest.raises(ValueError, match="split over 'data' on its layer axis"):
+    with pytest.raises(ValueError, match="on its layer axis: fsdp splits each leaf on its lar"):
         jax.eval_shape(strategy.step, strategy.init(scan_mlp(4, 8)), batch)
     with pytest.raises(ValueError, match="reshard_after_forward must be a bool"):
         ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, reshard_after_forward="yes")

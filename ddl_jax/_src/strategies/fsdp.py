@@ -336,9 +336,10 @@ def _per_layer(
         if d == 0:
             raise ValueError(
                 f"fsdp: the stacked leaf of shape {whole[i].shape} passed to scan_layers is "
-                "split over 'data' on its layer axis (its largest dimension the worker count "
-                "divides); use a worker count that divides another of its dimensions, or "
-                "reshard_after_forward=False."
+                "split over 'data' on its layer axis: fsdp splits each leaf on its largest "
+                "dimension the worker count divides, here the layer count. Give the layers "
+                "a dimension larger than their count that the workers divide, or "
+                "reshard_after_forward=False (each parameter gathered once a step)."
             )
         axis = None if d is None else d - 1
         if axes.setdefault(shape, axis) != axis:
