@@ -1,4 +1,5 @@
-"""Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX;
+"""Tensor-parallel (intra-layer) layers and blocks for the ``model`` mesh axis, in Flax NNX
+(``ShardedDropout`` for an activation split over it);
 ``scan_layers`` for a model's stacked layers (gathered one at a time under ``ddl.fsdp``)."""
 
 from ddl_jax._src.core.layer_scan import scan_layers
@@ -8,6 +9,7 @@ from ddl_jax._src.models.layers import (
     ParallelSelfAttention,
     ParallelTransformerBlock,
     RowParallelLinear,
+    ShardedDropout,
     column_parallel_dense,
     param_specs,
     row_parallel_dense,
@@ -19,6 +21,7 @@ __all__ = [
     "ParallelSelfAttention",
     "ParallelTransformerBlock",
     "RowParallelLinear",
+    "ShardedDropout",
     "column_parallel_dense",
     "param_specs",
     "row_parallel_dense",

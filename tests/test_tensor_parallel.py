@@ -246,3 +246,31 @@ def test_a_model_whose_loss_varies_over_model_gets_a_clear_error():
     with pytest.raises(ValueError, match="RowParallelLinear") as error:
         strategy.step(strategy.init(params), make_batches(1, 8)[0])
     assert "loss differs across the 'model' axis" in str(error.value)
+
+
+def test_sharded_dropout_draws_each_model_shards_mask_apart():
+    """Split over model, nnx.Dropout drops the same local positions on every shard (one key
+    per data worker); ShardedDropout folds in the shard's index (Megatron's tensor-parallel
+    seed), and where model is not bound it is nnx.Dropout draw for draw."""
+    mesh = ddl.make_mesh(data=1, model=4)
+    x = jnp.ones((8, 64))
+
+    def masks(layer):
+        def drop(local):
+            return layer(0.5, rngs=nnx.Rngs(dropout=3))(local, deterministic=False) != 0
+
+        placed = jax.device_put(x, NamedSharding(mesh, P(None, "model")))
+        split = jax.shard_map(drop, mesh=mesh, in_specs=P(None, "model"),
+                              out_specs=P(None, "model"))(placed)  # fmt: skip
+        return np.asarray(split).reshape(8, 4, 16).transpose(1, 0, 2)  # [shard, 8, 16]
+
+    same = masks(nnx.Dropout)
+    assert all((same[k] == same[0]).all() for k in range(4))
+    apart = masks(ddl.layers.ShardedDropout)
+    agree = np.mean([(apart[k] == apart[0]).mean() for k in range(1, 4)])
+    assert 0.35 < agree < 0.65, agree  # independent masks at rate 0.5 agree half the time
+    assert 0.35 < apart.mean() < 0.65
+    plain = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))(x, deterministic=False)
+    sharded = ddl.layers.ShardedDropout(0.5, rngs=nnx.Rngs(dropout=3))(x, deterministic=False)
+    np.testing.assert_array_equal(sharded, plain)
+    np.testing.assert_array_equal(ddl.layers.ShardedDropout(0.5)(x, deterministic=True), x)

@@ -160,6 +160,48 @@ class RowParallelLinear(nnx.Module):
         return row_parallel_dense(x, self.kernel[...], self.bias[...], rows=self.in_features)
 
 
+class ShardedDropout(nnx.Dropout):
+    """Dropout on an activation split over ``axis`` (``"model"``): each device draws its
+    shard's mask from the key folded with its index on ``axis``, so the shards' masks are
+    independent.
+
+    ``nnx.Dropout`` under ``ddl.tensor_parallel`` (or ``ddl.fsdp(specs=...)``) draws with
+    the data worker's key, the same on every ``model`` device: right for an activation
+    every device holds whole, but on one split over ``model`` (a column-parallel layer's
+    output, attention probabilities split by head) each shard drops the same local
+    positions. Megatron-LM draws in such regions from a tensor-parallel seed offset by the
+    tensor-parallel rank (``megatron/core/tensor_parallel/random.py``:
+    ``model_parallel_cuda_manual_seed``, the ``get_cuda_rng_tracker().fork()`` its
+    parallel attention's dropout runs under); this is that, by ``jax.random.fold_in``.
+    Where ``axis`` is not bound (one device, or outside ``shard_map``) it is
+    ``nnx.Dropout``, draw for draw.
+
+    Example (in a block: ``self.drop = ddl.layers.ShardedDropout(0.1, rngs=rngs)`` after a
+    ``ColumnParallelLinear``, before the ``RowParallelLinear``).
+    """
+
+    def __init__(self, rate: float, *, axis: str = MODEL, **kwargs: Any) -> None:
+        """Args: as ``nnx.Dropout``'s, and ``axis``, the mesh axis the activation is split
+        over."""
+        super().__init__(rate, **kwargs)
+        self.axis = axis
+
+    def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:  # fmt: skip
+        off = deterministic if deterministic is not None else self.deterministic
+        if off or self.rate == 0.0 or _bound_axis_size(self.axis) is None:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        key = rngs if rngs is not None else self.rngs
+        if isinstance(key, nnx.Rngs):
+            key = key[self.rng_collection]()
+        elif isinstance(key, nnx.RngStream):
+            key = key()
+        if not isinstance(key, jax.Array):  # none: nnx.Dropout says what is missing
+            return super().__call__(inputs, deterministic=deterministic, rngs=key)
+        key = jax.random.fold_in(key, lax.axis_index(self.axis))
+        return super().__call__(inputs, deterministic=deterministic, rngs=key)
+
+
 class ParallelMLP(nnx.Module):
     """``row(gelu(column(x)))``: ``d -> hidden -> d`` with one all-reduce."""
 
