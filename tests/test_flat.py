@@ -169,13 +169,15 @@ def test_round_trips_for_any_shapes_and_dtypes(specs, n):
     assert_trees_equal(map_fused(lambda v: v, tree), tree)
 
 
-def test_unravel_updates_returns_what_ravel_pytree_did():
-    # One dtype: ravel_pytree's unravel keeps the vector's dtype (float32 for bf16 leaves).
+def test_unravel_updates_casts_each_leaf_back_to_its_dtype():
+    """As the plain all-reduce returns updates: in the gradients' dtypes, one dtype or
+    several (ravel_pytree's unravel kept float32 for a tree all of bfloat16), the padding
+    past the tree's entries dropped."""
     bf16 = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.zeros(4, jnp.bfloat16)}
-    # Mixed dtypes: it casts each leaf back.
     mixed = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.zeros(4, jnp.float32)}
     for tree in (bf16, mixed):
         vector = jnp.linspace(-1.0, 1.0, 10, dtype=jnp.float32)
-        _, unravel = ravel_pytree(tree)
+        _, unravel = ravel_pytree(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+        want = jax.tree.map(lambda v, x: v.astype(x.dtype), unravel(vector), tree)
         padded = jnp.concatenate([vector, jnp.full(3, 9.0)])
-        assert_trees_equal(wire.unravel_updates(FlatView.of(tree), padded), unravel(vector))
+        assert_trees_equal(wire.unravel_updates(FlatView.of(tree), padded), want)
