@@ -283,13 +283,18 @@ def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("steps", "batch", "message"),
+    ("steps", "batch", "fit", "message"),
     [
-        ("4 + 2 * rank", "32", "fit: steps (process 0: 4, process 1: 6) differ between"),
-        ("4", "32 + 32 * rank", "process_batches: batch_size (process 0: 32, process 1: 64) d"),
+        ("4 + 2 * rank", "32", "", "fit: steps (process 0: 4, process 1: 6) differ between"),
+        ("4", "32 + 32 * rank", "", "process_batches: batch_size (process 0: 32, process 1: 64) d"),
+        # fit's schedule of logs and saves too: a process that logs or saves at other steps
+        # waited forever in the others' collectives or orbax's barriers
+        ("4", "32", "log_every=1 + rank", "fit: log_every (process 0: 1, process 1: 2) differ"),
+        ("4", "32", "checkpoint_dir=f'ck{rank}'",
+         "fit: checkpoint_dir (a text, compared by checksum) differ between processes"),
     ],
-)
-def test_processes_given_other_arguments_are_refused(tmp_path, steps, batch, message):
+)  # fmt: skip
+def test_processes_given_other_arguments_are_refused(tmp_path, steps, batch, fit, message):
     path = script(
         tmp_path,
         f"""
@@ -304,7 +309,7 @@ def test_processes_given_other_arguments_are_refused(tmp_path, steps, batch, mes
         loss = lambda params, batch: ((batch["x"] @ params["w"]) ** 2).mean()
         strategy = ddl.data_parallel(loss, optax.sgd(0.1), mesh)
         batches = lambda start: launch.process_batches(data, {batch}, mesh, start=start)
-        ddl.fit(strategy, {{"w": np.ones(3, np.float32)}}, batches, steps={steps})
+        ddl.fit(strategy, {{"w": np.ones(3, np.float32)}}, batches, steps={steps}, {fit})
         """,
     )
     cmd = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--", sys.executable, path]

@@ -175,11 +175,23 @@ def fit(
       FloatingPointError: the loss became NaN or infinite (naming the step), unless
         ``skip_nonfinite``.
       TypeError, ValueError: bad arguments (e.g. ``checkpoint_every`` without
-        ``checkpoint_dir``, a ``log_file`` that is a directory, ``steps`` that differ
-        between processes), or a checkpoint of a differently shaped state (``ValueError``).
+        ``checkpoint_dir``, a ``log_file`` that is a directory, ``steps``, ``log_every``,
+        ``eval_every`` (or an ``eval_fn`` on some processes only), ``checkpoint_dir``,
+        ``checkpoint_every``, ``keep`` or ``skip_nonfinite`` that differ between
+        processes), or a checkpoint of a differently shaped state (``ValueError``).
     """
     settings = _check_fit_arguments(strategy, locals())  # fit's arguments by name
-    launch.same_on_every_process("fit", steps=settings.steps)
+    launch.same_on_every_process(
+        "fit",
+        steps=settings.steps,
+        log_every=settings.log_every,
+        eval_every=settings.eval_every,
+        evaluates=settings.eval_fn is not None,
+        checkpoint_dir=None if settings.checkpoint_dir is None else str(settings.checkpoint_dir),
+        checkpoint_every=settings.checkpoint_every,
+        keep=settings.keep,
+        skip_nonfinite=settings.skip_nonfinite,
+    )
     log = TrainingLog(settings, show=settings.progress and jax.process_index() == 0)
     state = strategy.init(params)
     _warn_islands_apart(state)

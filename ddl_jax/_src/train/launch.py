@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -289,19 +290,27 @@ def global_batch(local: Batch, mesh: Mesh, batch_size: int, axis: str = "data") 
     )
 
 
-def same_on_every_process(where: str, **values: int) -> None:
+def same_on_every_process(where: str, **values: int | bool | str | None) -> None:
     """Raises ``ValueError`` naming each of ``values`` that differs between processes (a
     collective of a few bytes; nothing with one process): every process of a run must
-    train the same steps on the same batches, and one that does not would wait forever in
-    a collective, or train on a batch of another shape."""
+    train the same steps on the same batches, log, evaluate and save at the same steps,
+    and one that does not would wait forever in a collective (or a checkpoint's barrier),
+    or train on a batch of another shape. A text is compared by a checksum."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
     names = sorted(values)
-    every = np.asarray(multihost_utils.process_allgather(np.asarray([values[n] for n in names])))
+    codes = np.asarray([_code(values[n]) for n in names], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(codes))
+
+    def shown(name: str, column: np.ndarray) -> str:
+        if isinstance(values[name], str):
+            return "a text, compared by checksum"
+        return ", ".join(f"process {p}: {'None' if v == -1 else v}" for p, v in enumerate(column))
+
     differ = [
-        f"{name} ({', '.join(f'process {p}: {v}' for p, v in enumerate(every[:, i]))})"
+        f"{name} ({shown(name, every[:, i])})"
         for i, name in enumerate(names)
         if len(set(every[:, i].tolist())) > 1
     ]
@@ -310,6 +319,16 @@ def same_on_every_process(where: str, **values: int) -> None:
             f"{where}: {'; '.join(differ)} differ between processes; give every process "
             "the same arguments."
         )
+
+
+def _code(value: int | bool | str | None) -> int:
+    """A setting as one int32 to compare across processes: -1 for ``None``, a checksum of a
+    text."""
+    if value is None:
+        return -1
+    if isinstance(value, str):
+        return zlib.crc32(value.encode()) % 2**31
+    return int(value)
 
 
 def process_batches(
