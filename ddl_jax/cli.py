@@ -152,16 +152,18 @@ def _log(message: str, lock: threading.Lock) -> None:
         print(f"ddl-jax launch: {message}", file=sys.stderr, flush=True)
 
 
-def _warn_unjoined(count: int, joined: str, lock: threading.Lock) -> None:
+def _warn_unjoined(count: int, joined: str, lock: threading.Lock, failed: bool) -> None:
     """Warns about ranks that never called ``ddl_jax.launch.initialize()``: they ran as
-    independent single-process jobs, not as one cluster."""
+    independent single-process jobs, not as one cluster (where the run failed, they may
+    also have failed before reaching it)."""
     missing = [r for r in range(count) if not os.path.exists(os.path.join(joined, f"rank-{r}"))]
     if missing and count > 1:
         ranks = ", ".join(map(str, missing))
+        before = " (if the script calls it, they failed before it)" if failed else ""
         _log(
-            f"warning: rank(s) {ranks} never called ddl_jax.launch.initialize(), so the "
-            f"{count} processes ran as independent jobs, not one cluster; call it first in "
-            "the script, before any JAX computation.",
+            f"warning: rank(s) {ranks} never called ddl_jax.launch.initialize(){before}, so "
+            f"the {count} processes ran as independent jobs, not one cluster; call it first "
+            "in the script, before any JAX computation.",
             lock,
         )
 
@@ -191,8 +193,8 @@ def run_launch(args: argparse.Namespace) -> int:
                 _stop(procs, args.grace)
                 for pump in pumps:
                     pump.join()
+            _warn_unjoined(args.num_processes, joined, lock, failed=bool(failures))
             if not failures:
-                _warn_unjoined(args.num_processes, joined, lock)
                 return 0
         finally:
             shutil.rmtree(joined, ignore_errors=True)

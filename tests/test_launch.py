@@ -506,3 +506,17 @@ def test_ranks_that_never_join_are_warned_about(tmp_path):
     )
     assert together.returncode == 0, together.stderr
     assert "never called" not in together.stderr
+    # Ranks that fail without having joined: the warning, which may be why, still comes.
+    crashing = tmp_path / "crashing.py"
+    crashing.write_text("import sys\nprint('alone')\nsys.exit(3)\n")
+    failed = subprocess.run(
+        [*launcher, sys.executable, str(crashing)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert failed.returncode == 3, failed.stderr
+    assert "never called ddl_jax.launch.initialize() (if the script calls it, they failed " in (
+        failed.stderr
+    )
