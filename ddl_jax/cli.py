@@ -204,7 +204,8 @@ def run_launch(args: argparse.Namespace) -> int:
         if attempt < args.restarts:
             _log(
                 f"restarting all {args.num_processes} processes (restart {attempt + 1} of "
-                f"{args.restarts}); they resume from their latest checkpoint.",
+                f"{args.restarts}); they resume from their latest checkpoint, where the script "
+                "keeps one (ddl.fit(checkpoint_dir=...)), else from the start.",
                 lock,
             )
     _log(f"giving up: {_failed(failures)}.", lock)
