@@ -221,8 +221,9 @@ def test_a_compressed_reduce_scatter_with_no_leaf_to_split_trains_as_the_default
 def test_bad_arguments_name_what_is_valid():
     loss_fn, params = wide_mlp()
     mesh = ddl.make_mesh(data=8)
-    with pytest.raises(ValueError, match=r"stage must be one of \[1, 2, 3\], got 0"):
-        ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, stage=0)
+    for stage in (0, True):
+        with pytest.raises(ValueError, match=rf"stage must be one of \[1, 2, 3\], got {stage}"):
+            ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, stage=stage)
     for reducer in (ddl.compression.top_k(0.1), ddl.compression.sign(), ddl.allreduce_mean()):
         with pytest.raises(TypeError, match="must be a scatter reducer.*sign and power_sgd"):
             ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, reducer=reducer)

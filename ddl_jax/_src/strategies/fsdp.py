@@ -202,7 +202,7 @@ def fsdp(
         default_reducer=allreduce_mean,
         islands=True,
     )
-    if stage not in STAGES:
+    if isinstance(stage, bool) or stage not in STAGES:  # True == 1
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}.")
     reshard_after_forward = st.check_bool("reshard_after_forward", reshard_after_forward)
     quantized_weights = st.check_bool("quantized_weights", quantized_weights)
