@@ -426,6 +426,17 @@ def test_unreachable_coordinator_is_a_clear_error_within_the_timeout():
     assert time.monotonic() - tick < 30
 
 
+def test_a_coordinator_port_held_by_something_else_is_a_clear_error():
+    """Process 0 would fail to start its service with an error naming no port, and the
+    others would wait on the listener there until the timeout."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"initialize: port {port} of the coordinator"):
+            launch.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
 def test_process_batches_on_one_process_are_the_global_batches():
     train, _ = ddl.data.digits()
     mesh = ddl.make_mesh(data=8)

@@ -148,6 +148,8 @@ def initialize(
         _wait_for_coordinator(
             coordinator_address, initialization_timeout, process_id, num_processes
         )
+    elif explicit or launched:
+        _check_port_free(coordinator_address)
     # Harmless off CPU: it only configures the CPU client's cross-process collectives.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -217,6 +219,23 @@ def _wait_for_coordinator(address: str, timeout: int, process_id: int, count: in
                     "is running and that the address and port are reachable from this host."
                 ) from e
             time.sleep(0.2)
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 runs the coordination service on ``address``'s port: raises where
+    something else holds it (JAX's own error names no port, and the other processes would
+    wait on what answers there until ``initialization_timeout``)."""
+    port = int(address.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the service binds
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise RuntimeError(
+                f"initialize: port {port} of the coordinator address {address} is in use on "
+                f"this host ({e.strerror}); process 0 runs the coordination service there: "
+                "give another port, or stop what holds it."
+            ) from None
 
 
 def _check_cluster(address: Any, num_processes: Any, process_id: Any) -> tuple[int, int]:
