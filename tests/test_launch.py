@@ -492,41 +492,22 @@ def test_numpy_integers_are_arguments_like_python_ints():
 
 
 def test_ranks_that_never_join_are_warned_about(tmp_path):
-    script = tmp_path / "alone.py"
-    script.write_text("print('trained alone')\n")
-    joined = tmp_path / "joined.py"
-    joined.write_text(
-        "from ddl_jax._src.train import launch\nlaunch.initialize()\nprint('joined')\n"
-    )
     launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--"]
-    alone = subprocess.run(
-        [*launcher, sys.executable, str(script)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def launched(name, text):
+        (tmp_path / name).write_text(text)
+        run = [*launcher, sys.executable, str(tmp_path / name)]
+        return subprocess.run(run, env=child_env(), capture_output=True, text=True, timeout=120)
+
+    alone = launched("alone.py", "print('trained alone')\n")
     assert alone.returncode == 0
     assert "rank(s) 0, 1 never called ddl_jax.launch.initialize()" in alone.stderr, alone.stderr
-    together = subprocess.run(
-        [*launcher, sys.executable, str(joined)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    joining = "from ddl_jax._src.train import launch\nlaunch.initialize()\nprint('joined')\n"
+    together = launched("joined.py", joining)
     assert together.returncode == 0, together.stderr
     assert "never called" not in together.stderr
     # Ranks that fail without having joined: the warning, which may be why, still comes.
-    crashing = tmp_path / "crashing.py"
-    crashing.write_text("import sys\nprint('alone')\nsys.exit(3)\n")
-    failed = subprocess.run(
-        [*launcher, sys.executable, str(crashing)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    failed = launched("crashing.py", "import sys\nprint('alone')\nsys.exit(3)\n")
     assert failed.returncode == 3, failed.stderr
     assert "never called ddl_jax.launch.initialize() (if the script calls it, they failed " in (
         failed.stderr
