@@ -823,9 +823,9 @@ def async_sgd(
       fetched the server's state: after a push, a rejoin, or under Downpour and SSP's
       cached reads only when due); ``updates_applied`` (server version); ``wall_clock``
       (simulated time); ``clock_gap_max`` (the largest lead, in clocks, of a worker
-      starting a task over the slowest); ``replica_lag`` (the mean
-      over workers of the server updates since their fetch that their copy lacks);
-      ``pushes_lost`` (``drop``), ``workers_away`` (``churn``).
+      starting a task over the slowest); ``replica_lag`` (the mean over workers of the
+      server updates since their fetch that their copy lacks); ``pushes_lost``
+      (``drop``), ``workers_away`` (``churn``).
 
     Example (four equal workers averaging their four gradients: synchronous SGD):
 
