@@ -506,13 +506,11 @@ class _Program(NamedTuple):
         at = jnp.where(owners >= 0, owners, count)  # a worker that did not fetch: the end
         first = jnp.full(count + 1, m, jnp.int32).at[at].min(jnp.arange(m, dtype=jnp.int32))
         writer, slot = first[:count], first[at]  # slot m: none (a scratch row, or clamped)
-        kept = None  # SSP's cached reads: the workers here that keep their copy
+        keeper = kept = None  # SSP's cached reads: each event's keeping row, those here
         if self.rules.cached:
             here = events.worker - (0 if self.sharded else me[0])  # the row of its worker
             keeper = jnp.where(events.keep & (here >= 0) & (here < m), here, m)
             kept = jnp.zeros(m + 1, bool).at[keeper].set(True)[:m]
-        else:
-            keeper = jnp.full(count, m, jnp.int32)
         rows = (pushed, local.workers.new_model_state)
         gradients, model_states = self.scatter_pushes(*rows) if self.sharded else self.gather(rows)
         server = local._replace(workers=None)  # the events leave the workers' rows alone
