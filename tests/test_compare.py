@@ -410,7 +410,8 @@ def test_settings_that_cannot_reach_a_users_workload_are_refused(user_module, tm
     err = capsys.readouterr().err
     assert "'user_workloads:make' does not take non_iid" in err and err.count("\n") == 1, err
     # A function taking **options gets them all.
-    assert cli.main([*args[:-2], "--workload", "user_workloads:any_keywords"]) == 0
+    keywords = ["--strategies", "sync", "--workload", "user_workloads:any_keywords"]
+    assert cli.main([*args[:-2], *keywords]) == 0
     import user_workloads
 
     from ddl_jax.compare import compare
