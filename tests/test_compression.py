@@ -145,29 +145,63 @@ def test_error_feedback_conserves_mass_per_worker(name, active):
 # -- sign: the documented scale ---------------------------------------------------------------
 
 
-def sign_reference(xs: list[np.ndarray], n: int) -> np.ndarray:
-    """One step of the docstring's rule from zero residuals, for one tensor, in numpy."""
+def sign_reference(xs: list[np.ndarray], n: int, padding: str = "deepspeed") -> np.ndarray:
+    """One step of the docstring's rule from zero residuals, for one tensor, in numpy.
+
+    ``"deepspeed"``: the tensor zero-padded to a multiple of N lcm(N, 8), the padding
+    counted in every scale; ``"none"``: chunks of ``8 ceil(d / 8N)`` entries, the padding
+    past the tensor's end left out."""
 
     def compress(x):
         return np.linalg.norm(x) / np.sqrt(x.size) * np.where(x >= 0, 1.0, -1.0)
 
+    size = xs[0].size
+    if padding == "deepspeed":
+        padded = size + (-size) % (n * np.lcm(n, 8))
+        xs = [np.concatenate([x.ravel(), np.zeros(padded - size)]) for x in xs]
     y = np.mean([compress(x.ravel()) for x in xs], axis=0)
-    chunk = -(-y.size // (8 * n)) * 8
+    chunk = y.size // n if padding == "deepspeed" else -(-y.size // (8 * n)) * 8
     chunks = [y[j * chunk : (j + 1) * chunk] for j in range(n)]
-    return np.concatenate([compress(c) for c in chunks if c.size])  # trailing owners: padding
+    out = np.concatenate([compress(c) for c in chunks if c.size])  # "none": owners past d
+    return out[:size]
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_sign_is_the_scaled_sign_averaged_by_owners(n):
+@pytest.mark.parametrize("padding", ["deepspeed", "none"])
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_sign_is_the_scaled_sign_averaged_by_owners(n, padding):
     grads = random_grads(1, n, seed=3)
-    _, outs, _ = run_reducer(sign(), grads, n)
+    _, outs, _ = run_reducer(sign(padding=padding), grads, n)
     for k in SHAPES:
-        expected = sign_reference([grads[k][0, i] for i in range(n)], n)
+        expected = sign_reference([grads[k][0, i] for i in range(n)], n, padding)
         np.testing.assert_allclose(outs[k][0, 0].ravel(), expected, rtol=1e-6)
-    if n == 1:  # one worker: exactly (||x||_2 / sqrt(d)) sign(x)
+    if n == 1:  # one worker: exactly (||x||_2 / sqrt(d)) sign(x), d = 120 = 15 x 8
         x = grads["w"][0, 0]
         scale = np.linalg.norm(x) / np.sqrt(x.size)
         np.testing.assert_allclose(outs["w"][0, 0], scale * np.sign(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("padding", ["deepspeed", "none"])
+def test_sign_sends_the_signs_of_the_padded_tensors(mlp, padding):
+    """The compiled step's bytes and ``compression_ratio``: with DeepSpeed's padding every
+    tensor's signs padded to a multiple of N lcm(N, 8) travel (N = 6: 144 entries), with
+    ``padding="none"`` to a multiple of 8 N (48)."""
+    loss_fn, params = mlp
+    n = 6
+    [batch] = make_batches(1, 48)
+    reducer = sign(padding=padding)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=n), reducer=reducer)
+    state = strategy.init(params)
+    compiled = jax.jit(strategy.step).lower(state, batch).compile()
+    sent = sum(max(op.sent) * op.count for op in collectives(compiled.as_text()))
+    _, metrics = compiled(state, batch)
+    ring = 2 * (n - 1) / n
+    sent -= ring * 4 * 2  # the all-reduce of loss and compression_ratio
+    multiple = 144 if padding == "deepspeed" else 48
+    sizes = [x.size for x in jax.tree.leaves(params)]
+    signs = sum(-(-d // multiple) * multiple // 8 for d in sizes)
+    np.testing.assert_allclose(sent, ring * (signs + 4 * n * len(sizes)), rtol=1e-6)
+    dense = ring * 4 * sum(sizes)
+    np.testing.assert_allclose(metrics["compression_ratio"], dense / sent, rtol=1e-5)
 
 
 def test_bit_packing_round_trips():
@@ -325,6 +359,7 @@ def test_wire_bytes_against_a_dense_fp32_ring():
     [
         lambda: cast(jnp.bfloat16),
         sign,
+        lambda: sign(padding="none"),
         lambda: threshold(0.01),
         lambda: top_k(0.01),
         lambda: qsgd(4),
@@ -493,6 +528,8 @@ def test_power_sgd_refuses_a_tree_without_a_matrix():
         (lambda: qsgd(200), "levels .* must be an int >= 1 and <= 127, got 200"),
         (lambda: qsgd(4, bucket_size=0), "qsgd: bucket_size must be an int >= 1, got 0"),
         (lambda: qsgd(4, seed=True), "qsgd: seed must be an int, got True"),
+        (lambda: sign(padding="DeepSpeed"), "sign: padding must be 'deepspeed' or 'none', got"),
+        (lambda: sign(padding=None), "sign: padding must be 'deepspeed' or 'none', got None"),
         (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),
         (lambda: cast(jnp.float64), "dtype must be a floating dtype of at most 4 bytes"),
     ],

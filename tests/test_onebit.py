@@ -18,11 +18,14 @@ from ddl_jax._src.reduce.quantise import sign
 
 # Sizes dividing by N * lcm(N, 8) for N in 1, 2, 4: DeepSpeed pads nothing.
 SHAPES = {"w": (8, 16), "b": (64,)}
+# Sizes dividing by no N * lcm(N, 8) for N > 1 (a bias of 10, a 3x7 matrix): DeepSpeed
+# pads them, to 32 (N = 4), 64 (N = 8), 72 (N = 3).
+ODD_SHAPES = {"w": (3, 7), "b": (10,)}
 
 
-def random_grads(steps: int, n: int, seed: int = 0) -> dict:
+def random_grads(steps: int, n: int, seed: int = 0, shapes: dict = SHAPES) -> dict:
     rng = np.random.default_rng(seed)
-    return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    return {k: rng.normal(size=(steps, n, *s)).astype(np.float32) for k, s in shapes.items()}
 
 
 def run(reducer, grads: dict, n: int):
@@ -66,8 +69,56 @@ def ds_compressed_allreduce(buffers, worker_errors, server_errors):
 
 
 def ds_padded_size(size: int, n: int) -> int:
+    """``corrected_tensor_size`` (``OnebitAdam.step``, ``ZeroOneAdam.step``)."""
     divider = n * 8 // math.gcd(n, 8)
     return size + (-size) % (n * divider)
+
+
+def unpadded_compressed_allreduce(buffers, worker_errors, server_errors):
+    """``padding="none"``: ``ds_compressed_allreduce`` with the padding left out.
+
+    ``worker_errors[i]`` has the tensor's size; the chunks have ``8 ceil(d / 8N)``
+    entries, of which owner j's ``server_errors[j]`` covers those inside the tensor, the
+    scales counting only those."""
+    n = len(buffers)
+    size = buffers[0].size
+    chunk = -(-size // (8 * n)) * 8
+    compressed = []
+    for i in range(n):
+        x = buffers[i] + worker_errors[i]
+        scale = np.linalg.norm(x) / np.sqrt(max(x.size, 1))
+        worker_errors[i][:] = x - scale * ds_signs(x)
+        compressed.append(scale * ds_signs(x))
+    out = []
+    for j in range(n):
+        part = slice(j * chunk, min((j + 1) * chunk, size))
+        m = sum(c[part] for c in compressed) / n + server_errors[j]
+        scale = np.linalg.norm(m) / np.sqrt(max(m.size, 1))
+        server_errors[j][:] = m - scale * ds_signs(m)
+        out.append(scale * ds_signs(m))
+    return np.concatenate(out)
+
+
+def unpadded_errors(size: int, n: int):
+    """Zero ``worker_errors``, ``server_errors`` for :func:`unpadded_compressed_allreduce`."""
+    chunk = -(-size // (8 * n)) * 8
+    owned = [max(0, min(chunk, size - j * chunk)) for j in range(n)]
+    return [np.zeros(size) for _ in range(n)], [np.zeros(c) for c in owned]
+
+
+def as_deepspeed_errors(residual, pad, owner_residual, owner_pad, n):
+    """One tensor's error feedback state, each worker's ``[N, ...]`` (the residuals) or
+    ``[N]`` (their padding values), as DeepSpeed's buffers: every worker's
+    ``worker_error`` (padded) and all ``server_error`` chunks concatenated."""
+    size = residual[0].size
+    padded = ds_padded_size(size, n)
+    workers = [np.concatenate([residual[i].ravel(), np.full(padded - size, pad[i])])
+               for i in range(n)]  # fmt: skip
+    # Each worker's owner_residual is zero outside its chunk: summing assembles e'.
+    server = np.concatenate([owner_residual.sum(0).ravel(), np.zeros(padded - size)])
+    position = np.arange(padded)
+    owner_values = np.asarray(owner_pad)[position // (padded // n)]
+    return workers, np.where(position < size, server, owner_values)
 
 
 class DSOnebitAdam:
@@ -75,9 +126,9 @@ class DSOnebitAdam:
     gradient as the engine hands it over (the engine averages it while
     ``enable_backward_allreduce``, i.e. until the freeze)."""
 
-    def __init__(self, params, n, lr, freeze_step, betas, eps, weight_decay):
+    def __init__(self, params, n, lr, freeze_step, betas, eps, weight_decay, padded=True):
         self.params = [np.asarray(p, np.float64).copy() for p in params]
-        self.n, self.lr, self.freeze_step = n, lr, freeze_step
+        self.n, self.lr, self.freeze_step, self.padded = n, lr, freeze_step, padded
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.initialize, self.adam_freeze_key = False, False
         self.state = [{} for _ in params]
@@ -99,6 +150,8 @@ class DSOnebitAdam:
                 padded = ds_padded_size(p.size, n)
                 state["worker_error"] = [np.zeros(padded) for _ in range(n)]
                 state["server_error"] = [np.zeros(padded // n) for _ in range(n)]
+                if not self.padded:  # padding="none", not DeepSpeed's
+                    state["worker_error"], state["server_error"] = unpadded_errors(p.size, n)
                 self.adam_freeze_key = True
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             state["step"] += 1
@@ -112,7 +165,10 @@ class DSOnebitAdam:
                     for i in range(n):
                         exp_avg[i] = beta1 * exp_avg[i] + (1 - beta1) * grads[i][k]
                 if n > 1:
-                    flat = ds_compressed_allreduce(
+                    allreduce = (
+                        ds_compressed_allreduce if self.padded else unpadded_compressed_allreduce
+                    )
+                    flat = allreduce(
                         [m.ravel() for m in exp_avg], state["worker_error"], state["server_error"]
                     )
                     for i in range(n):
@@ -134,18 +190,52 @@ class DSOnebitAdam:
 # -- sign: DeepSpeed's compressed_allreduce ------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sign_is_deepspeeds_compressed_allreduce(n):
+@pytest.mark.parametrize(
+    ("n", "shapes"), [(2, SHAPES), (4, SHAPES), (3, ODD_SHAPES), (4, ODD_SHAPES), (8, ODD_SHAPES)]
+)
+def test_sign_is_deepspeeds_compressed_allreduce(n, shapes):
+    """Outputs and both residuals, DeepSpeed's buffers read back from the state; on
+    ODD_SHAPES, DeepSpeed's padding counts in the scales and the residuals."""
     steps = 4
-    grads = random_grads(steps, n, seed=1)
+    grads = random_grads(steps, n, seed=1, shapes=shapes)
     outs, states = run(sign(), grads, n)
-    for k in SHAPES:
+    for k in shapes:
         size = grads[k][0, 0].size
-        assert ds_padded_size(size, n) == size
-        worker_errors = [np.zeros(size) for _ in range(n)]
-        server_errors = [np.zeros(size // n) for _ in range(n)]
+        padded = ds_padded_size(size, n)
+        assert (padded == size) == (shapes is SHAPES)
+        worker_errors = [np.zeros(padded) for _ in range(n)]
+        server_errors = [np.zeros(padded // n) for _ in range(n)]
         for t in range(steps):
             expected = ds_compressed_allreduce(
+                [grads[k][t, i].ravel().astype(np.float64) for i in range(n)],
+                worker_errors,
+                server_errors,
+            )
+            for i in range(n):
+                np.testing.assert_allclose(outs[k][t, i].ravel(), expected, rtol=1e-5, atol=1e-6)
+            ours, server = as_deepspeed_errors(
+                states.residual[k][t],
+                states.pad_residual[k][t],
+                states.owner_residual[k][t],
+                states.owner_pad_residual[k][t],
+                n,
+            )
+            np.testing.assert_allclose(np.stack(ours), np.stack(worker_errors), atol=1e-5)
+            np.testing.assert_allclose(server, np.concatenate(server_errors), atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_sign_without_padding_leaves_it_out_of_scales_and_residuals(n):
+    """``padding="none"``: the scales over the tensor's entries (the owners': theirs), no
+    residual for the padding (its values stay 0)."""
+    steps = 4
+    grads = random_grads(steps, n, seed=1, shapes=ODD_SHAPES)
+    outs, states = run(sign(padding="none"), grads, n)
+    padded_outs, _ = run(sign(), grads, n)
+    for k in ODD_SHAPES:
+        worker_errors, server_errors = unpadded_errors(grads[k][0, 0].size, n)
+        for t in range(steps):
+            expected = unpadded_compressed_allreduce(
                 [grads[k][t, i].ravel().astype(np.float64) for i in range(n)],
                 worker_errors,
                 server_errors,
@@ -155,12 +245,33 @@ def test_sign_is_deepspeeds_compressed_allreduce(n):
             np.testing.assert_allclose(
                 states.residual[k][t].reshape(n, -1), np.stack(worker_errors), atol=1e-5
             )
-            # Each worker's owner_residual is zero outside its chunk: summing assembles e'.
             np.testing.assert_allclose(
                 states.owner_residual[k][t].sum(0).ravel(),
                 np.concatenate(server_errors),
                 atol=1e-5,
             )
+        np.testing.assert_array_equal(states.pad_residual[k], 0.0)
+        np.testing.assert_array_equal(states.owner_pad_residual[k], 0.0)
+        assert not np.allclose(outs[k], padded_outs[k], rtol=1e-3)  # DeepSpeed's differ
+
+
+def test_sign_paddings_agree_where_deepspeed_pads_nothing():
+    n = 4
+    grads = random_grads(3, n, seed=1)
+    outs, states = run(sign(), grads, n)
+    unpadded_outs, unpadded_states = run(sign(padding="none"), grads, n)
+    for k in SHAPES:
+        np.testing.assert_allclose(outs[k], unpadded_outs[k], rtol=1e-6)
+        for f in ("residual", "owner_residual"):
+            np.testing.assert_allclose(
+                getattr(states, f)[k], getattr(unpadded_states, f)[k], atol=1e-6
+            )
+
+
+def test_sign_rejects_an_unknown_padding():
+    for padding in ("DeepSpeed", None, "zeros", 0):
+        with pytest.raises(ValueError, match="sign: padding must be 'deepspeed' or 'none'"):
+            sign(padding=padding)
 
 
 def test_sign_l1_scale_is_the_mean_magnitude():
@@ -179,23 +290,34 @@ def test_sign_rejects_an_unknown_scale():
 # -- 1-bit Adam -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_onebit_adam_is_deepspeeds(n):
+@pytest.mark.parametrize(
+    ("n", "shapes", "padding"),
+    [
+        (1, SHAPES, "deepspeed"),
+        (4, SHAPES, "deepspeed"),
+        (4, ODD_SHAPES, "deepspeed"),
+        (8, ODD_SHAPES, "deepspeed"),
+        (8, ODD_SHAPES, "none"),  # against the transcription with the padding left out
+    ],
+)
+def test_onebit_adam_is_deepspeeds(n, shapes, padding):
     """DeepSpeed's OnebitAdam(freeze_step=F) on g_1..g_T, whose first step only allocates
     buffers, against onebit_adam(F - 1) on g_2..g_T: directions, moments and residuals."""
     steps, freeze = 8, 4
     betas, eps = (0.9, 0.999), 1e-8
-    grads = random_grads(steps, n, seed=3)
-    names = sorted(SHAPES)  # the reducer's leaves, in tree order
+    grads = random_grads(steps, n, seed=3, shapes=shapes)
+    names = sorted(shapes)  # the reducer's leaves, in tree order
     ds = DSOnebitAdam(
-        [np.zeros(SHAPES[k]) for k in names], n, 0.1, freeze, betas, eps, weight_decay=0.0
-    )
-    moments = []
+        [np.zeros(shapes[k]) for k in names], n, 0.1, freeze, betas, eps, weight_decay=0.0,
+        padded=padding == "deepspeed",
+    )  # fmt: skip
+    moments, errors = [], []
     for t in range(steps):
         ds.step([[grads[k][t, i].astype(np.float64) for k in names] for i in range(n)])
         moments.append([(s["exp_avg"][0].copy(), s["exp_avg_sq"][0].copy()) for s in ds.state])
+        errors.append([[np.copy(e) for e in s.get("worker_error", [])] for s in ds.state])
 
-    reducer = onebit_adam(freeze - 1, b1=betas[0], b2=betas[1], eps=eps)
+    reducer = onebit_adam(freeze - 1, b1=betas[0], b2=betas[1], eps=eps, padding=padding)
     outs, states = run(reducer, jax.tree.map(lambda g: g[1:], grads), n)
     assert len(ds.updates) == steps - 1
     for t in range(steps - 1):
@@ -206,8 +328,16 @@ def test_onebit_adam_is_deepspeeds(n):
                 )
                 np.testing.assert_allclose(states.mu[k][t, i], moments[t + 1][j][0], atol=1e-6)
                 np.testing.assert_allclose(states.nu[k][t, i], moments[t + 1][j][1], atol=1e-7)
+            if n > 1 and t >= freeze - 1 and padding == "deepspeed":  # compressed
+                ours, _ = as_deepspeed_errors(
+                    states.residual[k][t], states.pad_residual[k][t],
+                    states.owner_residual[k][t], states.owner_pad_residual[k][t], n,
+                )  # fmt: skip
+                np.testing.assert_allclose(np.stack(ours), errors[t + 1][j], atol=1e-5)
     # The variance is frozen after step freeze_step - 1 (DeepSpeed's step freeze_step) ...
     for k in names:
+        if padding == "none":
+            np.testing.assert_array_equal(states.pad_residual[k], 0.0)
         for t in range(freeze - 1, steps - 1):
             np.testing.assert_array_equal(states.nu[k][t], states.nu[k][freeze - 2])
         assert not np.allclose(states.nu[k][freeze - 2], states.nu[k][freeze - 3])
@@ -215,7 +345,12 @@ def test_onebit_adam_is_deepspeeds(n):
     ratio = states.compression_ratio
     np.testing.assert_array_equal(ratio[: freeze - 1], 1.0)
     if n > 1:
-        assert (ratio[freeze - 1 :] > 10).all()  # small tensors: the scales weigh
+        # the float32 ring's bytes over the signs of the padded tensors and the scales
+        multiple = n * math.lcm(n, 8) if padding == "deepspeed" else 8 * n
+        signs = sum(-(-math.prod(s) // multiple) * multiple / 8 for s in shapes.values())
+        dense = 4 * sum(math.prod(s) for s in shapes.values())
+        np.testing.assert_allclose(ratio[freeze - 1 :], dense / (signs + 4 * n * len(shapes)))
+        assert shapes is not SHAPES or (ratio[freeze - 1 :] > 10).all()
         w = states.residual["w"]
         assert not np.allclose(w[freeze - 1], 0) and np.allclose(w[freeze - 2], 0)
 
@@ -253,6 +388,8 @@ def test_onebit_adam_reports_compression_and_rejects_bad_arguments():
     assert reducer_metrics(onebit_adam(2).init(params)) == {"compression_ratio": 1.0}
     assert not checks_vma(onebit_adam(2))
     for kwargs, name in [
+        ({"freeze_step": 2, "padding": "zero"}, "onebit_adam: padding must be 'deepspeed'"),
+        ({"freeze_step": 2, "padding": None}, "padding"),
         ({"freeze_step": 0}, "freeze_step"),
         ({"freeze_step": 1.5}, "freeze_step"),
         ({"freeze_step": 2, "b1": 1.0}, "b1"),

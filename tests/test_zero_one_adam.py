@@ -9,11 +9,20 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_batches, mlp_pair
-from test_onebit import SHAPES, ds_compressed_allreduce, ds_padded_size
+from test_onebit import (
+    ODD_SHAPES,
+    SHAPES,
+    as_deepspeed_errors,
+    ds_compressed_allreduce,
+    ds_padded_size,
+    unpadded_compressed_allreduce,
+    unpadded_errors,
+)
 
 import ddl_jax as ddl
 
 NAMES = sorted(SHAPES)  # the parameters' leaves, in tree order
+assert sorted(ODD_SHAPES) == NAMES
 
 
 class DSZeroOneAdam:
@@ -24,8 +33,9 @@ class DSZeroOneAdam:
     ``enable_backward_allreduce``, which ``step`` sets for the next step.
     """
 
-    def __init__(self, params, n, schedule, betas, eps, weight_decay, mask=None):
+    def __init__(self, params, n, schedule, betas, eps, weight_decay, mask=None, padded=True):
         self.params = [[np.asarray(p, np.float64).copy() for p in params] for _ in range(n)]
+        self.padded = padded  # False: padding="none", not DeepSpeed's
         self.n, self.betas, self.eps, self.wd, self.mask = n, betas, eps, weight_decay, mask
         self.var_freeze_step, self.var_update_scaler = schedule[:2]
         self.local_step_scaler, self.local_step_clipper = schedule[2:]
@@ -51,6 +61,8 @@ class DSZeroOneAdam:
                 padded = ds_padded_size(p.size, n)
                 state["worker_error"] = [np.zeros(padded) for _ in range(n)]
                 state["server_error"] = [np.zeros(padded // n) for _ in range(n)]
+                if not self.padded:
+                    state["worker_error"], state["server_error"] = unpadded_errors(p.size, n)
                 state["momentum_accumulator"] = [np.zeros(p.shape) for _ in range(n)]
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             comm_buffer = state["momentum_accumulator"]
@@ -58,7 +70,10 @@ class DSZeroOneAdam:
             mask = None if self.mask is None else self.mask[k]
 
             def allreduce(buffers, state=state, mask=mask, shape=p.shape):
-                flat = ds_compressed_allreduce(
+                compressed_allreduce = (
+                    ds_compressed_allreduce if self.padded else unpadded_compressed_allreduce
+                )
+                flat = compressed_allreduce(
                     [b.ravel() for b in buffers], state["worker_error"], state["server_error"]
                 ).reshape(shape)
                 return flat if mask is None else flat * mask
@@ -175,16 +190,25 @@ VARIANCE_UPDATES = [0, 1, 2, 4, 6]
 SYNCHRONISED = [*range(8), 8, 9, 10, 14, 18]
 
 
-@pytest.mark.parametrize(("n", "weight_decay", "masked"), [(4, 0.0, False), (4, 0.01, True),
-                                                           (1, 0.0, False)])  # fmt: skip
-def test_zero_one_adam_is_deepspeeds(n, weight_decay, masked):
+@pytest.mark.parametrize(
+    ("n", "weight_decay", "masked", "shapes", "padding"),
+    [
+        (4, 0.0, False, SHAPES, "deepspeed"),
+        (4, 0.01, True, SHAPES, "deepspeed"),
+        (1, 0.0, False, SHAPES, "deepspeed"),
+        (4, 0.01, False, ODD_SHAPES, "deepspeed"),  # DeepSpeed pads: 10 and 21 to 32
+        (8, 0.0, False, ODD_SHAPES, "deepspeed"),  # to 64
+        (8, 0.0, False, ODD_SHAPES, "none"),  # the transcription with padding left out
+    ],
+)
+def test_zero_one_adam_is_deepspeeds(n, weight_decay, masked, shapes, padding):
     """DeepSpeed's ZeroOneAdam on g_1, g_2, ..., whose first step only allocates buffers,
     against zero_one_adam with the same arguments on g_2, g_3, ...: every worker's
     parameters, moments, accumulator and residuals after every step."""
     rng = np.random.default_rng(5)
-    params = {k: rng.normal(size=SHAPES[k]).astype(np.float32) for k in NAMES}
+    params = {k: rng.normal(size=shapes[k]).astype(np.float32) for k in NAMES}
     batches = [
-        {k: rng.normal(size=(2 * n, *SHAPES[k])).astype(np.float32) for k in NAMES}
+        {k: rng.normal(size=(2 * n, *shapes[k])).astype(np.float32) for k in NAMES}
         for _ in range(STEPS)
     ]
     mask = None
@@ -196,10 +220,11 @@ def test_zero_one_adam_is_deepspeeds(n, weight_decay, masked):
                         "local_step_clipper"), SCHEDULE, strict=True))  # fmt: skip
     strategy = ddl.zero_one_adam(
         loss_fn, lr_schedule, ddl.make_mesh(data=n), weight_decay=weight_decay,
-        exp_avg_mask=mask, b1=betas[0], b2=betas[1], eps=eps, **options,
+        exp_avg_mask=mask, b1=betas[0], b2=betas[1], eps=eps, padding=padding, **options,
     )  # fmt: skip
     ds_mask = None if mask is None else [mask[k].astype(np.float64) for k in NAMES]
-    ds = DSZeroOneAdam([params[k] for k in NAMES], n, SCHEDULE, betas, eps, weight_decay, ds_mask)
+    ds = DSZeroOneAdam([params[k] for k in NAMES], n, SCHEDULE, betas, eps, weight_decay,
+                       ds_mask, padded=padding == "deepspeed")  # fmt: skip
     ds.step(worker_grads(ds.params, batches[0], n), lr=None)  # allocates buffers only
     step = jax.jit(strategy.step)
     state = strategy.init(params)
@@ -217,10 +242,20 @@ def test_zero_one_adam_is_deepspeeds(n, weight_decay, masked):
                 close(s.params[k][i], ds.params[i][j], msg)
                 close(s.mu[k][i], dss["exp_avg"][i], msg)
                 close(s.accumulator[k][i], dss["momentum_accumulator"][i], msg)
-                close(s.residual[k][i].ravel(), dss["worker_error"][i], msg)
             close(s.nu[k], dss["exp_avg_sq"][0], msg)
-            # Each worker's owner_residual is zero outside its chunk: summing assembles e'.
-            close(s.owner_residual[k].sum(0).ravel(), np.concatenate(dss["server_error"]), msg)
+            if padding == "deepspeed":  # DeepSpeed's buffers read back from the state
+                worker_errors, server_error = as_deepspeed_errors(
+                    s.residual[k], s.pad_residual[k], s.owner_residual[k],
+                    s.owner_pad_residual[k], n,
+                )  # fmt: skip
+            else:
+                worker_errors = [s.residual[k][i].ravel() for i in range(n)]
+                server_error = s.owner_residual[k].sum(0).ravel()  # e', each its chunk
+                np.testing.assert_array_equal(s.pad_residual[k], 0.0)
+                np.testing.assert_array_equal(s.owner_pad_residual[k], 0.0)
+            for i in range(n):
+                close(worker_errors[i], dss["worker_error"][i], msg)
+            close(server_error, np.concatenate(dss["server_error"]), msg)
             np.testing.assert_allclose(s.lrs, dss["lrs"], rtol=1e-6, atol=1e-8, err_msg=msg)
             schedule = ("var_interval", "var_counter", "local_step_interval",
                         "local_step_counter")  # fmt: skip
@@ -287,6 +322,8 @@ def test_zero_one_adam_rejects_bad_arguments():
         ({"eps": 0.0}, "eps"),
         ({"weight_decay": -1e-4}, "weight_decay"),
         ({"exp_avg_mask": "zeros"}, "exp_avg_mask"),
+        ({"padding": "zeros"}, "zero_one_adam: padding must be 'deepspeed' or 'none'"),
+        ({"padding": None}, "padding"),
     ]:
         args = {"learning_rate": 0.1} | kwargs
         with pytest.raises(ValueError, match=name):

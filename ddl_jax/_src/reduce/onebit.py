@@ -18,7 +18,7 @@ from ddl_jax._src.core.reducer import PermuteReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import check_axis_name, compressed_allreduce
+from ddl_jax._src.reduce.quantise import check_axis_name, check_padding, compressed_allreduce
 
 
 class OnebitAdamState(NamedTuple):
@@ -33,6 +33,10 @@ class OnebitAdamState(NamedTuple):
       residual: the worker's error-feedback residual ``e`` of the momentum.
       owner_residual: the residual ``e'`` of the momentum chunks this worker owns, in a
         params-shaped buffer of which it uses its own chunk.
+      pad_residual: with ``padding="deepspeed"``, the value of every padding entry of
+        ``e`` (they stay equal), a float32 scalar per tensor; 0 with ``"none"``.
+      owner_pad_residual: likewise, the padding entries of the chunk of ``e'`` this
+        worker owns (0 where it has none).
       compression_ratio: float32 scalar, see ``reducer_metrics`` (1 while warming up).
     """
 
@@ -41,6 +45,8 @@ class OnebitAdamState(NamedTuple):
     nu: Any
     residual: Any
     owner_residual: Any
+    pad_residual: Any
+    owner_pad_residual: Any
     compression_ratio: jax.Array
 
 
@@ -51,6 +57,7 @@ def onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     exp_avg_mask: Any = None,
+    padding: str = "deepspeed",
     axis: str = "data",
 ) -> optax.GradientTransformation:
     """1-bit Adam (Tang et al.): full-precision Adam, then the variance frozen and the
@@ -64,7 +71,8 @@ def onebit_adam(
       each worker updates the agreed momentum with its own gradient,
       ``m_i = b1 m + (1 - b1) g_i``, and ``m <- compressed_allreduce(m_i)``: ``sign``'s
       two-phase 1-bit all-reduce with worker and owner error feedback, scale
-      ``||x||_2 / sqrt(d)`` per tensor (skipped on one worker, as DeepSpeed does).
+      ``||x||_2 / sqrt(d)`` per tensor, each tensor zero-padded as DeepSpeed (below;
+      skipped on one worker, as DeepSpeed does).
 
     Every step returns ``u = m / (sqrt(v) + eps)``: no bias correction, ``eps`` outside
     the square root. The momentum lives here: follow with plain ``optax.sgd(lr)``
@@ -75,7 +83,9 @@ def onebit_adam(
     compressed gradients is not Adam's.
 
     Each device sends ``2 (N-1)/N * 4 D`` bytes (a float32 ring) while warming up, then
-    ``2 (N-1)/N * D/8`` bytes of signs plus 8 per tensor and worker of scales.
+    ``2 (N-1)/N * D'/8`` bytes of signs plus 8 per tensor and worker of scales, D' the
+    padded size (each tensor's rounded up to a multiple of ``N * lcm(N, 8)``; of 8 N with
+    ``padding="none"``).
 
     Follows ``deepspeed/runtime/fp16/onebit/adam.py`` (``OnebitAdam.step``) and
     ``deepspeed/runtime/comm/nccl.py`` (``NcclBackend.compressed_allreduce``) of
@@ -86,12 +96,21 @@ def onebit_adam(
       ``OnebitAdam(freeze_step=F)`` on gradients ``g_1, g_2, ...`` equals this reducer with
       ``freeze_step=F - 1`` on ``g_2, g_3, ...`` (F - 1 full-precision steps, then
       compression), which a test checks.
-    * DeepSpeed zero-pads each tensor to a multiple of ``N * lcm(N, 8)`` entries and counts
-      the padding in the scales and error feedback; here padding is left out (identical on
-      tensors whose size divides).
+    * With ``padding="none"`` only: the padding is left out of the scales and residuals
+      (the same on tensors whose size divides by ``N * lcm(N, 8)``). By default
+      (``"deepspeed"``) it counts, as in DeepSpeed (below).
     * DeepSpeed's ``bias_correction``, ``eps_inside_sqrt`` and ``max_grad_norm`` are
       accepted there but unused, so they are absent here; ``non_freeze`` groups are not
       supported.
+
+    **Padding.** ``OnebitAdam.step`` sizes each tensor's ``worker_error`` to its
+    ``corrected_tensor_size``, the size rounded up to a multiple of ``N * lcm(N, 8)``
+    (``size * divider``), and ``server_error`` to that over N; ``compressed_allreduce``
+    zero-pads the momentum to it. So does this reducer (``padding="deepspeed"``): each
+    tensor padded on its own, the padding counted in the worker's scale, the owners'
+    chunks and scales and both residuals, the output cut back. The padding entries of a
+    residual all hold one value (zeros in, elementwise updates), kept as one scalar per
+    tensor (``pad_residual``, ``owner_pad_residual``), so the state does not depend on N.
 
     **Momentum mask.** 1-bit compression cannot send an exact zero, so an entry whose
     gradient is always 0 (an input never seen, a position never used) gets a momentum of
@@ -119,6 +138,9 @@ def onebit_adam(
       eps: added to ``sqrt(v)``, > 0.
       exp_avg_mask: ``None`` (no mask) or a pytree of 0/1 arrays like the parameters
         (DeepSpeed's ``exp_avg_mask``, above).
+      padding: ``"deepspeed"`` (DeepSpeed's zero-padding of each tensor to a multiple of
+        ``N * lcm(N, 8)``, counted in the scales and residuals) or ``"none"`` (padding
+        left out of them), above.
       axis: the mesh axis the workers live on, one a device (not with ``workers=``: the
         frozen variance is each worker's own copy).
 
@@ -141,6 +163,7 @@ def onebit_adam(
         check_real(f"onebit_adam: {name}", beta, maximum=1, exclusive=True)
     b1, b2 = float(b1), float(b2)
     eps = check_real("onebit_adam: eps", eps, minimum=0, exclusive=True)
+    padding = check_padding("onebit_adam", padding)
     if isinstance(exp_avg_mask, str):
         raise ValueError(
             "onebit_adam: exp_avg_mask must be None or a pytree of 0/1 arrays like the "
@@ -149,8 +172,10 @@ def onebit_adam(
 
     def init(params) -> OnebitAdamState:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        pads = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
         one = jnp.ones((), jnp.float32)
-        return OnebitAdamState(jnp.zeros((), jnp.int32), zeros, zeros, zeros, zeros, one)
+        count = jnp.zeros((), jnp.int32)
+        return OnebitAdamState(count, zeros, zeros, zeros, zeros, pads, pads, one)
 
     def update(updates, state: OnebitAdamState, params=None):
         del params
@@ -159,22 +184,31 @@ def onebit_adam(
         grads = [g.astype(jnp.float32) for g in leaves]
         flat = [
             treedef.flatten_up_to(x)
-            for x in (state.mu, state.nu, state.residual, state.owner_residual)
+            for x in (
+                state.mu,
+                state.nu,
+                state.residual,
+                state.owner_residual,
+                state.pad_residual,
+                state.owner_pad_residual,
+            )
         ]
 
-        def warm(mu, nu, e, e2):
+        def warm(mu, nu, *residuals):
             mean = [lax.pmean(g, axis) for g in grads]
             mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, mean, strict=True)]
             nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, mean, strict=True)]
-            return mu, nu, e, e2, jnp.ones((), jnp.float32)
+            return mu, nu, *residuals, jnp.ones((), jnp.float32)
 
-        def compressed(mu, nu, e, e2):
+        def compressed(mu, nu, *residuals):
             local = [b1 * m + (1 - b1) * g for m, g in zip(mu, grads, strict=True)]
             if n == 1:
-                return masked(local), nu, e, e2, jnp.ones((), jnp.float32)
-            mu, e, e2, wire_bytes = compressed_allreduce(local, e, e2, axis, "l2")
+                return masked(local), nu, *residuals, jnp.ones((), jnp.float32)
+            mu, *residuals, wire_bytes = compressed_allreduce(
+                local, *residuals, axis, "l2", padding
+            )
             ratio = wire.ratio(sum(g.size for g in grads), wire_bytes, n)
-            return masked(mu), nu, e, e2, ratio
+            return masked(mu), nu, *residuals, ratio
 
         def masked(mu):
             """The momentum times ``exp_avg_mask`` (after the all-reduce, as DeepSpeed)."""
@@ -184,7 +218,7 @@ def onebit_adam(
             return [m * jnp.asarray(k, m.dtype) for m, k in zip(mu, masks, strict=True)]
 
         try:
-            mu, nu, e, e2, ratio = lax.cond(state.count < freeze_step, warm, compressed, *flat)
+            mu, nu, *residuals, ratio = lax.cond(state.count < freeze_step, warm, compressed, *flat)
         except TypeError as error:  # run under shard_map's replication check
             if "branches must have equal output types" not in str(error):
                 raise
@@ -200,7 +234,7 @@ def onebit_adam(
         ]
         new_state = OnebitAdamState(
             state.count + 1,
-            *(treedef.unflatten(x) for x in (mu, nu, e, e2)),
+            *(treedef.unflatten(x) for x in (mu, nu, *residuals)),
             ratio,
         )
         return treedef.unflatten(out), new_state

@@ -11,6 +11,7 @@ transforms, which ``optax.chain`` composes like any other. Sparsifiers are in
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -121,11 +122,17 @@ class SignState(NamedTuple):
       residual: the worker's error-feedback residual ``e``, shaped like the params.
       owner_residual: the residual ``e'`` of the chunks this worker owns (re-compressing
         their average), kept in a params-shaped buffer of which it uses its own chunk.
+      pad_residual: with ``padding="deepspeed"``, the value of every padding entry of
+        ``e`` (they stay equal), a float32 scalar per tensor; 0 with ``"none"``.
+      owner_pad_residual: likewise, the padding entries of the chunk of ``e'`` this
+        worker owns (0 where it has none).
       compression_ratio: float32 scalar, see ``reducer_metrics``.
     """
 
     residual: Any
     owner_residual: Any
+    pad_residual: Any
+    owner_pad_residual: Any
     compression_ratio: jax.Array
 
 
@@ -134,6 +141,7 @@ def _signs(bits: jax.Array) -> jax.Array:
 
 
 SCALES = ("l2", "l1")
+PADDINGS = ("deepspeed", "none")
 
 
 def check_scale(fn: str, scale: Any) -> str:
@@ -143,6 +151,20 @@ def check_scale(fn: str, scale: Any) -> str:
     return scale
 
 
+def check_padding(fn: str, padding: Any) -> str:
+    """Raises ``ValueError`` unless ``padding`` is ``"deepspeed"`` or ``"none"``."""
+    if not isinstance(padding, str) or padding not in PADDINGS:
+        raise ValueError(f"{fn}: padding must be 'deepspeed' or 'none', got {padding!r}.")
+    return padding
+
+
+def deepspeed_padded_size(size: int, n: int) -> int:
+    """DeepSpeed's ``corrected_tensor_size`` of a ``size``-entry tensor over ``n`` workers:
+    ``size`` rounded up to a multiple of ``n * lcm(n, 8)`` (``OnebitAdam.step``'s
+    ``self.size * self.divider``, ``divider = lcm(self.size, 8)``)."""
+    return padded_size(size, n * math.lcm(n, 8))
+
+
 def _scale_of(x: jax.Array, count: jax.Array | int, scale: str) -> jax.Array:
     """``||x||_2 / sqrt(count)`` (``"l2"``) or ``||x||_1 / count`` (``"l1"``)."""
     if scale == "l2":
@@ -150,13 +172,37 @@ def _scale_of(x: jax.Array, count: jax.Array | int, scale: str) -> jax.Array:
     return jnp.abs(x).sum() / jnp.maximum(count, 1)
 
 
+class AllreduceResult(NamedTuple):
+    """What :func:`compressed_allreduce` returns (lists: one entry per tensor).
+
+    Attributes:
+      out: the agreed outputs, typed invariant over the axis, in the leaves' dtypes.
+      residuals: the new residuals ``e``.
+      owner_residuals: the new owner residuals ``e'``.
+      pad_residuals: the new value of the padding entries of ``e`` (float32 scalars).
+      owner_pad_residuals: the new value of the padding entries of ``e'`` in the chunk
+        this worker owns (float32 scalars).
+      wire_bytes: the bytes each device sends (a Python float).
+    """
+
+    out: list[jax.Array]
+    residuals: list[jax.Array]
+    owner_residuals: list[jax.Array]
+    pad_residuals: list[jax.Array]
+    owner_pad_residuals: list[jax.Array]
+    wire_bytes: float
+
+
 def compressed_allreduce(
     leaves: list[jax.Array],
     residuals: list[jax.Array],
     owner_residuals: list[jax.Array],
+    pad_residuals: list[jax.Array],
+    owner_pad_residuals: list[jax.Array],
     axis: str,
     scale: str = "l2",
-) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], float]:
+    padding: str = "deepspeed",
+) -> AllreduceResult:
     """The two-phase 1-bit all-reduce with error feedback of :func:`sign`, tensor by tensor.
 
     Worker side: ``x = g + e``, sent as ``C(x) = s(x) sign(x)``, ``e <- x - C(x)``; each
@@ -164,43 +210,87 @@ def compressed_allreduce(
     ``C(y)``, ``e' <- y - C(y)``. ``s`` is ``||x||_2 / sqrt(d)`` (``"l2"``) or
     ``||x||_1 / d`` (``"l1"``), d the entries of the tensor (the owner: of its chunk).
 
+    ``padding="deepspeed"``: as ``NcclBackend.compressed_allreduce`` with the buffers
+    ``OnebitAdam`` / ``ZeroOneAdam`` allocate (github.com/deepspeedai/DeepSpeed), each
+    tensor (separately) is zero-padded to D entries, a multiple of ``N * lcm(N, 8)``, and
+    x, e, d, the N chunks of D/N entries, the owner's y, e' and its d are all of the padded
+    length; the output is cut back to the tensor's size. The padding entries of ``e``
+    start at 0 and are updated alike (zeros in, elementwise), so they always hold one
+    value: kept as a scalar per tensor, ``pad_residuals``; likewise those of the chunk a
+    worker owns, ``owner_pad_residuals``. So the state does not depend on N, and equals
+    DeepSpeed's ``worker_error`` / ``server_error`` read back entry for entry.
+    ``padding="none"``: padding (to a multiple of 8 N, for the bit packing only) is left
+    out of the scales, ``e`` and ``e'``; the padding scalars pass through unchanged.
+
     Args:
       leaves: this worker's tensors (any float dtype).
       residuals: its residuals ``e``, float32, shaped like ``leaves``.
       owner_residuals: its owner residuals ``e'``, float32, shaped like ``leaves``, of which
         only the chunk it owns is used.
+      pad_residuals: float32 scalars, the padding entries of ``e``.
+      owner_pad_residuals: float32 scalars, the padding entries of its chunk of ``e'``.
       axis: the mesh axis the workers live on (in scope).
       scale: ``"l2"`` or ``"l1"``.
+      padding: ``"deepspeed"`` or ``"none"`` (above).
 
     Returns:
-      The agreed outputs (typed invariant over ``axis``, in the leaves' dtypes), the new
-      residuals, the new owner residuals, and the bytes each device sends.
+      An ``AllreduceResult``.
     """
     n = check_axis_in_scope(axis)
     owner = lax.axis_index(axis)
-    packed, scales, new_residuals = [], [], []
-    for g, e in zip(leaves, residuals, strict=True):
-        x = g.astype(jnp.float32) + e
-        s = _scale_of(x, x.size, scale)
-        new_residuals.append(x - s * _signs(x >= 0))
-        packed.append(wire.pack_bits(pad_to(x >= 0, 8 * n).reshape(n, -1)))
+    deepspeed = padding == "deepspeed"
+    lengths = [
+        deepspeed_padded_size(g.size, n) if deepspeed else padded_size(g.size, 8 * n)
+        for g in leaves
+    ]
+    packed, scales, new_residuals, new_pads = [], [], [], []
+    for g, e, r, length in zip(leaves, residuals, pad_residuals, lengths, strict=True):
+        if not deepspeed:
+            x = g.astype(jnp.float32) + e
+            s = _scale_of(x, x.size, scale)
+            new_residuals.append(x - s * _signs(x >= 0))
+            new_pads.append(r)
+            packed.append(wire.pack_bits(pad_to(x >= 0, 8 * n).reshape(n, -1)))
+            scales.append(s)
+            continue
+        # DeepSpeed: buffer_m zero-padded, plus worker_error (padded), scaled over D.
+        data = g.astype(jnp.float32).reshape(-1) + e.reshape(-1)
+        x = jnp.concatenate([data, jnp.full(length - g.size, r, jnp.float32)])
+        s = _scale_of(x, length, scale)
+        new_e = x - s * _signs(x >= 0)
+        new_residuals.append(new_e[: g.size].reshape(g.shape))
+        new_pads.append(new_e[g.size] if length > g.size else r)
+        packed.append(wire.pack_bits((x >= 0).reshape(n, -1)))
         scales.append(s)
     received = wire.scatter_to_owners(jnp.concatenate(packed, axis=1), axis)
     worker_scales = wire.gather_from_owners(jnp.stack(scales), axis)  # [N, tensors]
 
-    start, packed2, scales2, new_owner_residuals = 0, [], [], []
-    for t, (g, e2) in enumerate(zip(leaves, owner_residuals, strict=True)):
+    start, packed2, scales2, new_owner_residuals, new_owner_pads = 0, [], [], [], []
+    for t, (g, e2, r2, length) in enumerate(
+        zip(leaves, owner_residuals, owner_pad_residuals, lengths, strict=True)
+    ):
         width = packed[t].shape[1]
         chunk = 8 * width
         bits = wire.unpack_bits(received[:, start : start + width])
         start += width
         mean = (worker_scales[:, t, None] * _signs(bits)).mean(axis=0)
-        # Padding past the tensor's end is no data: keep it out of y, e' and the scale.
         valid = owner * chunk + jnp.arange(chunk) < g.size
-        full_e2 = pad_to(e2, 8 * n)
-        y = jnp.where(valid, mean + wire.owner_slice(full_e2, owner, chunk), 0.0)
-        s2 = _scale_of(y, valid.sum(), scale)
-        e2_chunk = jnp.where(valid, y - s2 * _signs(y >= 0), 0.0)
+        if deepspeed:
+            # DeepSpeed: the padding is in y, e' and the scale (its server chunk of D/N).
+            full_e2 = jnp.pad(e2.reshape(-1), (0, length - g.size))
+            y = mean + jnp.where(valid, wire.owner_slice(full_e2, owner, chunk), r2)
+            s2 = _scale_of(y, chunk, scale)
+            e2_chunk = y - s2 * _signs(y >= 0)
+            # the chunk's last entry is padding if any is
+            new_owner_pads.append(jnp.where(valid[-1], r2, e2_chunk[-1]) if length > g.size else r2)
+            e2_chunk = jnp.where(valid, e2_chunk, 0.0)
+        else:
+            # Padding past the tensor's end is no data: keep it out of y, e' and the scale.
+            full_e2 = pad_to(e2, 8 * n)
+            y = jnp.where(valid, mean + wire.owner_slice(full_e2, owner, chunk), 0.0)
+            s2 = _scale_of(y, valid.sum(), scale)
+            e2_chunk = jnp.where(valid, y - s2 * _signs(y >= 0), 0.0)
+            new_owner_pads.append(r2)
         full_e2 = wire.owner_update(full_e2, owner, e2_chunk)
         new_owner_residuals.append(full_e2[: g.size].reshape(g.shape))
         packed2.append(wire.pack_bits(y >= 0))
@@ -216,11 +306,21 @@ def compressed_allreduce(
         )
         start += width
         out.append(values.reshape(-1)[: g.size].reshape(g.shape).astype(g.dtype))
+    # The signs of every padded entry travel (DeepSpeed's too): D/8 bytes a tensor.
     payload = sum(p.size for p in packed) + 4 * n * len(leaves)
-    return out, new_residuals, new_owner_residuals, 2 * (n - 1) / n * payload
+    return AllreduceResult(
+        out,
+        new_residuals,
+        new_owner_residuals,
+        new_pads,
+        new_owner_pads,
+        2 * (n - 1) / n * payload,
+    )
 
 
-def sign(*, scale: str = "l2", axis: str = "data") -> optax.GradientTransformation:
+def sign(
+    *, scale: str = "l2", padding: str = "deepspeed", axis: str = "data"
+) -> optax.GradientTransformation:
     """1-bit SGD with error feedback: one bit per entry and one float32 scale per tensor.
 
     Every tensor ``x`` is sent as ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` (``sign(0) = +1``,
@@ -232,13 +332,24 @@ def sign(*, scale: str = "l2", axis: str = "data") -> optax.GradientTransformati
     ``C(y)`` are all-gathered. Every worker returns the same ``g = C(y)``. No transmitted
     mass is lost: over T steps, ``sum_t g_t + mean_i e_i + e' = mean_i sum_t g_{i,t}``.
 
-    Matches ``deepspeed/runtime/comm/nccl.py`` (``NcclBackend.compressed_allreduce``,
-    github.com/deepspeedai/DeepSpeed) on tensors whose size divides by ``N * lcm(N, 8)``.
-    Otherwise DeepSpeed zero-pads the tensor to that multiple and counts the padding in
-    the scales (and error-feeds it); here padding is left out of the scales and residuals.
+    Follows ``deepspeed/runtime/comm/nccl.py`` (``NcclBackend.compressed_allreduce``)
+    with the buffers ``deepspeed/runtime/fp16/onebit/adam.py`` (``OnebitAdam.step``)
+    allocates, github.com/deepspeedai/DeepSpeed: with ``padding="deepspeed"`` (the
+    default) each tensor is zero-padded on its own to D entries, d rounded up to a
+    multiple of ``N * lcm(N, 8)`` (``corrected_tensor_size``), and the padding counts as
+    entries: in the worker's scale (d = D), the owners' chunks of D/N entries and their
+    scales, and both residuals (DeepSpeed's ``worker_error`` of D entries and
+    ``server_error`` of D/N); the output is cut back to d. The padding entries of a
+    residual all hold one value, kept as one scalar per tensor (``pad_residual``,
+    ``owner_pad_residual``), so the state does not depend on N. ``padding="none"``
+    leaves the padding out: scales over the tensor's d entries and the owner's entries of
+    them, no residual for the padding (to a multiple of 8 N, for the bit packing); the
+    same as ``"deepspeed"`` on tensors whose size divides by ``N * lcm(N, 8)``.
 
-    Each device sends ``2 (N-1)/N * D/8`` bytes of signs (plus 8 bytes per tensor and
-    worker of scales), against ``2 (N-1)/N * 4 D`` for a float32 ring: 32x less.
+    Each device sends ``2 (N-1)/N * D/8`` bytes of signs (D: d padded as above, to a
+    multiple of ``N * lcm(N, 8)``, or of 8 N with ``padding="none"``; every padded sign
+    travels) plus 8 bytes per tensor and worker of scales, against ``2 (N-1)/N * 4 d``
+    for a float32 ring: up to 32x less.
 
     References:
       Seide et al., "1-bit stochastic gradient descent and its application to
@@ -253,39 +364,51 @@ def sign(*, scale: str = "l2", axis: str = "data") -> optax.GradientTransformati
       scale: ``"l2"``, DeepSpeed's ``||x||_2 / sqrt(d)``, or ``"l1"``, Karimireddy et
         al.'s ``||x||_1 / d`` (which minimises ``||x - s sign(x)||_2`` over s), at the
         workers and the owners alike.
+      padding: ``"deepspeed"`` (DeepSpeed's zero-padding of each tensor to a multiple of
+        ``N * lcm(N, 8)``, counted in the scales and residuals) or ``"none"`` (padding
+        left out of them), above.
       axis: the mesh axis the workers live on.
 
     Returns:
       A reducer whose per-worker state is a ``SignState``.
 
     Raises:
-      ValueError: ``scale`` is neither ``"l2"`` nor ``"l1"``.
+      ValueError: ``scale`` is neither ``"l2"`` nor ``"l1"``, or ``padding`` neither
+        ``"deepspeed"`` nor ``"none"``.
     """
     check_axis_name("sign", axis)
     scale = check_scale("sign", scale)
+    padding = check_padding("sign", padding)
 
     def init(params) -> SignState:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return SignState(zeros, zeros, jnp.ones((), jnp.float32))
+        pads = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
+        return SignState(zeros, zeros, pads, pads, jnp.ones((), jnp.float32))
 
     def update(updates, state: SignState, params=None):
         del params
         n = check_axis_in_scope(axis)
         leaves, treedef = jax.tree.flatten(updates)
-        out, new_residuals, new_owner_residuals, wire_bytes = compressed_allreduce(
+        flat = treedef.flatten_up_to
+        result = compressed_allreduce(
             leaves,
-            treedef.flatten_up_to(state.residual),
-            treedef.flatten_up_to(state.owner_residual),
+            flat(state.residual),
+            flat(state.owner_residual),
+            flat(state.pad_residual),
+            flat(state.owner_pad_residual),
             axis,
             scale,
+            padding,
         )
         dense = sum(g.size for g in leaves)
         new_state = SignState(
-            treedef.unflatten(new_residuals),
-            treedef.unflatten(new_owner_residuals),
-            wire.ratio(dense, wire_bytes, n),
+            treedef.unflatten(result.residuals),
+            treedef.unflatten(result.owner_residuals),
+            treedef.unflatten(result.pad_residuals),
+            treedef.unflatten(result.owner_pad_residuals),
+            wire.ratio(dense, result.wire_bytes, n),
         )
-        return treedef.unflatten(out), wire.typed_like(new_state, state)
+        return treedef.unflatten(result.out), wire.typed_like(new_state, state)
 
     return optax.GradientTransformation(init, update)
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack, vary
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.core.strategy import DATA, Strategy, check_int, check_real
-from ddl_jax._src.reduce.quantise import compressed_allreduce
+from ddl_jax._src.reduce.quantise import check_padding, compressed_allreduce
 
 #: DeepSpeed's ``step()`` counts its first call, which only allocates buffers, as step 1:
 #: the step numbers its schedules test are this builder's 0-based step counter plus this.
@@ -41,6 +41,11 @@ class ZeroOneAdamState(NamedTuple):
       owner_residual: each worker's residual ``e'`` of the chunks it owns
         [``server_error``], in a params-shaped float32 buffer of which it uses its own
         chunk, ``[N, ...]``, ``P(axis)``.
+      pad_residual: each worker's value of the padding entries of its ``worker_error``
+        (they stay equal; ``padding="deepspeed"``, 0 with ``"none"``), a float32 scalar
+        per tensor, ``[N]``, ``P(axis)``.
+      owner_pad_residual: likewise, of the padding entries of its ``server_error`` (0
+        where its chunk has none), ``[N]``, ``P(axis)``.
       lrs: float32 scalar, the learning rates summed since the last synchronisation
         [``lrs``], ``P()``.
       var_interval, var_counter: int32 scalars, the variance schedule [``var_interval``,
@@ -57,6 +62,8 @@ class ZeroOneAdamState(NamedTuple):
     accumulator: Any
     residual: Any
     owner_residual: Any
+    pad_residual: Any
+    owner_pad_residual: Any
     lrs: jax.Array
     var_interval: jax.Array
     var_counter: jax.Array
@@ -77,6 +84,7 @@ class _Config(NamedTuple):
     local_step_scaler: int
     local_step_clipper: int
     exp_avg_mask: Any
+    padding: str
 
 
 def zero_one_adam(
@@ -93,6 +101,7 @@ def zero_one_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     exp_avg_mask: Any = None,
+    padding: str = "deepspeed",
     accumulate: int = 1,
     has_aux: bool = False,
     axis: str = DATA,
@@ -128,12 +137,12 @@ def zero_one_adam(
       agree after a synchronisation up to float32 rounding.
 
     ``C`` is DeepSpeed's ``compressed_allreduce`` (``ddl.compression.sign``'s): each worker
-    sends ``sign(x + e)`` scaled by ``||x + e||_2 / sqrt(d)`` per tensor and keeps the
-    rest in ``e``; each chunk's owner averages them, adds its ``e'`` and sends the result
-    compressed the same way. On one worker ``C`` is skipped, as DeepSpeed skips it, and
-    with it (DeepSpeed's code) the momentum's update on variance-phase steps between
-    variance updates. No bias correction, ``eps`` outside the square root, weight decay
-    added to the update (decoupled), as DeepSpeed.
+    sends ``sign(x + e)`` scaled by ``||x + e||_2 / sqrt(d)`` per tensor and keeps the rest
+    in ``e``; each chunk's owner averages them, adds its ``e'`` and sends the result
+    compressed the same way; each tensor is zero-padded as DeepSpeed (below). On one worker
+    ``C`` is skipped, as DeepSpeed skips it, and with it (DeepSpeed's code) the momentum's
+    update on variance-phase steps between variance updates. No bias correction, ``eps``
+    outside the square root, weight decay added to the update (decoupled), as DeepSpeed.
 
     **Momentum mask.** 1-bit compression cannot send an exact zero: an entry whose gradient
     is always 0 gets a momentum of +-scale that error feedback keeps alive, divided by a
@@ -145,8 +154,20 @@ def zero_one_adam(
     1e-4 to 3e-3, with the blank pixels masked or not, as 1-bit Adam does there.
 
     Communication per device: a float32 ring all-reduce ``2 (N-1)/N * 4 D`` bytes at a
-    variance update, ``2 (N-1)/N * D/8`` bytes of signs plus scales at any other
-    variance-phase step and at a synchronisation, nothing at a local step.
+    variance update, ``2 (N-1)/N * D'/8`` bytes of signs plus scales at any other
+    variance-phase step and at a synchronisation (D' the padded size: each tensor's
+    rounded up to a multiple of ``N * lcm(N, 8)``, of 8 N with ``padding="none"``),
+    nothing at a local step.
+
+    **Padding.** ``ZeroOneAdam.step`` sizes each tensor's ``worker_error`` to its
+    ``corrected_tensor_size``, the size rounded up to a multiple of ``N * lcm(N, 8)``
+    (``size * divider``), and ``server_error`` to that over N; ``compressed_allreduce``
+    zero-pads the gradient or accumulator to it. So does this builder
+    (``padding="deepspeed"``): each tensor padded on its own, the padding counted in the
+    worker's scale, the owners' chunks and scales and both residuals, the output cut back.
+    The padding entries of a residual all hold one value (zeros in, elementwise updates),
+    kept as one scalar per tensor (``pad_residual``, ``owner_pad_residual``), zeroed with
+    the residuals at the freeze as DeepSpeed zeroes its buffers.
 
     Follows ``deepspeed/runtime/fp16/onebit/zoadam.py`` (``ZeroOneAdam.step``, with the
     engine's ``enable_backward_allreduce`` that it sets) and
@@ -157,9 +178,9 @@ def zero_one_adam(
       updates nothing, yet counts as step 1. Here every step steps, and the schedules test
       ``t + 2``: ``ZeroOneAdam`` on gradients ``g_1, g_2, ...`` equals this builder, with
       the same arguments, on ``g_2, g_3, ...`` (a test checks it).
-    * DeepSpeed zero-pads each tensor to a multiple of ``N * lcm(N, 8)`` entries and counts
-      the padding in the scales and residuals; here padding is left out (identical on
-      tensors whose size divides).
+    * With ``padding="none"`` only: the padding is left out of the scales and residuals
+      (the same on tensors whose size divides by ``N * lcm(N, 8)``). By default
+      (``"deepspeed"``) it counts, as in DeepSpeed (above).
     * One parameter group: ``exp_avg_mask`` is a pytree like the parameters (DeepSpeed: one
       per group). DeepSpeed's ``bias_correction``, ``eps_inside_sqrt`` and
       ``max_grad_norm`` are accepted there and unused, ``amsgrad`` refused: all absent.
@@ -194,6 +215,9 @@ def zero_one_adam(
       eps: added to ``sqrt(v)``, > 0.
       weight_decay: added to the update times the parameters, >= 0.
       exp_avg_mask: ``None`` or a pytree of 0/1 arrays like the parameters (above).
+      padding: ``"deepspeed"`` (DeepSpeed's zero-padding of each tensor to a multiple of
+        ``N * lcm(N, 8)``, counted in the scales and residuals) or ``"none"`` (padding
+        left out of them), above.
       accumulate: micro-batches per worker per step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)``.
       axis: the mesh axis the workers live on.
@@ -235,6 +259,7 @@ def zero_one_adam(
         eps=eps,
         weight_decay=weight_decay,
         exp_avg_mask=exp_avg_mask,
+        padding=padding,
         accumulate=accumulate,
         has_aux=has_aux,
         axis=axis,
@@ -242,13 +267,14 @@ def zero_one_adam(
     kit = cfg.kit
     stacked = P(kit.axis)
     specs = ZeroOneAdamState(
-        stacked, stacked, P(), stacked, stacked, stacked, P(), P(), P(), P(), P(),
-        ModelVars(stacked, P(), P()),
+        stacked, stacked, P(), stacked, stacked, stacked, stacked, stacked, P(), P(), P(),
+        P(), P(), ModelVars(stacked, P(), P()),
     )  # fmt: skip
 
     def make_state(params: Any, model: ModelVars) -> ZeroOneAdamState:
         _check_mask(cfg.exp_avg_mask, params)
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        pads = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
         return ZeroOneAdamState(
             params=kit.stack(params),
@@ -257,6 +283,8 @@ def zero_one_adam(
             accumulator=kit.stack(zeros),
             residual=kit.stack(zeros),
             owner_residual=kit.stack(zeros),
+            pad_residual=kit.stack(pads),
+            owner_pad_residual=kit.stack(pads),
             lrs=jnp.zeros((), jnp.float32),
             var_interval=one,
             var_counter=zero,
@@ -286,6 +314,7 @@ def _configure(
     eps: Any,
     weight_decay: Any,
     exp_avg_mask: Any,
+    padding: Any,
     accumulate: Any,
     has_aux: Any,
     axis: Any,
@@ -323,6 +352,7 @@ def _configure(
             f"{name}: exp_avg_mask must be None or a pytree of 0/1 arrays like the "
             f"parameters, got {exp_avg_mask!r}."
         )
+    padding = check_padding(name, padding)
     return _Config(
         kit,
         schedule,
@@ -335,6 +365,7 @@ def _configure(
         local_step_scaler,
         local_step_clipper,
         exp_avg_mask,
+        padding,
     )
 
 
@@ -363,6 +394,8 @@ class _Worker(NamedTuple):
     accumulator: list[jax.Array]
     residual: list[jax.Array]
     owner_residual: list[jax.Array]
+    pad_residual: list[jax.Array]
+    owner_pad_residual: list[jax.Array]
     lrs: jax.Array
     var_interval: jax.Array
     var_counter: jax.Array
@@ -390,6 +423,8 @@ def _worker_step(
         accumulator=flat(unstack(state.accumulator)),
         residual=flat(unstack(state.residual)),
         owner_residual=flat(unstack(state.owner_residual)),
+        pad_residual=flat(unstack(state.pad_residual)),
+        owner_pad_residual=flat(unstack(state.owner_pad_residual)),
         lrs=state.lrs,
         var_interval=state.var_interval,
         var_counter=state.var_counter,
@@ -426,6 +461,8 @@ def _worker_step(
         accumulator=restack(tree(worker.accumulator)),
         residual=restack(tree(worker.residual)),
         owner_residual=restack(tree(worker.owner_residual)),
+        pad_residual=restack(tree(worker.pad_residual)),
+        owner_pad_residual=restack(tree(worker.owner_pad_residual)),
         lrs=worker.lrs,
         var_interval=worker.var_interval,
         var_counter=worker.var_counter,
@@ -437,7 +474,17 @@ def _worker_step(
 
 
 #: The fields of ``_Worker`` that differ between workers (the others agree).
-_PER_WORKER = ("params", "mu", "accumulator", "residual", "owner_residual")
+_PER_WORKER = (
+    "params",
+    "mu",
+    "accumulator",
+    "residual",
+    "owner_residual",
+    "pad_residual",
+    "owner_pad_residual",
+)
+#: The fields of ``_Worker`` that the compressed all-reduce updates (its error feedback).
+_RESIDUALS = ("residual", "owner_residual", "pad_residual", "owner_pad_residual")
 
 
 def _vary_workers(w: _Worker, axis: str) -> _Worker:
@@ -473,30 +520,28 @@ def _variance_phase(
     axis, n, b1, b2 = cfg.kit.axis, cfg.kit.n, cfg.b1, cfg.b2
     update_variance = (step + _DEEPSPEED_STEP_OFFSET) % w.var_interval == 0
 
-    def full(mu, nu, e, e2):
+    def full(mu, nu, residuals):
         mean = [lax.pmean(g, axis) for g in grads]
         nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, mean, strict=True)]
         mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, mean, strict=True)]
-        return mu, nu, e, e2
+        return mu, nu, residuals
 
-    def compressed(mu, nu, e, e2):
+    def compressed(mu, nu, residuals):
         if n == 1:  # DeepSpeed: no all-reduce, and no momentum update either
-            return mu, nu, e, e2
-        onebit, e, e2, _ = compressed_allreduce(grads, e, e2, axis, "l2")
+            return mu, nu, residuals
+        onebit, *residuals, _ = compressed_allreduce(grads, *residuals, axis, "l2", cfg.padding)
         onebit = _masked(onebit, masks)
         mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, onebit, strict=True)]
-        return vary(mu, (axis,)), nu, vary(e, (axis,)), vary(e2, (axis,))
+        return vary(mu, (axis,)), nu, vary(residuals, (axis,))
 
-    mu, nu, e, e2 = lax.cond(
-        update_variance, full, compressed, w.mu, w.nu, w.residual, w.owner_residual
-    )
+    residuals = [getattr(w, f) for f in _RESIDUALS]
+    mu, nu, residuals = lax.cond(update_variance, full, compressed, w.mu, w.nu, residuals)
     # DeepSpeed zeroes the residuals once, after the last step before the freeze: they
     # held the gradients' compression errors, and will hold the accumulated updates'.
     last = step == cfg.var_freeze_step - 1
     # (typed varying again: a residual without entries comes back from where unvarying)
-    e = vary([jnp.where(last, 0.0, x) for x in e], (axis,))
-    e2 = vary([jnp.where(last, 0.0, x) for x in e2], (axis,))
-    w = w._replace(mu=mu, nu=nu, residual=e, owner_residual=e2)
+    residuals = vary([[jnp.where(last, 0.0, x) for x in r] for r in residuals], (axis,))
+    w = w._replace(mu=mu, nu=nu, **dict(zip(_RESIDUALS, residuals, strict=True)))
     params = [p + -lr * u for p, u in zip(w.params, _direction(cfg, w), strict=True)]
     counter = jnp.where(update_variance, w.var_counter + 1, w.var_counter)
     doubles = counter == cfg.var_update_scaler
@@ -527,17 +572,16 @@ def _local_phase(
         root = [jnp.sqrt(v) + cfg.eps for v in w.nu]
         params = [p + -1.0 * a for p, a in zip(w.params, w.accumulator, strict=True)]
         acc = [a * r for a, r in zip(w.accumulator, root, strict=True)]
-        e, e2 = w.residual, w.owner_residual
+        residuals = [getattr(w, f) for f in _RESIDUALS]
         if n > 1:
-            acc, e, e2, _ = compressed_allreduce(acc, e, e2, axis, "l2")
+            acc, *residuals, _ = compressed_allreduce(acc, *residuals, axis, "l2", cfg.padding)
             acc = _masked(acc, masks)
         w = w._replace(
             params=[p + a / r for p, a, r in zip(params, acc, root, strict=True)],
             mu=[-(a / w.lrs) for a in acc],
             accumulator=[jnp.zeros_like(a) for a in acc],
-            residual=e,
-            owner_residual=e2,
             lrs=jnp.zeros_like(w.lrs),
+            **dict(zip(_RESIDUALS, residuals, strict=True)),
         )
         return _vary_workers(w, axis)
 
