@@ -303,7 +303,10 @@ def test_top_k_follows_dgc():
     grads = random_grads(steps, n, seed=2)
     # One selection over the flattened model, the vector included: the named old behaviour
     # (the authors' per-tensor default is tests/test_top_k_reference.py's).
-    reducer = top_k(0.1, momentum=0.9, clip_norm=3.0, scope="model", compress_1d=True)
+    # Exact top-k (sample_ratio=1), as dgc_reference selects.
+    reducer = top_k(
+        0.1, momentum=0.9, clip_norm=3.0, scope="model", compress_1d=True, sample_ratio=1.0
+    )
     _, outs, _ = run_reducer(reducer, grads, n)
     expected = dgc_reference(grads, n, 0.1, 0.9, 3.0)
     for t in range(steps):

@@ -130,7 +130,7 @@ class TopKState(NamedTuple):
       momentum: the corrected momentum ``u``, flat float32 ``[D]``; on a dense tensor's
         entries, the momentum of the averaged gradient (the same on every worker).
         ``EmptyState`` when ``momentum == 0``.
-      step: exchanges so far (int32), for the sparsity warm-up.
+      step: exchanges so far (int32), for the sparsity warm-up and the samples' keys.
       compression_ratio: float32 scalar, see ``reducer_metrics``.
     """
 
@@ -171,11 +171,162 @@ def _select(v: jax.Array, group: list[tuple[int, int]], k: int) -> jax.Array:
         return index.astype(jnp.int32)
     segment = jnp.concatenate([lax.slice_in_dim(v, o, o + s) for o, s in group])
     _, local = lax.top_k(jnp.abs(segment), k)
+    return _segment_to_flat(local, group)
+
+
+def _segment_to_flat(local: jax.Array, group: list[tuple[int, int]]) -> jax.Array:
+    """Indices into the concatenation of ``group``'s slices, as indices of the flat vector."""
     # Entry j of the segment lies in slice i = (the last start <= j): at offset_i + j - start_i.
     starts = np.cumsum([0] + [s for _, s in group[:-1]]).astype(np.int32)
     shift = np.array([o for o, _ in group], np.int32) - starts
     slice_of = jnp.searchsorted(jnp.asarray(starts), local, side="right") - 1
     return (local + jnp.asarray(shift)[slice_of]).astype(jnp.int32)
+
+
+# DGCCompressor's adaptation of the sampled threshold, its defaults (dgc/compression.py),
+# which configs/dgc/__init__.py keeps.
+COMPRESS_UPPER_BOUND = 1.3
+COMPRESS_LOWER_BOUND = 0.8
+MAX_ADAPTATION_ITERS = 10
+MIN_SAMPLE_RATIO = 0.01  # DGCCompressor: min(max(sample_ratio, 0.01), 1.0)
+
+
+class SamplePlan(NamedTuple):
+    """``DGCCompressor.initialize``'s attributes of one selection of ``numel`` entries:
+    ``num_selects`` entries sent (the static payload), the threshold the
+    ``top_k_samples``-th largest of ``num_samples`` sampled ``|v|`` (every
+    ``sample_stride``-th entry, or drawn uniformly)."""
+
+    numel: int
+    num_selects: int
+    num_samples: int
+    top_k_samples: int
+    sample_stride: int
+
+
+def sample_plan(numel: int, ratio: float, sample_ratio: float) -> SamplePlan:
+    """``DGCCompressor.initialize``, line for line: at least ``max(sample_ratio numel,
+    2 / ratio)`` samples, at a stride of 1 mod 8, or every entry of a tensor of at most
+    ``2 / ratio`` entries (and at ``sample_ratio=1``)."""
+    if sample_ratio < 1.0:
+        pct_numel = math.ceil(numel * sample_ratio)
+        cpr_numel = math.ceil(2 / ratio)
+        if numel <= cpr_numel:
+            sample_stride, num_samples = 1, numel
+        else:
+            sample_stride = math.ceil(numel / max(pct_numel, cpr_numel) / 32) * 32 + 1
+            num_samples = numel // sample_stride
+            while num_samples < max(pct_numel, cpr_numel):  # ends by stride 1 at the latest
+                sample_stride -= 8
+                num_samples = numel // sample_stride
+    else:
+        sample_stride, num_samples = 1, numel
+    return SamplePlan(
+        numel=numel,
+        num_selects=math.ceil(numel * ratio),
+        num_samples=num_samples,
+        top_k_samples=math.ceil(num_samples * ratio),
+        sample_stride=sample_stride,
+    )
+
+
+def sparsify(
+    x: jax.Array,
+    key: jax.Array,
+    plan: SamplePlan,
+    strided: bool,
+    *,
+    upper: float = COMPRESS_UPPER_BOUND,
+    lower: float = COMPRESS_LOWER_BOUND,
+    max_iters: int = MAX_ADAPTATION_ITERS,
+    resample: bool = True,
+) -> jax.Array:
+    """``DGCCompressor._sparsify`` of the flat ``x``: int32 ``[plan.num_selects]``, the
+    indices sent in its first slots, ``plan.numel`` in the unused ones.
+
+    The threshold is the smallest of the ``top_k_samples`` largest sampled ``|x|``; every
+    entry at or above it passes. While fewer than ``lower * num_selects`` pass, the
+    threshold is multiplied by ``lower``; once more than ``upper * num_selects`` pass, the
+    ``num_selects`` largest of them are sent (``resample``; without it the threshold is
+    multiplied by ``upper``), at most ``max_iters`` times. Otherwise the first
+    ``num_selects`` passing entries in index order are sent (``indices[:num_selects]``),
+    fewer when fewer pass.
+    """
+    numel, k = plan.numel, plan.num_selects
+    importance = jnp.abs(x)
+    if plan.num_samples == numel:
+        samples = importance
+    elif strided:
+        # importance[start::stride]: num_samples or num_samples + 1 entries, by the start.
+        start = jax.random.randint(key, (), 0, plan.sample_stride)
+        at = start + plan.sample_stride * jnp.arange(plan.num_samples + 1)
+        samples = jnp.where(at < numel, importance[jnp.minimum(at, numel - 1)], -jnp.inf)
+    else:
+        samples = importance[jax.random.randint(key, (plan.num_samples,), 0, numel)]
+    threshold = lax.top_k(samples, plan.top_k_samples)[0][-1]
+
+    def passing(t: jax.Array) -> jax.Array:
+        return jnp.sum(importance >= t, dtype=jnp.int32)
+
+    count = passing(threshold)
+    resampled = count < 0  # False, typed as the data are
+    if numel > plan.num_samples:
+        # The counts against Python floats, as the reference compares them: an integer is
+        # above x exactly when above floor(x), below x exactly when below ceil(x).
+        too_many = math.floor(k * upper)
+        too_few = math.ceil(k * lower)
+
+        def body(carry):
+            # One pass of the reference's loop: it stops unless too few pass (lower the
+            # threshold) or, without resample, too many (raise it); too many with
+            # resample stops it and resamples. Between num_selects and the bounds: stop.
+            i, t, c, _, _ = carry
+            over, under = c > too_many, c < too_few
+            t = jnp.where(under, t * jnp.float32(lower), t)
+            if resample:
+                again, resampled = under, over
+            else:
+                again, resampled = under | over, c < 0
+                t = jnp.where(over, t * jnp.float32(upper), t)
+            c = jnp.where(again, passing(t), c)
+            return i + 1, t, c, ~again, resampled
+
+        def cond(carry):
+            i, _, _, done, _ = carry
+            return (i < max_iters) & ~done
+
+        carry = (jnp.zeros((), jnp.int32), threshold, count, resampled, resampled)
+        _, threshold, count, _, resampled = lax.while_loop(cond, body, carry)
+
+    def first_passing():
+        # jnp.nonzero's first k in index order: the reference's indices[:num_selects].
+        (index,) = jnp.nonzero(importance >= threshold, size=k, fill_value=numel)
+        return index.astype(jnp.int32)
+
+    def largest():
+        # The num_selects largest of the passing entries, which are more than num_selects
+        # and include every entry larger than the threshold: the top num_selects of all.
+        return lax.top_k(importance, k)[1].astype(jnp.int32)
+
+    if numel == plan.num_samples:
+        return first_passing()
+    return lax.cond(resampled, largest, first_passing)
+
+
+def _select_sampled(
+    v: jax.Array, group: list[tuple[int, int]], plan: SamplePlan, strided: bool, key: jax.Array
+) -> jax.Array:
+    """Flat int32 indices of the entries :func:`sparsify` sends of ``group``'s slices taken
+    as one tensor, ``v.size`` in the unused slots."""
+    if len(group) == 1:
+        (offset, size) = group[0]
+        local = sparsify(lax.slice_in_dim(v, offset, offset + size), key, plan, strided)
+        return jnp.where(local < size, local + offset, v.size)
+    if plan.numel == v.size:  # every entry: no gather, and the unused slots are v.size
+        return sparsify(v, key, plan, strided)
+    segment = jnp.concatenate([lax.slice_in_dim(v, o, o + s) for o, s in group])
+    local = sparsify(segment, key, plan, strided)
+    return jnp.where(local < plan.numel, _segment_to_flat(local, group), v.size)
 
 
 def _take(x: jax.Array, slices: list[tuple[int, int]]) -> jax.Array:
@@ -200,6 +351,9 @@ def top_k(
     warmup_steps: int = 0,
     scope: str = "tensor",
     compress_1d: bool = False,
+    sample_ratio: float = 0.01,
+    strided_sample: bool = True,
+    seed: int = 0,
     axis: str = "data",
 ) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback and Deep Gradient Compression's additions.
@@ -212,9 +366,10 @@ def top_k(
     Each worker (optionally) clips its gradient to ``clip_norm`` (local gradient clipping),
     accumulates ``u <- m u + g_i`` (momentum correction; ``u = g_i`` when ``m = 0``; with
     ``nesterov``, ``u <- m (u + g_i)`` and ``v`` takes ``u + g_i``) and ``v <- v + u``,
-    sends the k entries of largest ``|v|`` of each compressed tensor as float32 values and
-    int32 indices, and zeroes them in ``v`` and (momentum factor masking) ``u``. Workers
-    all-gather the pairs and ``g = (1/N) sum_i sparse_i``. A dense tensor's output is
+    sends up to k entries of each compressed tensor, those of largest ``|v|`` as a sampled
+    threshold finds them (below), as float32 values and int32 indices, and zeroes them (those
+    sent only) in ``v`` and (momentum factor masking) ``u``. Workers all-gather the pairs
+    and ``g = (1/N) sum_i sparse_i``. A dense tensor's output is
     ``u <- m u + mean_i g_i`` (Nesterov: ``u <- m (u + mean_i g_i)``, output
     ``u + mean_i g_i``). With ``momentum > 0`` the momentum lives here: follow with plain
     ``optax.sgd(lr)`` (the reference's weight decay, with its own momentum outside the
@@ -223,22 +378,49 @@ def top_k(
     density falls 25%, 6.25%, 1.56%, 0.39% over four W/4-step phases before reaching
     ``ratio`` (each phase is a branch of its own payload size in the compiled program).
 
-    ``scope="model", compress_1d=True`` is this reducer's earlier default: one top-k over
-    the flattened model (``k = ceil(ratio * D)``), every tensor sparsified; it starves
-    layers whose gradients are small next to others'.
+    The selection is the authors' (``DGCCompressor._sparsify``), by default: the threshold
+    is the ``ceil(ratio * S)``-th largest ``|v|`` of S sampled entries of the tensor, every
+    ``stride``-th from a random start (``strided_sample``) or S drawn uniformly with
+    replacement; S is at least ``max(sample_ratio * numel, 2 / ratio)``, the stride
+    ``32 ceil(numel / S / 32) + 1``, lowered by 8 until it gives that many
+    (``DGCCompressor.initialize``); a tensor of at most ``2 / ratio`` entries is its own
+    sample. The entries with ``|v|`` at or above the threshold pass. While fewer than
+    ``0.8 k`` pass, the threshold is multiplied by 0.8, at most 10 times; if more than
+    ``1.3 k`` pass, the k largest of them (the exact top-k) are sent; else the first k
+    passing entries in index order, fewer if fewer pass. The sample of compressed tensor j
+    (in ``jax.tree.leaves`` order) at exchange t starts at
+    ``jax.random.randint(fold_in(fold_in(key(seed), t), j), (), 0, stride)`` (uniform:
+    ``randint(that key, (S,), 0, numel)``): the same on every worker, as the authors'
+    ranks, which all seed Python's ``random`` and torch alike, draw the same.
+    ``sample_ratio=1`` selects the exact top-k (``lax.top_k``, ties to the lower index).
+
+    ``scope="model", compress_1d=True`` is this reducer's earlier default: one selection
+    over the flattened model (``k = ceil(ratio * D)``), every tensor sparsified; it starves
+    layers whose gradients are small next to others'. The reference has no such scope: the
+    sampled threshold takes the compressed entries together as one tensor (j = 0).
 
     Each device sends ``(N-1) * 8 * sum_t k_t`` bytes for the compressed tensors plus a
     ring all-reduce's ``2 (N-1)/N * 4 * D_dense`` for the dense ones: at ``ratio=0.001``,
-    N=8, about 125x less than a float32 ring for a model of matrices. ``ratio=1``
-    compresses nothing, as the reference (``compress_ratio < 1.0``): every tensor is
-    all-reduced and takes its momentum after the average; with ``m = 0``, the exact mean.
+    N=8, about 125x less than a float32 ring for a model of matrices. The payload is static,
+    k slots per tensor however many the threshold fills (an unused slot carries index D
+    and value 0, which no one adds and nothing masks); ``compression_ratio`` and
+    ``ddl.comm_stats`` count all k: the reference's all-gather of what passes sends at most
+    this. ``ratio=1`` compresses nothing, as the reference (``compress_ratio < 1.0``): every
+    tensor is all-reduced and takes its momentum after the average; with ``m = 0``, the
+    exact mean.
 
-    Differences from the reference: the authors estimate each tensor's k-th largest
-    ``|v|`` from a strided sample (``sample_ratio=0.01``) and send up to k entries over
-    it; here the selection is exact (their ``sample_ratio=1``), a static payload of k.
-    Their ``gradient_clipping`` hook clips each tensor; ``clip_norm`` clips the worker's
-    whole gradient (the paper's local clipping). Their warm-up lowers the density per
-    epoch by a factor ``ratio^(1/(E+1))``; ``warmup_steps`` follows the paper's schedule.
+    Differences from the reference: the payload's static size, above. The samples come
+    from JAX's keys, not Python's ``random`` and torch's generator; when more than
+    ``1.3 k`` pass, ties at the k-th largest ``|v|`` go to the lower index (torch's
+    ``topk`` leaves them unordered). ``sample_ratio=1`` is exact top-k, where the
+    reference's (the exact k-th largest as threshold) sends the first k in index order of
+    the entries at or above it: the two differ only where ``|v|`` ties at the k-th value.
+    The bounds 1.3 and 0.8, the 10 adaptations and resampling are the reference's defaults
+    (kept by its configs), not options. Their ``gradient_clipping`` hook clips each tensor;
+    ``clip_norm`` clips the worker's whole gradient (the paper's local clipping). Their
+    warm-up lowers the density per epoch by a factor ``ratio^(1/(E+1))``; ``warmup_steps``
+    follows the paper's schedule (each density with its own samples and strides, as the
+    reference re-initialises at each).
 
     References:
       Aji & Heafield, "Sparse communication for distributed gradient descent", EMNLP 2017,
@@ -246,8 +428,9 @@ def top_k(
       Lin et al., "Deep gradient compression: reducing the communication bandwidth for
       distributed training", ICLR 2018, arXiv:1712.01887; the authors' code,
       github.com/synxlin/deep-gradient-compression: ``dgc/compression.py``
-      (``DGCCompressor``), ``dgc/memory.py`` (``DGCSGDMemory``), ``dgc/optim/sgd.py``
-      (``DGCSGD``) and ``train.py`` (only ``param.dim() > 1`` is compressed).
+      (``DGCCompressor``; its defaults in ``configs/dgc/__init__.py``), ``dgc/memory.py``
+      (``DGCSGDMemory``), ``dgc/optim/sgd.py`` (``DGCSGD``) and ``train.py`` (only
+      ``param.dim() > 1`` is compressed; ``random.seed(configs.seed)`` on every rank).
 
     Args:
       ratio: density k / numel of each compressed tensor (of the compressed entries
@@ -264,6 +447,12 @@ def top_k(
         selection over all compressed entries together.
       compress_1d: also sparsify tensors of fewer than two dimensions (vectors, scalars);
         ``False`` (the reference's ``dim() > 1``) all-reduces them dense.
+      sample_ratio: the fraction of each compressed tensor's entries sampled for its
+        threshold (at least ``2 / ratio`` of them), in [0.01, 1], the reference's
+        ``sample_ratio`` (it raises smaller values to 0.01); 1 selects the exact top-k.
+      strided_sample: sample every ``stride``-th entry from a random start, as the
+        reference's default; ``False`` samples uniformly, with replacement.
+      seed: an int, the key of the samples.
       axis: the mesh axis the workers live on.
 
     Returns:
@@ -300,6 +489,12 @@ def top_k(
     if scope not in SCOPES:
         raise ValueError(f"top_k: scope must be 'tensor' or 'model', got {scope!r}")
     compress_1d = check_bool("top_k: compress_1d", compress_1d)
+    sample_ratio = check_real(
+        "top_k: sample_ratio", sample_ratio, minimum=MIN_SAMPLE_RATIO, maximum=1
+    )
+    strided_sample = check_bool("top_k: strided_sample", strided_sample)
+    seed = check_int("top_k: seed", seed)
+    sampled = sample_ratio < 1
     densities = [max(ratio, d) for d in WARMUP_DENSITIES] if warmup_steps else []
     densities.append(ratio)
 
@@ -353,20 +548,39 @@ def top_k(
             v = _put(v, dense, jnp.zeros(sum(s for _, s in dense), jnp.float32))
             dense_bytes = 2 * (n - 1) / n * 4 * sum(s for _, s in dense)
 
+        # The sample's key: the same on every worker (the reference seeds Python's random
+        # alike on every rank), one per exchange and selection.
+        key = jax.random.fold_in(jax.random.key(seed), state.step) if sampled else None
+
         def exchange(density: float):
             ks = [entries_kept(density, sum(s for _, s in group)) for group in groups]
+            plans = [sample_plan(sum(s for _, s in g), density, sample_ratio) for g in groups]
 
             def run(out, v, u):
                 if groups:
-                    index = jnp.concatenate(
-                        [_select(v, group, k) for group, k in zip(groups, ks, strict=True)]
-                    )
-                    values = wire.gather_from_owners(v[index], axis).reshape(-1)
+                    if sampled:
+                        # Up to k entries each; the unused slots carry index D and value 0,
+                        # which the scatters below drop: not sent, not masked.
+                        index = jnp.concatenate(
+                            [
+                                _select_sampled(
+                                    v, group, plan, strided_sample, jax.random.fold_in(key, j)
+                                )
+                                for j, (group, plan) in enumerate(zip(groups, plans, strict=True))
+                            ]
+                        )
+                        picked = jnp.where(index < view.size, v[index], 0.0)
+                    else:
+                        index = jnp.concatenate(
+                            [_select(v, group, k) for group, k in zip(groups, ks, strict=True)]
+                        )
+                        picked = v[index]
+                    values = wire.gather_from_owners(picked, axis).reshape(-1)
                     indices = wire.gather_from_owners(index, axis).reshape(-1)
-                    out = out.at[indices].add(values / n)
-                    v = v.at[index].set(0.0)
+                    out = out.at[indices].add(values / n, mode="drop")
+                    v = v.at[index].set(0.0, mode="drop")
                     if momentum and momentum_masking:
-                        u = u.at[index].set(0.0)
+                        u = u.at[index].set(0.0, mode="drop")
                 wire_bytes = (n - 1) * 8 * sum(ks) + dense_bytes
                 return out, v, u, wire.ratio(view.size, wire_bytes, n)
 
