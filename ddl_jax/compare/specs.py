@@ -472,7 +472,7 @@ FAMILIES: dict[str, Family] = {
         _ratio,
         "0.01",
         "the ratio of entries sent, a number in (0, 1] (e.g. topk:0.01)",
-        "top-k sparsified gradients with error feedback",
+        "top-k sparsified gradients with error feedback (DGC's sampled threshold)",
     ),
     "sign": Family(
         _reduced(lambda _, axis: compression.sign(axis=axis)),
