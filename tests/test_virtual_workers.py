@@ -193,6 +193,17 @@ def test_a_sharded_server_with_adam_momentum_and_model_state_is_the_replicated_o
     _check_same(_run(2, sharded, pair=bn_dropout_pair), _run(W, build, pair=bn_dropout_pair))
 
 
+def test_a_sharded_server_takes_an_optimizer_whose_state_has_shared_parts():
+    """Adafactor keeps placeholders its update computes afresh (not typed varying): the
+    sharded server still runs it, as the replicated one (unfactored, without its two
+    whole-tensor rules, it acts elementwise: the same run)."""
+    elementwise = optax.adafactor(0.05, multiply_by_parameter_scale=False, clipping_threshold=None)
+    sharded = _async("softsync_2", elementwise, server="sharded")
+    _check_same(_run(2, sharded), _run(W, _async("softsync_2", elementwise)))
+    params, history = _run(2, _async("async", optax.adafactor(0.05), server="sharded"))
+    assert all(np.isfinite(h["loss"]).all() for h in history)
+
+
 def test_a_sharded_server_holds_one_shard_a_device():
     loss_fn, params = mlp_pair()
     strategy = _async("async", server="sharded")(loss_fn, _mesh(2))

@@ -24,6 +24,7 @@ from ddl_jax._src.core.flat import FlatView
 from ddl_jax._src.core.kit import Kit, one_worker, prepare, restack, unstack, vary
 from ddl_jax._src.core.model_loss import ModelVars, worker_key
 from ddl_jax._src.measure.consistency import check_probability
+from ddl_jax._src.reduce.wire import typed_like
 from ddl_jax._src.strategies.asynchronous import events as ev
 from ddl_jax._src.strategies.asynchronous import staleness as sl
 
@@ -629,6 +630,9 @@ class _Program(NamedTuple):
         updates, opt_state = self.optimizer.update(
             gradient, local.opt_state, local.params, staleness=staleness
         )
+        # A sharded server's state is a device's own; parts an optimizer computes afresh
+        # (Adafactor's placeholders) come out invariant: typed back, as they came in.
+        opt_state = typed_like(opt_state, local.opt_state)
         protocol = local.protocol
         if isinstance(protocol, Group):
             protocol = Group(
