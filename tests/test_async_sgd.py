@@ -376,12 +376,21 @@ def test_state_placement(mlp):
         ({"compute_time": [1.0, 2.0]}, "gives 2 per-worker times but the mesh has 8"),
         ({"compute_time": 0.0}, "a worker with compute time 0 would push without end"),
         ({"compute_time": [1.0] * 7 + [0.0], "protocol": softsync(2)}, "or bound it with"),
+        ({"compute_time": "fast"}, "compute_time base must be a number .* got 'fast'"),
+        ({"compute_time": ["1"] * 7 + ["a"]}, "compute_time base must be a number"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(mlp, kwargs, match):
     loss_fn, _ = mlp
     with pytest.raises(ValueError, match=match):
         async_sgd(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), **kwargs)
+
+
+@pytest.mark.parametrize("decay", [-1.0, "x", float("nan")])
+def test_softsync_refuses_a_bad_decay_with_or_without_a_scale(decay):
+    for scale in (None, "exp"):
+        with pytest.raises(ValueError, match="softsync decay must be a finite real number >= 0"):
+            softsync(2, scale=scale, decay=decay)
 
 
 def test_protocol_of_the_wrong_type_raises(mlp):

@@ -202,6 +202,7 @@ def test_a_sharded_server_takes_an_optimizer_whose_state_has_shared_parts():
     _check_same(_run(2, sharded), _run(W, _async("softsync_2", elementwise)))
     params, history = _run(2, _async("async", optax.adafactor(0.05), server="sharded"))
     assert all(np.isfinite(h["loss"]).all() for h in history)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
 def test_a_sharded_server_holds_one_shard_a_device():

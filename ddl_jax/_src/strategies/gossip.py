@@ -179,7 +179,8 @@ def gossip(
 
     Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
     ``theta_i <- sum_j W_ij (theta_j + u_j)`` where ``u_j`` is worker j's update (the
-    adapt-then-combine order, so that the complete graph is exactly synchronous SGD).
+    adapt-then-combine order, so that the complete graph is exactly synchronous SGD, with
+    SGD or momentum; Adam's moments stay each worker's own, so not with Adam).
     Model state (batch statistics) is each worker's own and mixed by the same ``W``;
     dropout keys differ per worker and step.
     Models travel by ``ppermute``, one round per neighbour: each device sends

@@ -813,7 +813,12 @@ def async_sgd(
         optimizer state, and applies every push to it: elementwise optimizers (SGD,
         momentum, Adam, ``ddl.scale_by_staleness``) act as on the whole model, to float
         rounding, while a transform that reads several entries (global-norm clipping,
-        per-tensor norms, factored statistics) acts per block. Each device then does
+        per-tensor norms, factored statistics) acts per block, and a random one
+        (``optax.add_noise``, ``optax.noisy_sgd``) draws the same noise in every block
+        (one key, each block's copy of the state). The blocks hold one dtype: parameters
+        of several are promoted (a bfloat16 leaf beside float32 ones is updated in
+        float32 and rounded to bfloat16 where a worker fetches it or ``params(state)``
+        reads it; the replicated server updates it in bfloat16). Each device then does
         1 / devices of the server's work and memory: at 1,024 workers on 8 devices the
         step is several times faster (``benchmarks/scaling.py``).
 

@@ -62,8 +62,11 @@ def compute_times(
     Returns:
       A ``ComputeTime``.
     """
-    values = np.atleast_1d(np.asarray(base, dtype=np.float64))
-    if values.ndim != 1 or values.size == 0:
+    try:
+        values = np.atleast_1d(np.asarray(base, dtype=np.float64))
+    except (TypeError, ValueError):
+        values = np.empty((0,))
+    if isinstance(base, str) or values.ndim != 1 or values.size == 0:
         raise ValueError(
             f"compute_time base must be a number or a non-empty sequence of numbers, got {base!r}."
         )
@@ -247,6 +250,7 @@ def softsync(
       decay: lambda of the ``"exp"`` rule, finite and >= 0.
     """
     n = check_int("softsync n", n, minimum=1)
+    decay = check_real("softsync decay", decay, minimum=0)
     if scale is not None:
         staleness_scale(scale, decay, "softsync scale")  # checked now, not in a step
     return SoftSync(n, scale, float(decay))
@@ -467,8 +471,9 @@ def scale_by_staleness(
     forwards extra args to every link. Put it after the optimizer that computes the step,
     e.g. ``optax.chain(optax.adam(1e-3), ddl.scale_by_staleness())``: it then scales the
     learning rate, ``lr / tau`` in Zhang et al. Before an adaptive optimizer such as Adam,
-    which divides by a running gradient magnitude, the scale is normalised away (exactly,
-    for a constant tau). With plain SGD the order does not matter.
+    which divides by a running gradient magnitude, the scale is normalised away (for a
+    constant tau, up to Adam's ``eps``: exactly only where ``eps`` is negligible next to
+    the gradients). With plain SGD the order does not matter.
 
     Rules: ``"inverse"``: ``s = 1 / max(tau, 1)``; ``"exp"``: ``s = exp(-decay * tau)``;
     or a callable ``tau -> s`` (traceable jnp code on a float32 scalar). A callable rule
