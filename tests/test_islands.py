@@ -377,6 +377,8 @@ def test_wrong_arguments_are_clear_errors(model):
         ddl.noloco(optimizer=optax.sgd(0.1), inner=inner, period=2)
     with pytest.raises(ValueError, match="hierarchy's last group size must be the number"):
         ddl.local_sgd(inner=inner, hierarchy=((1, 2), (2, 8))).init(params)
+    with pytest.raises(ValueError, match="topology='star' is not known"):
+        ddl.gossip(inner=inner, topology="star")  # when built, before init
 
 
 def test_fit_warns_that_an_inner_strategy_alone_trains_its_islands_apart(model):

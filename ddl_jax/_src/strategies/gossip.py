@@ -45,9 +45,10 @@ def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
     """The sends of one gossip round: each entry maps device i to the device it sends to.
 
     ``ring``: i -> i+1 and i -> i-1. ``torus``: the same along both axes of the most square
-    ``rows x cols`` grid of n devices. ``exponential``: i -> i + 2^k for 2^k < n (the
-    directed exponential graph of Assran et al. 2019). ``complete``: i -> i + s for every
-    s in 1..n-1. Duplicate and self-sends (small n) are dropped.
+    ``rows x cols`` grid of n devices (``1 x n`` for a prime n: the ring).
+    ``exponential``: i -> i + 2^k for 2^k < n (the directed exponential graph of Assran et
+    al. 2019). ``complete``: i -> i + s for every s in 1..n-1. Duplicate and self-sends
+    (small n) are dropped.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
@@ -255,6 +256,8 @@ def gossip(
       (0.2, 0.0)
     """
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
+    if topology not in TOPOLOGIES:  # over islands, the rest is checked at init (N unknown)
+        raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
     if inner is not None:
         flat = {"loss_fn": loss_fn, "optimizer": optimizer, "mesh": mesh,
                 "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
