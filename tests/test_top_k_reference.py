@@ -13,6 +13,7 @@ strides and sample sizes, ``_sparsify``'s strided or uniform sample, its adaptat
 ``sample_ratio=1``, ``top_k``'s exact top-k.
 """
 
+import itertools
 import math
 
 import jax
@@ -433,17 +434,19 @@ def test_scope_model_without_vectors_selects_over_the_matrices_together(sample_r
 # -- the sampled threshold, one tensor at a time ----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "numel", [1, 5, 12, 199, 200, 201, 512, 4096, 20_000, 100_000, 123_457, 2**20]
-)
-@pytest.mark.parametrize("ratio", [0.5, 0.05, 0.01, 0.001, 0.25**4])
-@pytest.mark.parametrize("sample_ratio", [0.01, 0.05, 0.3, 0.999, 1.0])
-def test_sample_plan_is_the_authors_initialize(numel, ratio, sample_ratio):
-    plan = sparse.sample_plan(numel, ratio, sample_ratio)
-    assert plan.numel == numel
-    expected = dgc_initialize(numel, ratio, sample_ratio)
-    assert (plan.num_selects, plan.num_samples, plan.top_k_samples, plan.sample_stride) == expected
-    assert plan.num_selects == sparse.entries_kept(ratio, numel)  # the static payload
+def test_sample_plan_is_the_authors_initialize():
+    for numel, ratio, sample_ratio in itertools.product(
+        [1, 5, 12, 199, 200, 201, 512, 4096, 20_000, 100_000, 123_457, 2**20],
+        [0.5, 0.05, 0.01, 0.001, 0.25**4],
+        [0.01, 0.05, 0.3, 0.999, 1.0],
+    ):
+        case = (numel, ratio, sample_ratio)
+        plan = sparse.sample_plan(numel, ratio, sample_ratio)
+        assert plan.numel == numel, case
+        expected = dgc_initialize(numel, ratio, sample_ratio)
+        got = (plan.num_selects, plan.num_samples, plan.top_k_samples, plan.sample_stride)
+        assert got == expected, case
+        assert plan.num_selects == sparse.entries_kept(ratio, numel), case  # the static payload
 
 
 def _sample_start(numel, ratio, key):
