@@ -638,6 +638,27 @@ def test_bad_input_fails_with_clear_errors():
     with pytest.raises(ValueError, match="stage 1 does not accept the output of stage 0"):
         strategy.step(strategy.init([p for _, p in mismatched]), make_batches(1, 16)[0])
 
+    def squares(logits, batch):  # the last stage ends in 5 features, one-hot of 3 classes
+        return jnp.mean((logits - jax.nn.one_hot(batch["y"], 3)) ** 2)
+
+    with pytest.raises(ValueError, match=r"loss_fn does not accept the output of the last stage"):
+        ddg = {"schedule": "ddg", "example_batch": make_batches(1, 16)[0]}
+        pipeline(stages, squares, optax.sgd(0.1), mesh, microbatches=2, **ddg)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 4, "gpipe"), "stages must be an int >= 1, got 0"),
+        ((2, 0, "1f1b"), "microbatches must be an int >= 1, got 0"),
+        ((2.0, 4, "gpipe"), "stages must be an int >= 1, got 2.0"),
+        ((2, 4, "ddg"), "a 'ddg' schedule keeps the pipeline full across steps"),
+    ],
+)
+def test_schedules_refuse_what_has_no_schedule(args, match):
+    with pytest.raises(ValueError, match=match):
+        ddl.schedules.stash_intervals(ddl.schedules.make_schedule(*args))
+
 
 # --- training with ddl.fit and exporting to the modules ----------------------------------
 

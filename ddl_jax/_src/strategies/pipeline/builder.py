@@ -345,9 +345,12 @@ def pipeline(
       optimizer(reducer(g_k))`` with ``g_k`` the exact gradient of the mean loss over the global
       batch, as in single-device training. GPipe (Huang et al. 2019, arXiv:1811.06965) runs all
       forwards then all backwards, idle fraction ``(K-1)/(M+K-1)``, and each stage keeps M
-      micro-batches' inputs; 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503) has
-      the same bubble but keeps at most K, and runs folded
-      (``ddl.schedules.make_schedule(fold_last=True)``).
+      micro-batches' inputs; 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503)
+      keeps at most K, and runs folded (``ddl.schedules.make_schedule(fold_last=True)``). It
+      saves memory, not time: in lock-step a tick of its steady state pairs one stage's
+      forward with another's backward and lasts as long as the backward, so with a backward
+      costlier than a forward it idles more than GPipe (``docs/figures.md``: 1.26x against
+      GPipe's 1.41x a sequential run's samples/s, K = 2, M = 4).
     * ``"ddg"``, decoupled parallel backpropagation with delayed gradients (Huo et al. 2018,
       arXiv:1804.10574): every tick, every stage runs one forward and one backward and updates
       its weights, with no bubble. At global tick t stage k forwards micro-batch ``t-k`` and
@@ -418,7 +421,9 @@ def pipeline(
       A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
       parameter pytree per plain stage, ``{"params": ..., "batch_stats": ...}`` per
       stateful one), ``params(state)`` returns them as a list in the same layout. Metrics:
-      ``loss``, the mean loss of the micro-batches whose loss was computed in this step.
+      ``loss``, the mean loss of the micro-batches whose loss was computed in this step
+      (under ``"ddg"``, 0 on the first steps, while no micro-batch has reached the last
+      stage yet: ``floor((K - 1) / M)`` of them, which ``ddl.fit`` logs as 0).
 
     Example (an autoencoder of two linear stages on a 2 x 2 mesh):
 

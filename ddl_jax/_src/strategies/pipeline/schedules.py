@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ddl_jax._src.core.strategy import check_int
+
 SCHEDULES = ("gpipe", "1f1b", "ddg")
 IDLE = -1
 #: The least fraction of the unit-cost schedule's lock-step time a grouping must save to
@@ -295,7 +297,7 @@ def make_schedule(
       backwards; exact gradients; every stage holds all M micro-batches' inputs.
     * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): after K-1-k
       warm-up forwards stage k alternates one forward and one backward; exact gradients;
-      stage k holds at most K-k micro-batches' inputs.
+      a stage holds at most K micro-batches' inputs (:func:`peak_stash`).
     * ``ddg`` (Huo et al. 2018, arXiv:1804.10574): at every tick every stage runs one
       forward and one (delayed) backward: at global tick t stage k forwards micro-batch
       ``t - k`` and backpropagates micro-batch ``t - 2(K-1) + k``. The pipeline stays full
@@ -323,6 +325,9 @@ def make_schedule(
       A ``Schedule``; ``gpipe`` and ``1f1b`` take ``2 (M + K - 1)`` ticks unfolded, ``ddg``
       takes M.
     """
+    stages = check_int("make_schedule: stages", stages, minimum=1)
+    microbatches = check_int("make_schedule: microbatches", microbatches, minimum=1)
+    tick = check_int("make_schedule: tick", tick)
     if kind not in SCHEDULES:
         raise ValueError(f"schedule={kind!r} is not known; valid: {list(SCHEDULES)}.")
     if costs is not None:
@@ -355,7 +360,10 @@ def idle_fraction(schedule: Schedule) -> float:
 
     A tick (a group of ticks) lasts as long as its busiest stage (one unit per forward or
     backward), and ``idle = 1 - work / (K * total time)``; for GPipe this is
-    ``(K-1) / (M+K-1)``.
+    ``(K-1) / (M+K-1)``. A folded tick (``fold_last``: the last stage's forward inside its
+    backward) counts as one unit of work, so a folded schedule, though shorter, reads idler
+    (1F1B, K = 2: 0.25 at any M). For time under unequal forward and backward costs, see
+    :func:`lockstep_time`.
     """
     work = (schedule.forward >= 0).astype(int) + (schedule.backward >= 0)
     per_group = work.reshape(-1, schedule.group, schedule.stages).sum(axis=1)
@@ -369,6 +377,11 @@ def stash_intervals(schedule: Schedule) -> list[dict[int, tuple[int, int]]]:
     ticks, its predecessor ran the forward in; for the first stage, the tick of its own
     forward) through the tick of its backward, which re-runs the stage from that input.
     """
+    if schedule.kind == "ddg":
+        raise ValueError(
+            "stash_intervals: a 'ddg' schedule keeps the pipeline full across steps, so its "
+            "stash has no intervals within one step; peak_stash gives its size."
+        )
     held = []
     for k in range(schedule.stages):
         source = schedule.forward[:, max(k - 1, 0)]

@@ -192,7 +192,15 @@ def _stage_inputs(cfg: PipelineConfig, micro: Any) -> list[Any]:
                     f"got {jax.tree.map(lambda s: (s.shape, s.dtype), x)}."
                 )
             inputs.append(x)
-    st.check_loss_output(jax.eval_shape(cfg.loss_fn, x, micro), has_aux=False)
+    try:
+        loss = jax.eval_shape(cfg.loss_fn, x, micro)
+    except (TypeError, ValueError) as e:
+        got = jax.tree.map(lambda s: (s.shape, s.dtype), x)
+        raise ValueError(
+            f"loss_fn does not accept the output of the last stage, stage {cfg.k - 1} "
+            f"({got}), with a micro-batch: {type(e).__name__}: {e}"
+        ) from e
+    st.check_loss_output(loss, has_aux=False)
     return inputs
 
 
