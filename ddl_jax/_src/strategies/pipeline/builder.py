@@ -379,7 +379,10 @@ def pipeline(
 
     What ``optimizer`` and ``reducer`` see: not the stages' parameter trees, but for each stage
     one flat vector, its leaves concatenated in tree order, cast to one dtype and zero-padded to
-    the largest stage's size; each stage has its own optimizer and reducer state. Transforms that
+    the largest stage's size; each stage has its own optimizer and reducer state. The dtype is
+    the widest of every stage's leaves: a bfloat16 stage beside a float32 one is updated in
+    float32 (twice its memory; its training then differs from bfloat16 training on one device
+    by that rounding), and a pipeline of bfloat16 stages is updated in bfloat16. Transforms that
     treat every entry on its own are exact (they update each parameter as on the tree):
     ``optax.sgd``, ``momentum``, ``adam``, ``adamw`` without a ``mask``, learning-rate schedules,
     ``ddl.allreduce_mean``, ``ddl.compression.cast``. Anything that looks at the tree changes
