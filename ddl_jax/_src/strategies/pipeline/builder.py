@@ -395,6 +395,10 @@ def pipeline(
     (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer, ddl.scale_by_staleness())``
     gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
 
+    ``ddl.comm_stats`` of a step: a tick's activation and error-gradient sends run only where
+    some stage sends, inside ``lax.cond``, so they are under ``branches`` (bytes when the
+    branch runs), not ``bytes_per_device``, which holds the gradient reduction over ``data``.
+
     Args:
       stages: K pairs ``(apply, params)``: ``apply(params_k, x) -> y``; stage 0 receives the
         micro-batch pytree, stage k>0 the previous stage's output, which must be one
