@@ -314,7 +314,8 @@ def run_one(
     if state is None:  # the programs' costs, read from a fresh state's
         state = strategy.init(workload.params)
     batch = next(workload.batches(0))
-    jitted = jax.jit(strategy.step)
+    # fit's program (its state donated): priced as it ran, and not compiled again
+    jitted = jax.jit(strategy.step, donate_argnums=0)
     stats = ddl.comm_stats(jitted, state, batch)
     events = _event_metrics(history[0])
     event = "+".join(events) or None
@@ -329,7 +330,8 @@ def run_one(
             one_each = spec.build(
                 _context(workload, mesh, config, eval_every)._replace(workers=None)
             )
-            one_step, rows = jax.jit(one_each.step), _worker_rows(batch, per_device)
+            one_step = jax.jit(one_each.step, donate_argnums=0)  # as fit would run it
+            rows = _worker_rows(batch, per_device)
             one_state = one_each.init(workload.params)
             work = sim.compute_stats(one_step, one_state, rows)
             stats = sim.per_worker(stats, per_device)
@@ -544,7 +546,7 @@ def _gradient_seconds(workload: Workload, mesh: Any, config: Config) -> float:
     strategy = ddl.data_parallel(workload.loss_fn, optax.adam(LEARNING_RATE), mesh)
     state, batch = strategy.init(workload.params), next(workload.batches(0))
     rows = _worker_rows(batch, config.worker_count // config.devices)
-    work = sim.compute_stats(jax.jit(strategy.step), state, rows)
+    work = sim.compute_stats(jax.jit(strategy.step, donate_argnums=0), state, rows)
     return sim.estimate_compute_time(work, DEVICES[config.compute])
 
 
