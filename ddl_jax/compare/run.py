@@ -4,8 +4,9 @@ For each strategy of a ``Config``: the same initial variables and the same globa
 in the same order (one seed), ``ddl.fit`` with an evaluation every ``eval_every`` steps
 (its records logged to ``<out>/logs/<strategy>.jsonl``, ``:`` written ``_``; an earlier
 run's logs of other strategies there removed), then, on
-the jitted step, ``ddl.comm_stats`` (bytes each device sends) and ``ddl.sim.compute_stats``
-(flops and bytes each device computes), both read from the compiled HLO.
+the step as ``fit`` compiled it (the state donated: one compilation serves both),
+``ddl.comm_stats`` (bytes each device sends) and ``ddl.sim.compute_stats`` (flops and bytes
+each device computes), both read from the compiled HLO.
 
 Simulated wall time after k steps, on the chosen network (``ddl.sim``'s alpha-beta model)
 and device model (``--compute``), communication after computation, no overlap::
