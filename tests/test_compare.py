@@ -2,6 +2,7 @@
 outputs written, and the same table from the same seed."""
 
 import json
+import logging
 
 import jax
 import numpy as np
@@ -172,8 +173,11 @@ def _tiny(out, config):
     return json.loads((out / "results.json").read_text())
 
 
-def test_same_seed_same_table_and_files_written(tmp_path, capsys):
-    first = _tiny(tmp_path / "a", tmp_path / "c.toml")
+def test_same_seed_same_table_and_files_written(tmp_path, capsys, caplog):
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        first = _tiny(tmp_path / "a", tmp_path / "c.toml")
+    # each strategy's step compiled once: bytes and compute are read from fit's program
+    assert sum(r.getMessage().startswith("Compiling jit(step)") for r in caplog.records) == 2
     second = _tiny(tmp_path / "b", tmp_path / "c.toml")
     printed = capsys.readouterr().out
     assert "| sync |" in printed and "| local:4 |" in printed
