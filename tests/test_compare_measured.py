@@ -15,7 +15,7 @@ import pytest
 from conftest import GLOO_LOOPS_REPORT, child_env
 
 from ddl_jax import cli
-from ddl_jax.compare import measured, processes
+from ddl_jax.compare import measured, processes, worker
 from ddl_jax.compare.config import make_config
 from ddl_jax.compare.specs import CompareError
 
@@ -106,6 +106,14 @@ def _check_measured(results, stdout):
     assert "| strategy | steps | measured |" in stdout
     assert m["cores"] == len(os.sched_getaffinity(0)) and f"on {m['cores']} CPU cores" in stdout
     assert ("warning: 2 processes on" in stdout) == (m["cores"] < 2)  # the crowding warning
+
+
+def test_a_slow_sweep_program_is_timed_fewer_times():
+    """The sweep's programs are timed 11 times (the median kept), a slow one (a large
+    all-reduce on a slow link) as many times as take about 2 s, at least 3."""
+    assert worker.sweep_repeats(1e-4) == worker.sweep_repeats(0.18) == 11
+    assert worker.sweep_repeats(0.37) == 6  # 4 MB at 100 Mb/s
+    assert worker.sweep_repeats(1.44) == worker.sweep_repeats(60.0) == 3  # 16 MB
 
 
 def test_more_processes_than_cores_are_warned_of():

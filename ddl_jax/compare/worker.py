@@ -31,6 +31,7 @@ Times are the slowest process's. Rank 0 prints one JSON line.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -58,6 +59,11 @@ IN_TURN_BYTES = 64
 #: about half the all-reduces' bandwidth (XLA:CPU's gloo, 2 processes, 1 MB: 16 ms against
 #: 8.8 ms at 1 Gb/s), which one bandwidth cannot fit.
 PERMUTE_BYTES = (4,)
+#: Timings of each of the sweep's programs (the median is kept): at most SWEEP_REPEATS, fewer
+#: for a slow one, as many as take about SWEEP_SECONDS, at least 3 (at 100 Mb/s a 16 MB
+#: all-reduce takes 1.4 s: 11 of it and of 4 MB were 20 s of a 35 s sweep).
+SWEEP_REPEATS = 11
+SWEEP_SECONDS = 2.0
 #: Steps of the compute probe, and its runs (the median is kept).
 PROBE_STEPS = 40
 PROBE_REPEATS = 5
@@ -77,15 +83,25 @@ def _mesh() -> Any:
     return ddl.make_mesh(data=len(chosen), devices=chosen)
 
 
-def _median_seconds(fn: Callable, *args: Any, repeats: int = 7) -> float:
+def sweep_repeats(first: float) -> int:
+    """How many timings of a sweep's program whose first timing took ``first`` seconds."""
+    return min(SWEEP_REPEATS, max(3, math.ceil(SWEEP_SECONDS / max(first, 1e-9))))
+
+
+def _median_seconds(fn: Callable, *args: Any) -> float:
+    """The median time of ``fn(*args)``, a collective: after a first call (it compiles),
+    the slowest process's first timing sets every process's count (``sweep_repeats``)."""
     import jax
 
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    repeats = 1
+    while len(times) < repeats:
         tick = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - tick)
+        if len(times) == 1:
+            repeats = sweep_repeats(_slowest(times[0]))
     return statistics.median(times)
 
 
@@ -136,7 +152,7 @@ def sweep() -> dict[str, Any]:
             "ops": sum(op.count for op in ops),
             "op_buffers": sum(op.count * op.buffers for op in ops),
             "busy_bytes": sum(op.count * max(op.sent) for op in ops),
-            "seconds": _median_seconds(fn, *x, repeats=11),
+            "seconds": _median_seconds(fn, *x),
         })  # fmt: skip
     return {"samples": samples}
 
