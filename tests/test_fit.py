@@ -123,6 +123,8 @@ def test_running_out_of_batches_warns_and_still_evaluates(mlp):
         ({"callbacks": print}, TypeError, "callbacks must be a sequence of callables"),
         ({"callbacks": None}, TypeError, "callbacks must be a sequence of callables"),
         ({"callbacks": [print, 3]}, TypeError, "callbacks.1. must be callable, got 3"),
+        ({"keep": 0}, ValueError, "^fit: keep must be an int >= 1, got 0.$"),
+        ({"checkpoint_dir": 3}, TypeError, "checkpoint_dir must be a str or os.PathLike path"),
     ],
 )
 def test_bad_arguments(mlp, kwargs, error, match):
@@ -496,3 +498,132 @@ def test_an_interrupted_fit_says_which_step_it_resumes_from(mlp, tmp_path, capsy
         strategy, params, make_batches(8, 32), steps=8, checkpoint_dir=folder, progress=False
     )
     assert history[0]["step"] == 5
+
+
+def _checkpointed_steps(directory) -> list[int]:
+    return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+
+
+def test_a_non_finite_step_is_never_checkpointed_nor_the_last_good_one_dropped(mlp, tmp_path):
+    """Checkpoints more often than log points: the loss is fetched and checked before each
+    save, so the run stops at the first bad step and the checkpoints before it stay."""
+    loss_fn, params = mlp
+    batches = make_batches(40, 8)
+    batches[11]["x"][0, 0] = np.nan  # step 12
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    ckpt, path = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    with pytest.raises(FloatingPointError, match="loss is nan at step 12"):
+        ddl.fit(strategy, params, batches, steps=40, log_every=40, checkpoint_every=5,
+                checkpoint_dir=ckpt, log_file=path, progress=False)  # fmt: skip
+    assert _checkpointed_steps(ckpt) == [5, 10]
+    for step in (5, 10):
+        variables = ddl.checkpoint.load_variables(ckpt, step)
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(variables))
+    # the log holds every step before the bad one (a resume from step 10 drops 11)
+    assert [r["step"] for r in read_log(path)] == list(range(1, 12))
+
+
+def test_a_crash_between_log_points_leaves_no_step_unlogged_after_a_resume(mlp, tmp_path):
+    loss_fn, params = mlp
+    batches = make_batches(20, 8)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    args = {"log_every": 10, "checkpoint_every": 5, "checkpoint_dir": tmp_path / "ckpt",
+            "log_file": tmp_path / "log.jsonl", "progress": False}  # fmt: skip
+
+    def loader_dies_at_18(start):
+        for i in range(start, 17):
+            yield batches[i]
+        raise OSError("the loader died")
+
+    with pytest.raises(OSError, match="the loader died"):
+        ddl.fit(strategy, params, loader_dies_at_18, steps=20, **args)
+    _, history = ddl.fit(strategy, params, lambda start: batches[start:], steps=20, **args)
+    assert history[0]["step"] == 16
+    assert [r["step"] for r in read_log(args["log_file"])] == list(range(1, 21))
+
+
+def test_the_last_step_is_saved_before_a_final_evaluation_that_fails(mlp, tmp_path):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.raises(TypeError, match="eval_fn must return one number"):
+        ddl.fit(strategy, params, make_batches(6, 8), steps=6, progress=False,
+                eval_fn=lambda p: jnp.ones(3), checkpoint_dir=tmp_path)  # fmt: skip
+    assert _checkpointed_steps(tmp_path) == [6]  # the training is kept
+
+
+def test_an_eval_fn_that_is_not_callable_is_refused_before_training(mlp):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    value = loss_fn(params, make_batches(1, 8)[0])
+    with pytest.raises(TypeError, match="fit: eval_fn must be callable .variables -> a scalar"):
+        ddl.fit(strategy, params, make_batches(2, 8), steps=2, eval_fn=value, progress=False)
+
+
+def test_a_fresh_run_that_fails_before_its_first_record_leaves_the_log_file_alone(mlp, tmp_path):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    path = tmp_path / "log.jsonl"
+    _, history = ddl.fit(strategy, params, make_batches(3, 8), steps=3, log_file=path,
+                         progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="not divisible"):
+        ddl.fit(strategy, params, make_batches(3, 3), steps=3, log_file=path, progress=False)
+    assert read_log(path) == history
+
+
+def test_a_resume_past_the_batches_says_so(mlp, tmp_path):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    batches = make_batches(4, 8)
+    args = {"steps": 8, "checkpoint_dir": tmp_path, "progress": False}
+    with pytest.warns(UserWarning, match="ran out after 4 of 8 steps"):
+        ddl.fit(strategy, params, batches, **args)
+    with pytest.raises(ValueError, match="batches yielded no batch from step 5 on, where the "
+                       "run resumes .its checkpoint of step 4 in "):  # fmt: skip
+        ddl.fit(strategy, params, batches, **args)
+
+
+def test_every_step_skipped_warns(mlp):
+    loss_fn, params = mlp
+    params = jax.tree.map(lambda x: x * np.nan, params)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    with pytest.warns(UserWarning, match="fit: all 3 steps were skipped"):
+        _, history = ddl.fit(strategy, params, make_batches(3, 8), steps=3,
+                             skip_nonfinite=True, progress=False)  # fmt: skip
+    assert [r["skipped"] for r in history] == [1.0] * 3
+
+
+def test_the_log_file_is_strict_json_non_finite_values_null(mlp, tmp_path):
+    loss_fn, params = mlp
+    params = jax.tree.map(lambda x: x * np.nan, params)
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    path = tmp_path / "log.jsonl"
+    with pytest.warns(UserWarning, match="skipped"):
+        ddl.fit(strategy, params, make_batches(2, 8), steps=2, skip_nonfinite=True,
+                log_file=path, progress=False)  # fmt: skip
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    with open(path) as f:
+        records = [json.loads(line, parse_constant=refuse) for line in f]
+    assert [(r["step"], r["loss"], r["skipped"]) for r in records] == [
+        (1, None, 1.0),
+        (2, None, 1.0),
+    ]
+
+
+def test_when_no_checkpoint_can_be_restored_fit_says_it_starts_over(mlp, tmp_path, capsys):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    ddl.fit(strategy, params, make_batches(2, 8), steps=2, checkpoint_dir=tmp_path,
+            progress=False)  # fmt: skip
+    for f in (tmp_path / "2").rglob("*"):
+        if f.is_file() and f.stat().st_size:
+            f.write_bytes(b"\0" * f.stat().st_size)  # every file of the one checkpoint
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="could not be restored"):
+        _, history = ddl.fit(strategy, params, make_batches(2, 8), steps=2,
+                             checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+    assert [r["step"] for r in history] == [1, 2]
+    out = capsys.readouterr().out
+    assert "fit: none of the 1 checkpoints in " in out and "training from step 0." in out

@@ -112,7 +112,10 @@ def fit(
     resumes from its state and runs steps ``s + 1 .. steps`` on batches ``s, s + 1, ...``
     of the stream, so a restarted command ends where an uninterrupted one would (bitwise
     on the same mesh, dropout masks included). A step that fails to restore is reported
-    and the previous one used (see ``ddl.checkpoint.restore_latest``).
+    and the previous one used (see ``ddl.checkpoint.restore_latest``); when none can be,
+    ``fit`` says it trains from step 0. Before each save the steps' losses are fetched: a
+    non-finite one raises there (no checkpoint holds it, none before it is rotated out).
+    The last step is saved before the final evaluation and the callbacks see it.
 
     Records (the history's dicts) are passed on to ``log_file`` and ``tensorboard_dir``,
     then to each callback, on process 0, once final: those fetched at a log point (every
@@ -142,7 +145,9 @@ def fit(
       steps: total number of training steps (including resumed ones), >= 1.
       eval_fn: ``variables -> scalar | dict of scalars``, run on
         ``strategy.params(state)`` every ``eval_every`` steps and after the last step;
-        recorded as ``eval`` / ``eval_<name>``.
+        recorded as ``eval`` / ``eval_<name>``. The variables it gets share the state's
+        buffers, which the next step reuses (the state is donated): to keep them (the
+        best so far), keep a copy, ``jax.tree.map(jnp.copy, variables)``.
       eval_every: steps between evaluations; ``None`` evaluates after the last step only.
       log_every: steps between metric fetches and progress updates.
       progress: show progress and one line per evaluation; ``False`` prints nothing but
@@ -155,7 +160,10 @@ def fit(
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
         instead of stopping training.
       log_file: a JSON-lines file (parents created) to which process 0 appends the records
-        as they are passed on, flushed; on start, lines after the start step are dropped.
+        as they are passed on, and those up to each checkpoint before it is saved, flushed;
+        non-finite values are written ``null`` (strict JSON). With its first record, the
+        lines of steps after the start step are dropped (all of them when not resuming);
+        a run that fails before leaves the file as it was.
       tensorboard_dir: a TensorBoard log directory (created) to which process 0 writes
         every scalar of each record but ``step`` at its step (tensorboardX, the extra
         ``pip install 'ddl-jax[tensorboard]'``), each step once across resumes. An
@@ -202,9 +210,16 @@ def fit(
                 settings.checkpoint_dir, keep=settings.keep or 3
             )
             # Not restore_latest: its warning about a corrupt step must name the user's line.
+            saved = manager.all_steps()
             if (restored := checkpoint.newest_readable(manager, state)) is not None:
                 state, log.start = restored
                 log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
+            elif saved:
+                log.say(
+                    f"fit: none of the {len(saved)} checkpoints in {manager.directory} could be "
+                    "restored (each moved aside, see the warnings): training from step 0.",
+                    notice=True,
+                )
         log.open()
         return _train(strategy, state, batches, log, manager, settings)
     except KeyboardInterrupt:
@@ -265,6 +280,11 @@ def _train(
     stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
 
     def save(step: int) -> None:
+        # The loss of every step saved is checked first (a non-finite one raises: no bad
+        # state is saved, no good one rotated out), and its records are written: the log
+        # covers every checkpoint, so a resume after a crash leaves no step unlogged.
+        log.flush()
+        log.write()
         checkpoint.save(manager, step, state, strategy.params(state))
 
     def evaluate() -> None:
@@ -305,27 +325,40 @@ def _train(
         )
         return state, history
     if not history:
+        if start:
+            raise ValueError(
+                f"fit: batches yielded no batch from step {start + 1} on, where the run "
+                f"resumes (its checkpoint of step {start} in {manager.directory}); give "
+                "batches beyond it, or steps <= the steps they hold."
+            )
         raise ValueError("fit: batches yielded no batch.")
     last = start + len(history)
+    if manager is not None and manager.latest_step() != last:
+        save(last)  # before the final evaluation and callbacks: their failure keeps it
     if not stopped:
         if last < steps:
             warnings.warn(f"fit: batches ran out after {last} of {steps} steps.", stacklevel=3)
         if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
             evaluate()
         log.pass_on()
+    if settings.skip_nonfinite and all(r.get("skipped") for r in history):
+        warnings.warn(
+            f"fit: all {len(history)} steps were skipped (a non-finite loss or new state on "
+            "some worker, every step): the parameters did not change. Check the initial "
+            "parameters and the data for NaN/inf, or lower the learning rate.",
+            stacklevel=3,
+        )
     log.report_stragglers(loader_seconds)
-    if manager is not None and manager.latest_step() != last:
-        save(last)
     return state, history
 
 
 def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSettings:
     """``fit``'s argument checks, of its ``arguments`` by name; returns the checked ones."""
     args = FitSettings(**{name: arguments[name] for name in FitSettings._fields})
-    steps = check_int("steps", args.steps, minimum=1)
-    log_every = check_int("log_every", args.log_every, minimum=1)
+    steps = check_int("fit: steps", args.steps, minimum=1)
+    log_every = check_int("fit: log_every", args.log_every, minimum=1)
     eval_every, checkpoint_every, keep = (
-        None if value is None else check_int(name, value, minimum=1)
+        None if value is None else check_int(f"fit: {name}", value, minimum=1)
         for name, value in (
             ("eval_every", args.eval_every),
             ("checkpoint_every", args.checkpoint_every),
@@ -346,11 +379,21 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSetting
     for name, value in (("progress", args.progress), ("skip_nonfinite", args.skip_nonfinite)):
         if not isinstance(value, bool | np.bool_):
             raise TypeError(f"fit: {name} must be a bool, got {value!r}.")
+    if args.eval_fn is not None and not callable(args.eval_fn):
+        raise TypeError(
+            f"fit: eval_fn must be callable (variables -> a scalar or a dict of scalars), got "
+            f"{type(args.eval_fn).__name__}."
+        )
     if eval_every is not None and args.eval_fn is None:
         raise ValueError(f"fit: eval_every={eval_every!r} needs eval_fn, got eval_fn=None.")
     if isinstance(args.checkpoint_dir, str) and not args.checkpoint_dir:
         raise ValueError(
             "fit: checkpoint_dir must name a directory, got '' (None saves no checkpoints)."
+        )
+    if args.checkpoint_dir is not None and not isinstance(args.checkpoint_dir, str | os.PathLike):
+        raise TypeError(
+            f"fit: checkpoint_dir must be a str or os.PathLike path, or None, got "
+            f"{type(args.checkpoint_dir).__name__} {args.checkpoint_dir!r}."
         )
     for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
         # Without a directory nothing is saved: a silently ignored setting would hide that.

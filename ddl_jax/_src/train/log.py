@@ -106,8 +106,9 @@ def _counts(record: dict[str, float]) -> bool:
     return math.isfinite(record["loss"]) and not record.get("skipped")
 
 
-def _open_log_file(path: str, start: int) -> TextIO:
-    """``path`` opened for appending, its lines of steps after ``start`` dropped first."""
+def _log_lines_kept(path: str, start: int) -> list[str] | None:
+    """The lines of the log file ``path`` to keep, of steps up to ``start`` (``None``: keep
+    the file as it is, or there is none)."""
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -130,12 +131,25 @@ def _open_log_file(path: str, start: int) -> TextIO:
             if record["step"] <= start:
                 kept.append(line + "\n")
         if "".join(kept) != text:  # also ends a last line its newline did not
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(path + ".tmp", path)
+            return kept
+    return None
+
+
+def _open_log_file(path: str, kept: list[str] | None) -> TextIO:
+    """``path`` opened for appending, holding only the lines ``kept`` (``None``: as it is)."""
+    if kept is not None:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
     elif os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     return open(path, "a", encoding="utf-8")  # closed by TrainingLog.close
+
+
+def _json_line(record: dict[str, float]) -> str:
+    """``record`` as a line of strict JSON: a non-finite value (a skipped step's loss) as
+    ``null``."""
+    return json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n"
 
 
 def _ms(seconds: float) -> str:
@@ -201,6 +215,7 @@ class TrainingLog:
         self.path, self.callbacks = settings.log_file, settings.callbacks
         self.tensorboard_dir = settings.tensorboard_dir
         self.file: TextIO | None = None
+        self.kept: list[str] | None = None  # the log file's lines to keep, when first written
         self.writer: Any = None  # tensorboardX's SummaryWriter, on process 0
         self.written = self.passed = 0  # records written to the file, given to callbacks
         self.main = jax.process_index() == 0
@@ -222,10 +237,11 @@ class TrainingLog:
             self.bar.write(line, file=sys.stdout)
 
     def open(self) -> None:
-        """Opens the log file and the TensorBoard writer (process 0), from the start step
-        on, and the progress bar."""
+        """Reads the log file (process 0; it is rewritten from the start step on at the
+        first record written: a run that fails before leaves it as it was), opens the
+        TensorBoard writer (process 0) and the progress bar."""
         if self.path is not None and self.main:
-            self.file = _open_log_file(self.path, self.start)
+            self.kept = _log_lines_kept(self.path, self.start)
         if self.tensorboard_dir is not None and self.main:
             # purge_step: TensorBoard hides the directory's earlier events of steps after the
             # start step (all when not resuming), so it shows each step once, as the file does.
@@ -335,8 +351,10 @@ class TrainingLog:
 
     def write(self) -> None:
         new = self.history[self.written :]
-        if self.file is not None and new:
-            self.file.writelines(json.dumps(r) + "\n" for r in new)
+        if self.path is not None and self.main and new:
+            if self.file is None:
+                self.file = _open_log_file(self.path, self.kept)
+            self.file.writelines(_json_line(r) for r in new)
             self.file.flush()
             os.fsync(self.file.fileno())  # a crashed run keeps what it logged
         if self.writer is not None and new:
