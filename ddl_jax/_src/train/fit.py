@@ -284,7 +284,7 @@ def _train(
         # state is saved, no good one rotated out), and its records are written: the log
         # covers every checkpoint, so a resume after a crash leaves no step unlogged.
         log.flush()
-        log.write()
+        log.write(durable=True)
         checkpoint.save(manager, step, state, strategy.params(state))
 
     def evaluate() -> None:

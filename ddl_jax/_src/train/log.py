@@ -349,14 +349,18 @@ class TrainingLog:
             stop = bool(multihost_utils.broadcast_one_to_all(np.bool_(stop)))
         return stop
 
-    def write(self) -> None:
+    def write(self, *, durable: bool = False) -> None:
+        """Writes the records not written yet: to the log file, flushed (a crashed process
+        keeps what it logged), and with ``durable`` synced to disk (so is a checkpoint's
+        save: a crashed machine's log still covers it); to TensorBoard."""
         new = self.history[self.written :]
         if self.path is not None and self.main and new:
             if self.file is None:
                 self.file = _open_log_file(self.path, self.kept)
             self.file.writelines(_json_line(r) for r in new)
             self.file.flush()
-            os.fsync(self.file.fileno())  # a crashed run keeps what it logged
+        if durable and self.file is not None:
+            os.fsync(self.file.fileno())
         if self.writer is not None and new:
             for record in new:  # every scalar but the step: loss, metrics, eval results
                 for tag, value in record.items():
@@ -367,7 +371,7 @@ class TrainingLog:
 
     def close(self) -> None:
         try:
-            self.write()  # a run that raised: the records fetched before
+            self.write(durable=True)  # a run that raised: the records fetched before
         finally:
             for opened in (self.file, self.writer, self.bar):
                 if opened is not None:
