@@ -256,3 +256,34 @@ ENTRY %main.2 (p: f7e3m3[16]) -> f7e3m3[16] {{
 """  # noqa: E501
     with pytest.raises(ValueError, match="unknown HLO element type 'f7e3m3'"):
         collectives(hlo)
+
+
+def test_a_nested_branch_runs_with_the_branches_around_it():
+    """A psum in a conditional branch holding another conditional with a permute: taking
+    the inner branch runs both, so its bytes and its price count the psum too."""
+    mesh = ddl.make_mesh(data=8)
+    x = jax.device_put(jnp.ones((8 * 1024,)), NamedSharding(mesh, P("data")))
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+
+    def step(a):
+        def outer(a):
+            a = jax.lax.psum(a, "data")
+            inner = lambda a: jax.lax.ppermute(a, "data", ring)  # noqa: E731
+            return jax.lax.cond(a[1] > 3, inner, lambda a: a * 3, a)
+
+        return jax.lax.cond(a[0] > 0, outer, lambda a: a * 2, a)
+
+    program = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                            check_vma=False)  # fmt: skip
+    stats = ddl.comm_stats(jax.jit(program), x)
+    psum, permute = 2 * 7 / 8 * 4096, 4096.0  # bytes a device sends: ring all-reduce, shift
+    (outer,) = [k for k in stats.branches if "/" not in k]
+    (inner,) = [k for k in stats.branches if "/" in k]
+    assert inner.startswith(outer + "/")
+    assert stats.branches == {outer: psum, inner: psum + permute}
+    assert stats.bytes_per_device == 0.0  # nothing runs unconditionally
+    network = ddl.sim.Network(bandwidth=1e6, latency=0.0)
+    assert ddl.sim.estimate_step_time(stats, network, branch=outer) == pytest.approx(psum / 1e6)
+    assert ddl.sim.estimate_step_time(stats, network, branch=inner) == pytest.approx(
+        (psum + permute) / 1e6
+    )

@@ -96,7 +96,8 @@ class CommStats(NamedTuple):
       bytes_by_kind: per collective kind, bytes sent per call by its busiest device.
       rounds: communication rounds per call.
       ops: every collective, including those in conditional branches.
-      branches: per conditional branch, bytes sent by its busiest device when it runs.
+      branches: per conditional branch, bytes sent by its busiest device when it runs
+        (with those of the branches around it; one inside a loop, as if taken every trip).
     """
 
     bytes_per_device: float
@@ -300,6 +301,12 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
     return summarise(collectives(jitted.lower(*args, **kwargs).compile().as_text()))
 
 
+def runs_in(op_branch: str, branch: str) -> bool:
+    """Whether a collective of ``op_branch`` runs when ``branch`` is taken: it is that
+    branch, or one around it (a nested branch's key extends its parents' with ``/``)."""
+    return branch == op_branch or branch.startswith(op_branch + "/")
+
+
 def summarise(ops: tuple[CollectiveOp, ...]) -> CommStats:
     """The ``CommStats`` of a program whose collectives are ``ops``."""
     devices = max((len(op.sent) for op in ops), default=1)
@@ -307,10 +314,14 @@ def summarise(ops: tuple[CollectiveOp, ...]) -> CommStats:
     by_kind: dict[str, list[float]] = {}
     branches: dict[str, list[float]] = {}
     rounds = 0
+    for key in dict.fromkeys(op.branch for op in ops if op.branch):
+        branches[key] = [0.0] * devices
     for op in ops:
-        target = branches.setdefault(op.branch, [0.0] * devices) if op.branch else sent
-        for d, b in enumerate(op.sent):
-            target[d] += b * op.count
+        # a branch's ops run with it, and with every branch inside it
+        targets = [v for k, v in branches.items() if runs_in(op.branch, k)] if op.branch else [sent]
+        for target in targets:
+            for d, b in enumerate(op.sent):
+                target[d] += b * op.count
         if not op.branch:
             rounds += op.rounds * op.count
             kind = by_kind.setdefault(op.kind, [0.0] * devices)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ddl_jax._src.core.strategy import check_real
-from ddl_jax._src.measure.comm import CommStats, split_islands
+from ddl_jax._src.measure.comm import CommStats, runs_in, split_islands
 
 
 class Network(NamedTuple):
@@ -128,7 +128,8 @@ def estimate_step_time(
 
     Each collective costs ``count * (overhead + rounds * latency + bytes / bandwidth)`` where
     ``bytes`` is what its busiest device sends. Collectives inside conditional branches
-    count only for the ``branch`` named (only one branch runs; see ``stats.branches``).
+    count only for the ``branch`` named, with those of the branches around it (only one
+    branch of a conditional runs; see ``stats.branches``).
     With islands (``local_sgd(inner=...)``), the collectives within an island travel on
     the island's fast ``inner_network`` and those across islands on ``network``.
 
@@ -182,5 +183,5 @@ def _comm_s(stats: CommStats, network: Network, branch: str | None) -> float:
     return sum(
         op.count * (overhead + op.rounds * latency + max(op.sent) / bandwidth)
         for op in stats.ops
-        if op.branch in ("", branch)
+        if not op.branch or (branch is not None and runs_in(op.branch, branch))
     )
