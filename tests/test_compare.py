@@ -635,3 +635,12 @@ def test_an_interrupted_comparison_writes_what_finished(tmp_path, monkeypatch, c
     assert capsys.readouterr().err.endswith("ddl-jax compare: interrupted.\n")
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert runs[0]["final"] > 0 and [r.get("error") for r in runs[1:]] == ["interrupted"] * 2
+
+
+def test_a_data_dependent_loop_in_the_compute_is_noted(tmp_path, capsys):
+    """DGC's threshold search (top-k's sampled threshold) loops until enough entries pass:
+    its compute counts one trip, and the run says so."""
+    _run(tmp_path, "--strategies", "sync,topk:0.01", "--steps", "2")
+    out = capsys.readouterr().out
+    assert "topk:0.01: note: 2 data-dependent loop(s) of its step counted once" in out
+    assert "sync: note" not in out

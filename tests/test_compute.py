@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import ddl_jax as ddl
+from ddl_jax._src.measure.compute import hlo_compute
 
 X = jnp.ones((128, 128))
 
@@ -77,3 +78,31 @@ def test_the_measuring_functions_name_a_wrong_argument():
         ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G)
     with pytest.raises(ValueError, match="mixing_matrix: n must be an int >= 1, got 0"):
         ddl.mixing_matrix("ring", 0)
+
+
+def test_a_loop_of_unknown_trip_count_counts_once_and_is_counted_apart():
+    def loop(x, w, n):
+        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] @ w, c[1] + 1), (x, 0))[0]
+
+    x = jnp.ones((32, 32))
+    stats = ddl.sim.compute_stats(jax.jit(loop), x, x, 5)
+    assert stats.flops == 2 * 32**3 and stats.dynamic_loops == 1  # one trip of the five
+    fixed = ddl.sim.compute_stats(jax.jit(lambda x, w: loop(x, w, 5)), x, x)
+    assert fixed.flops == 5 * 2 * 32**3 and fixed.dynamic_loops == 0
+
+
+# A dot as XLA:GPU's cuBLAS rewrite prints it: a custom-call, whose flops are not read.
+CUBLAS_HLO = r"""HloModule jit_f
+
+ENTRY %main.4 (Arg_0.1: f32[64,32], Arg_1.2: f32[32,16]) -> f32[64,16] {
+  %Arg_0.1 = f32[64,32]{1,0} parameter(0)
+  %Arg_1.2 = f32[32,16]{1,0} parameter(1)
+  %custom-call.1 = (f32[64,16]{1,0}, s8[4194304]{0}) custom-call(f32[64,32]{1,0} %Arg_0.1, f32[32,16]{1,0} %Arg_1.2), custom_call_target="__cublas$gemm", backend_config={}
+  ROOT %get-tuple-element = f32[64,16]{1,0} get-tuple-element(%custom-call.1), index=0
+}
+"""  # noqa: E501
+
+
+def test_library_calls_are_counted_apart():
+    stats = hlo_compute(CUBLAS_HLO)
+    assert stats.library_calls == 1 and stats.flops == 0.0

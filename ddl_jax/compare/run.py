@@ -274,6 +274,17 @@ def _fit(
     return state, history, why
 
 
+def _say_uncounted(work: sim.ComputeStats, label: str) -> None:
+    """Notes what the compute model of a run could not count (``ddl.sim.ComputeStats``)."""
+    if work.dynamic_loops:
+        print(f"{label}: note: {work.dynamic_loops} data-dependent loop(s) of its step counted "
+              "once in its compute (a lower bound)", flush=True)  # fmt: skip
+    if work.library_calls:
+        print(f"{label}: warning: {work.library_calls} matrix products in vendor libraries "
+              "(cuBLAS, cuDNN) are missing from its compute; JAX_PLATFORMS=cpu prices the "
+              "XLA:CPU program on the --compute device", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _clause(message: Any) -> str:
     """A message of ``fit``'s up to its advice: ``loss is nan at step 9``."""
     return str(message).removeprefix("fit: ").split(";")[0].split(": ")[0]
@@ -341,6 +352,7 @@ def run_one(
                 ops = [op for op in stats.ops if not op.branch]
                 stats = sim.summarise((*ops, *(op for op in one.ops if op.branch)))
         compute_s = sim.estimate_compute_time(work, DEVICES[config.compute])
+        _say_uncounted(work, f"{label} {spec.text}")
         if spec.inner is not None:  # an island's collectives on its own network
             within, stats = sim.split_islands(stats, mesh.size // config.islands)
             compute_s += sim.estimate_step_time(within, NETWORKS[config.inner_network])

@@ -10,8 +10,11 @@ as ``comm_stats`` does, and counts per device
 * ``bytes``: the bytes of every kernel's result (each top-level instruction that computes
   something; tuples, parameters, constants and collectives excluded): memory traffic.
 
-While loops count ``known_trip_count`` times; of a conditional's branches the costliest
-counts (a lock-step program waits for it). ``estimate_compute_time`` prices the counts on
+While loops count ``known_trip_count`` times (a loop without one, data-dependent, once:
+``dynamic_loops``); of a conditional's branches the costliest counts (a lock-step program
+waits for it). Matrix products in vendor libraries (XLA:GPU's cuBLAS and cuDNN
+custom-calls) are not read (``library_calls`` counts them): the counts are exact for
+XLA:CPU and TPU programs. ``estimate_compute_time`` prices the counts on
 a ``Device``: ``flops / device.flops + bytes / device.bandwidth``. Deterministic: the
 same program gives the same time.
 """
@@ -41,6 +44,8 @@ _INSTRUCTION = re.compile(
     r"^(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)"
 )
 _DIMS = re.compile(r"\[([\d,]*)\]")
+#: The custom-call targets of vendor libraries' kernels (XLA:GPU's matrix products).
+_LIBRARY = re.compile(r'custom_call_target="__(cublas|cudnn)')
 
 
 class ComputeStats(NamedTuple):
@@ -49,10 +54,18 @@ class ComputeStats(NamedTuple):
     Attributes:
       flops: floating-point operations of its matrix products and convolutions.
       bytes: bytes its kernels write (every instruction's result, loops repeated).
+      dynamic_loops: while loops whose trip count the program does not know (a
+        data-dependent loop, e.g. DGC's threshold search), each counted once: ``flops``
+        and ``bytes`` are then a lower bound.
+      library_calls: calls of vendor libraries (``custom-call`` to cuBLAS, cuDNN, as
+        XLA:GPU writes matrix products), whose flops are not read: on a GPU's program
+        ``flops`` misses them.
     """
 
     flops: float
     bytes: float
+    dynamic_loops: int = 0
+    library_calls: int = 0
 
 
 class Device(NamedTuple):
@@ -102,10 +115,10 @@ def _flops(m: re.Match, shapes: dict[str, str]) -> float:
     return 2.0 * out * math.prod(kernel) / max(outputs, 1)
 
 
-def _walk(comps: dict[str, list[str]], name: str, top: bool) -> tuple[float, float]:
-    """Flops and bytes of computation ``name``; ``top``: its instructions are kernels
-    (bytes counted), not the inside of a fusion (flops only)."""
-    flops = nbytes = 0.0
+def _walk(comps: dict[str, list[str]], name: str, top: bool) -> ComputeStats:
+    """The counts of computation ``name``; ``top``: its instructions are kernels (bytes
+    counted), not the inside of a fusion (flops only)."""
+    total = ComputeStats(0.0, 0.0)
     matches = [m for line in comps.get(name, ()) if (m := _INSTRUCTION.search(line))]
     shapes = {m["name"]: m["shape"] for m in matches}
     for m in matches:
@@ -114,29 +127,33 @@ def _walk(comps: dict[str, list[str]], name: str, top: bool) -> tuple[float, flo
             body = re.search(r"body=%?([\w.\-]+)", line)[1]
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             n = int(trip[1]) if trip else 1
-            f, b = _walk(comps, body, top)
-            flops, nbytes = flops + n * f, nbytes + n * b
+            inside = _walk(comps, body, top)
+            total = _add(total, inside._replace(flops=n * inside.flops, bytes=n * inside.bytes))
+            total = total._replace(dynamic_loops=total.dynamic_loops + (trip is None))
             continue
         if op == "conditional":
             costs = [_walk(comps, s, top) for s in branch_computations(line)]
-            flops += max((c[0] for c in costs), default=0.0)
-            nbytes += max((c[1] for c in costs), default=0.0)
+            most = ComputeStats(*(max((c[i] for c in costs), default=0) for i in range(4)))
+            total = _add(total, most)
             continue
-        flops += _flops(m, shapes)
+        calls = int(op == "custom-call" and bool(_LIBRARY.search(line)))
+        total = _add(total, ComputeStats(_flops(m, shapes), 0.0, 0, calls))
         for sub in re.findall(r"calls=%?([\w.\-]+)", line):
-            f, b = _walk(comps, sub, top and op == "call")
-            flops, nbytes = flops + f, nbytes + b
+            total = _add(total, _walk(comps, sub, top and op == "call"))
         base = op.removesuffix("-start").removesuffix("-done")
         if top and op not in _FREE and base not in KINDS and op != "call":
-            nbytes += shape_bytes(shape)
-    return flops, nbytes
+            total = total._replace(bytes=total.bytes + shape_bytes(shape))
+    return total
+
+
+def _add(a: ComputeStats, b: ComputeStats) -> ComputeStats:
+    return ComputeStats(*(x + y for x, y in zip(a, b, strict=True)))
 
 
 def hlo_compute(hlo: str) -> ComputeStats:
     """:class:`ComputeStats` of compiled HLO text."""
     comps, entry = computations(hlo)
-    flops, nbytes = _walk(comps, entry, top=True)
-    return ComputeStats(flops, nbytes)
+    return _walk(comps, entry, top=True)
 
 
 def compute_stats(jitted: Any, *args: Any, **kwargs: Any) -> ComputeStats:
