@@ -143,6 +143,15 @@ def test_bad_arguments():
         ddl.models.GPT(context=0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="image_shape must be"):
         ddl.models.ResNet((8, 8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^CNN: image_shape must be \(h, w, channels\)"):
+        ddl.models.CNN((8, 8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^CNN: image_shape\[2\] must be an int >= 1, got 0"):
+        ddl.models.CNN((8, 8, 0), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^MLP: hidden\[1\] must be an int >= 1, got 0"):
+        ddl.models.MLP(64, [8, 0], 10, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^MLP: out_features must be an int >= 1, got 2.5"):
+        ddl.models.MLP(64, [8], 2.5, rngs=nnx.Rngs(0))
+    assert len(ddl.models.MLP(np.int64(64), [np.int32(8)], 10, rngs=nnx.Rngs(0)).layers) == 2
 
 
 def test_gpt_in_bfloat16_computes_in_bfloat16_over_float32_parameters():

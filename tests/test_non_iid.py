@@ -65,6 +65,21 @@ def test_bad_arguments(train, kwargs, match):
         ddl.data.non_iid_batches(train, **kwargs)
 
 
+def test_a_small_class_does_not_rule_out_every_alpha():
+    labels = np.array([0, 0] + [1] * 1000)
+    with pytest.raises(ValueError, match="a class of 2 examples reaches at most 2 of them: "
+                       "use fewer workers, or another alpha") as e:  # fmt: skip
+        ddl.data.dirichlet_shares(labels, 5, 0.01, seed=0)
+    assert "whatever" not in str(e.value)
+    assert all(len(s) for s in ddl.data.dirichlet_shares(labels, 5, 1.0, seed=0))
+
+
+def test_arrays_of_different_lengths_are_refused(train):
+    data = {**train, "image": train["image"][:10]}
+    with pytest.raises(ValueError, match="non_iid_batches: data arrays disagree on the number"):
+        ddl.data.non_iid_batches(data, 32, workers=4, alpha=0.5)
+
+
 def test_too_skewed_for_every_worker_says_so():
     with pytest.raises(ValueError, match="larger alpha or fewer workers"):
         ddl.data.dirichlet_shares(np.zeros(3, np.int32), 3, 1e-3)

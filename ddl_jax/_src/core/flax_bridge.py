@@ -158,8 +158,10 @@ def _check_module(module: Any, variables: Any) -> None:
 def split(module: Any, *, variables: Any = None) -> tuple[Callable[..., Any], Any]:
     """Splits a Flax module into a pure ``apply(variables, *inputs)`` and its variables.
 
-    For evaluation: the module runs as it is (``model.eval()`` first for inference with
-    running batch statistics and no dropout); state it updates while running is dropped
+    For evaluation: the module runs as it is when ``split`` is called (call
+    ``model.eval()`` before ``split`` for inference with running batch statistics and no
+    dropout: an NNX module's mode is part of what ``apply`` captures, so ``eval()`` after
+    ``split`` does not change it); state it updates while running is dropped
     (a Linen ``apply`` given ``mutable=`` returns it, as Flax's does), and what ``sow``
     kept from an earlier call is left out.
 

@@ -73,8 +73,8 @@ def dirichlet_shares(
     why = "; use a larger alpha or fewer workers."
     if smallest < workers:
         why = (
-            f"; a class of {smallest} examples reaches at most {smallest} of them, whatever "
-            "alpha: use fewer workers."
+            f"; each class is split on its own, and a class of {smallest} examples reaches "
+            f"at most {smallest} of them: use fewer workers, or another alpha."
         )
     raise ValueError(
         f"dirichlet_shares: in {_TRIES} draws at alpha={alpha:g} some of the {workers} "
@@ -113,6 +113,11 @@ def non_iid_batches(
         raise ValueError(
             f"non_iid_batches: data must be a dict of arrays with labels at {label!r}, "
             "like ddl.data.digits()[0]."
+        )
+    sizes = {k: len(v) for k, v in data.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(
+            f"non_iid_batches: data arrays disagree on the number of examples: {sizes}."
         )
     workers = check_int("non_iid_batches: workers", workers, minimum=1)
     batch_size = check_int("non_iid_batches: batch_size", batch_size, minimum=workers)

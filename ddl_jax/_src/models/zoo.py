@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ddl_jax._src.core.layer_scan import scan_layers
@@ -23,6 +25,15 @@ class MLP(nnx.Module):
         self, in_features: int, hidden: Sequence[int], out_features: int, *, rngs: nnx.Rngs
     ):
         sizes = [in_features, *hidden, out_features]
+        for n, size in enumerate(sizes):
+            name = (
+                "in_features"
+                if n == 0
+                else "out_features"
+                if n == len(sizes) - 1
+                else (f"hidden[{n - 1}]")
+            )
+            _check_positive("MLP", **{name: size})
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -43,7 +54,11 @@ class CNN(nnx.Module):
         channels: int = 16,
         rngs: nnx.Rngs,
     ):
+        if len(image_shape) != 3:
+            raise ValueError(f"CNN: image_shape must be (h, w, channels), got {image_shape!r}.")
         h, w, c = image_shape
+        _check_positive("CNN", out_features=out_features, channels=channels,
+                        **{f"image_shape[{i}]": v for i, v in enumerate(image_shape)})  # fmt: skip
         self.conv1 = nnx.Conv(c, channels, (3, 3), rngs=rngs)
         self.conv2 = nnx.Conv(channels, 2 * channels, (3, 3), strides=2, rngs=rngs)
         self.head = nnx.Linear(2 * channels * -(-h // 2) * -(-w // 2), out_features, rngs=rngs)
@@ -56,7 +71,11 @@ class CNN(nnx.Module):
 
 def _check_positive(fn: str, **values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if (
+            isinstance(value, bool | np.bool_)
+            or not isinstance(value, numbers.Integral)
+            or value < 1
+        ):
             raise ValueError(f"{fn}: {name} must be an int >= 1, got {value!r}.")
 
 
