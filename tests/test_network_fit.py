@@ -86,3 +86,13 @@ def test_fit_refuses_samples_that_cannot_separate_latency_from_bandwidth():
     # all-reduces alone: each collective's rounds are 2, overhead and latency inseparable
     with pytest.raises(ValueError, match="collectives of two different rounds"):
         ddl.sim.Network.fit([2, 64, 2], [1e6, 4, 2e6], [0.1, 0.05, 0.2], [1, 32, 1])
+
+
+def test_fit_refuses_a_bandwidth_the_samples_do_not_determine():
+    """Messages so small that bytes take 1e-6 of the time: the fitted bandwidth would be
+    noise (1e16 B/s, say); the fit says to measure larger ones."""
+    messages, sent, seconds = _samples(latency=60e-6, bandwidth=1e15, launch=30e-6)
+    with pytest.raises(
+        ValueError, match="the bandwidth is not determined .fitted .*measure larger"
+    ):
+        ddl.sim.Network.fit(messages, sent, seconds)

@@ -57,7 +57,8 @@ class Network(NamedTuple):
         Raises:
           ValueError: the samples differ in length, hold a negative or non-finite
             value, or cannot separate latency from bandwidth (or from the overhead); or
-            the fitted bandwidth is not positive (time does not grow with the bytes).
+            the fitted bandwidth is not positive (time does not grow with the bytes) or
+            not determined (the largest sample's bytes take under 1% of its time).
         """
         named = {"messages": messages, "bytes_sent": bytes_sent, "seconds": seconds}
         if collectives is not None:
@@ -79,11 +80,26 @@ class Network(NamedTuple):
                 "Network.fit: the seconds do not grow with the bytes sent (fitted "
                 f"{terms['bytes_sent']:.3g} s per byte); measure larger messages."
             )
+        # the largest sample's bytes must take a visible part of its time, or the
+        # bandwidth is whatever the noise made it
+        largest = int(np.argmax(columns["bytes_sent"]))
+        share = columns["bytes_sent"][largest] * terms["bytes_sent"] / seconds[largest]
+        if share < UNDETERMINED_SHARE:
+            raise ValueError(
+                f"Network.fit: the bytes explain {share:.2g} of the largest sample's time "
+                f"(under {UNDETERMINED_SHARE:g}): the bandwidth is not determined (fitted "
+                f"{1 / terms['bytes_sent']:.3g} B/s); measure larger messages."
+            )
         return cls(
             bandwidth=float(1 / terms["bytes_sent"]),
             latency=float(terms["messages"]),
             overhead=float(terms.get("collectives", 0.0)),
         )
+
+
+#: ``Network.fit`` refuses a bandwidth under which the largest sample's bytes take less
+#: than this share of its time: not measured, only noise.
+UNDETERMINED_SHARE = 0.01
 
 
 def _least_squares(columns: dict[str, np.ndarray], seconds: np.ndarray) -> dict[str, float]:

@@ -202,7 +202,9 @@ class GPT(nnx.Module):
     passes its own ``rngs``.
 
     Args:
-      vocab: vocabulary size; 256 for the bytes of ``ddl.data.text``.
+      vocab: vocabulary size; 256 for the bytes of ``ddl.data.text``. Tokens must lie in
+        ``[0, vocab)``: one outside it is not an error but an embedding of NaN (JAX's
+        gather fills out-of-range rows), so NaN logits and loss.
       context: longest sequence the model takes (the number of learned positions).
       features: width of the residual stream; divisible by ``heads``.
       heads: attention heads.
