@@ -6,7 +6,8 @@ the program itself: ``compute_stats`` walks the optimised HLO of the compiled ex
 as ``comm_stats`` does, and counts per device
 
 * ``flops``: ``2 * prod(result) * prod(contracted)`` per ``dot`` and the like per
-  ``convolution`` (inside fusions too): the work of matrix units;
+  ``convolution`` (inside fusions too): the work of matrix units (a product XLA rewrites
+  as a multiply and a reduce, as a vector by a vector, counts none);
 * ``bytes``: the bytes of every kernel's result (each top-level instruction that computes
   something; tuples, parameters, constants and collectives excluded): memory traffic.
 
