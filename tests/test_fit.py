@@ -627,3 +627,14 @@ def test_when_no_checkpoint_can_be_restored_fit_says_it_starts_over(mlp, tmp_pat
     assert [r["step"] for r in history] == [1, 2]
     out = capsys.readouterr().out
     assert "fit: none of the 1 checkpoints in " in out and "training from step 0." in out
+
+
+def test_with_checkpoints_the_log_file_holds_every_evaluation(mlp, tmp_path):
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+    path = tmp_path / "log.jsonl"
+    _, history = ddl.fit(strategy, params, make_batches(5, 8), steps=5, eval_fn=lambda p: 1.0,
+                         eval_every=2, checkpoint_every=2, checkpoint_dir=tmp_path / "ckpt",
+                         log_file=path, progress=False)  # fmt: skip
+    assert [r["step"] for r in history if "eval" in r] == [2, 4, 5]
+    assert read_log(path) == history

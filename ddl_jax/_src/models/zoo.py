@@ -25,15 +25,8 @@ class MLP(nnx.Module):
         self, in_features: int, hidden: Sequence[int], out_features: int, *, rngs: nnx.Rngs
     ):
         sizes = [in_features, *hidden, out_features]
-        for n, size in enumerate(sizes):
-            name = (
-                "in_features"
-                if n == 0
-                else "out_features"
-                if n == len(sizes) - 1
-                else (f"hidden[{n - 1}]")
-            )
-            _check_positive("MLP", **{name: size})
+        names = ["in_features", *(f"hidden[{i}]" for i in range(len(sizes) - 2)), "out_features"]
+        _check_positive("MLP", **dict(zip(names, sizes, strict=True)))
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:

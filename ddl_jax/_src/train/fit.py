@@ -115,7 +115,8 @@ def fit(
     and the previous one used (see ``ddl.checkpoint.restore_latest``); when none can be,
     ``fit`` says it trains from step 0. Before each save the steps' losses are fetched: a
     non-finite one raises there (no checkpoint holds it, none before it is rotated out).
-    The last step is saved before the final evaluation and the callbacks see it.
+    The last step is saved before the final evaluation and the callbacks, so that their
+    failure loses no training.
 
     Records (the history's dicts) are passed on to ``log_file`` and ``tensorboard_dir``,
     then to each callback, on process 0, once final: those fetched at a log point (every
@@ -160,7 +161,8 @@ def fit(
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
         instead of stopping training.
       log_file: a JSON-lines file (parents created) to which process 0 appends the records
-        as they are passed on, and those up to each checkpoint before it is saved, flushed;
+        as they are passed on, and those up to each checkpoint before it is saved (but the
+        last, written after the final evaluation), flushed;
         non-finite values are written ``null`` (strict JSON). With its first record, the
         lines of steps after the start step are dropped (all of them when not resuming);
         a run that fails before leaves the file as it was.
@@ -279,12 +281,14 @@ def _train(
     start = log.start
     stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
 
-    def save(step: int) -> None:
+    def save(step: int, *, final: bool = False) -> None:
         # The loss of every step saved is checked first (a non-finite one raises: no bad
-        # state is saved, no good one rotated out), and its records are written: the log
-        # covers every checkpoint, so a resume after a crash leaves no step unlogged.
+        # state is saved, no good one rotated out), and its records are written (but the
+        # last, which the final evaluation may still add to): the log covers every
+        # checkpoint, so a resume after a crash leaves no step unlogged.
         log.flush()
-        log.write(durable=True)
+        if not final:
+            log.write(durable=True)
         checkpoint.save(manager, step, state, strategy.params(state))
 
     def evaluate() -> None:
@@ -334,7 +338,7 @@ def _train(
         raise ValueError("fit: batches yielded no batch.")
     last = start + len(history)
     if manager is not None and manager.latest_step() != last:
-        save(last)  # before the final evaluation and callbacks: their failure keeps it
+        save(last, final=True)  # before the final evaluation and callbacks: kept if they fail
     if not stopped:
         if last < steps:
             warnings.warn(f"fit: batches ran out after {last} of {steps} steps.", stacklevel=3)
