@@ -373,6 +373,23 @@ def test_load_variables_names_the_directory_when_there_is_nothing_to_load(tmp_pa
         checkpoint.save(manager, 1, {"w": jnp.ones(3)})
     with pytest.raises(ValueError, match="checkpoint step 1 in .* holds no 'variables' item"):
         ddl.checkpoint.load_variables(tmp_path / "bare")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint directory"):
+        ddl.checkpoint.load_variables(__file__)
+
+
+def test_a_newest_step_without_variables_falls_back_to_the_previous_one(tmp_path):
+    """A save or a copy cut short left the newest step without its variables: the newest
+    step that holds them is read, with a warning; asked for by number, it is an error."""
+    strategy = strategy_for("data_parallel")
+    batches = make_batches(4, 32)
+    two, _ = train(strategy, batches, 2)
+    train(strategy, batches, 4, tmp_path, checkpoint_every=2)
+    shutil.rmtree(tmp_path / "4" / "variables")
+    with pytest.warns(UserWarning, match=r"step 4 in .* holds no 'variables' item .a save or a"):
+        variables = ddl.checkpoint.load_variables(tmp_path)
+    chex.assert_trees_all_equal(variables, jax.device_get(strategy.params(two)))
+    with pytest.raises(ValueError, match="checkpoint step 4 in .* holds no 'variables' item"):
+        ddl.checkpoint.load_variables(tmp_path, step=4)
 
 
 def test_export_writes_variables_that_load_without_a_strategy(tmp_path):

@@ -40,3 +40,5 @@ def test_a_diverged_replica_is_never_the_best():
 def test_replicas_without_a_worker_axis_are_refused(fn):
     with pytest.raises(ValueError, match="leading worker axis"):
         fn({"w": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match="at least one worker, got a worker axis of 0"):
+        fn({"w": jnp.zeros((0, 2))})

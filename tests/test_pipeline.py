@@ -224,6 +224,10 @@ def test_gpipe_grouped_by_unequal_stage_costs_runs_as_long_as_its_busiest_stage(
         make_schedule(2, 4, "gpipe", costs=[(1.0, -2.0), (1.0, 1.0)])
     with pytest.raises(ValueError, match="'ddg' has none"):
         make_schedule(2, 4, "ddg", costs=costs)
+    with pytest.raises(ValueError, match="fold_last folds the last stage of 'gpipe' and"):
+        make_schedule(2, 4, "ddg", fold_last=True)
+    with pytest.raises(ValueError, match="tick= places a 'ddg' step .*'1f1b' has no ticks"):
+        make_schedule(2, 4, "1f1b", tick=3)
 
 
 def test_flop_costs_count_the_dense_layers_products():

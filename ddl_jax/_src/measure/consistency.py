@@ -95,6 +95,8 @@ def _workers(leaves: list[np.ndarray]) -> int:
             "replicas must have a leading worker axis [N, ...] on every leaf (a state's "
             f"params), got shapes {[x.shape for x in leaves]}."
         )
+    if not len(leaves[0]):
+        raise ValueError("replicas must hold at least one worker, got a worker axis of 0.")
     return len(leaves[0])
 
 

@@ -476,14 +476,17 @@ def load_variables(directory: str | os.PathLike, step: int | None = None) -> Var
     Raises:
       FileNotFoundError: ``directory`` does not exist, holds no step (or not ``step``), or
         no step that can be read; the message names the directory.
-      ValueError: the step holds no variables (saved without them, or by an older
-        ddl_jax), or ``step`` is not an int >= 0.
+      ValueError: no step holds variables (saved without them, or by an older ddl_jax),
+        the ``step`` asked for holds none or cannot be read, ``step`` is not an int >= 0,
+        or ``directory`` is a file.
     """
     if step is not None:
         step = check_int("step", step, minimum=0)
     path = _directory(directory)
     if not path.exists():
         raise FileNotFoundError(f"load_variables: checkpoint directory {path} does not exist.")
+    if not path.is_dir():
+        raise ValueError(f"load_variables: {path} is a file, not a checkpoint directory.")
     # A manager that never saves: it creates, cleans up and deletes nothing.
     options = ocp.CheckpointManagerOptions(
         create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
@@ -503,13 +506,22 @@ def load_variables(directory: str | os.PathLike, step: int | None = None) -> Var
             )
         failed = []
         _drop_closed_loop_reports()  # before any read: the reports can come at once
+        holding = [s for s in steps if (_step_dir(manager, s) / VARIABLES).exists()]
         for s in steps if step is None else [step]:
-            if not (_step_dir(manager, s) / VARIABLES).exists():
-                raise ValueError(
-                    f"load_variables: checkpoint step {s} in {path} holds no {VARIABLES!r} "
-                    "item: it was saved without them (ddl.checkpoint.save(..., variables="
-                    "None)) or by an older ddl_jax."
+            if s not in holding:
+                if step is not None or not holding:
+                    raise ValueError(
+                        f"load_variables: checkpoint step {s} in {path} holds no {VARIABLES!r} "
+                        "item: it was saved without them (ddl.checkpoint.save(..., variables="
+                        "None)) or by an older ddl_jax."
+                    )
+                failed.append(s)  # the other steps hold them: this one was cut short
+                warnings.warn(
+                    f"checkpoint step {s} in {path} holds no {VARIABLES!r} item (a save or a "
+                    "copy cut short); trying the previous step.",
+                    stacklevel=2,
                 )
+                continue
             error: Exception | None = None
             try:
                 variables = _read_variables(manager, s)

@@ -330,6 +330,12 @@ def make_schedule(
     tick = check_int("make_schedule: tick", tick)
     if kind not in SCHEDULES:
         raise ValueError(f"schedule={kind!r} is not known; valid: {list(SCHEDULES)}.")
+    if kind == "ddg" and fold_last:
+        raise ValueError(
+            "fold_last folds the last stage of 'gpipe' and '1f1b'; 'ddg' runs no fold."
+        )
+    if kind != "ddg" and tick:
+        raise ValueError(f"tick= places a 'ddg' step in the pipeline; {kind!r} has no ticks.")
     if costs is not None:
         if kind == "ddg":
             raise ValueError(
@@ -362,7 +368,7 @@ def idle_fraction(schedule: Schedule) -> float:
     backward), and ``idle = 1 - work / (K * total time)``; for GPipe this is
     ``(K-1) / (M+K-1)``. A folded tick (``fold_last``: the last stage's forward inside its
     backward) counts as one unit of work, so a folded schedule, though shorter, reads idler
-    (1F1B, K = 2: 0.25 at any M). For time under unequal forward and backward costs, see
+    (1F1B, K = 2: 0.25 at any M >= 2). For time under unequal forward and backward costs, see
     :func:`lockstep_time`.
     """
     work = (schedule.forward >= 0).astype(int) + (schedule.backward >= 0)
@@ -399,7 +405,7 @@ def stash_intervals(schedule: Schedule) -> list[dict[int, tuple[int, int]]]:
 
 def peak_stash(schedule: Schedule) -> int:
     """The most micro-batch inputs any stage holds at once (activation memory in units of
-    one micro-batch's stage input). GPipe: M; 1F1B: at most K."""
+    one micro-batch's stage input). GPipe: M (1 for one stage folded); 1F1B: at most K."""
     if schedule.kind == "ddg":
         # Stage k>0 holds micro-batches t-2(K-1)+k .. t-k; stage 0's inputs are the batch.
         return max([2 * (schedule.stages - 1 - k) + 1 for k in range(1, schedule.stages)] + [1])
