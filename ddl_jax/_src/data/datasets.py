@@ -80,10 +80,7 @@ def batches(
         raise ValueError(
             "batches: data must be a non-empty dict of arrays, like ddl.data.digits()."
         )
-    sizes = {k: len(v) for k, v in data.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"batches: data arrays disagree on the number of examples: {sizes}.")
-    n = next(iter(sizes.values()))
+    n = count_examples("batches", data)
     check_bool("batches: replace", replace)
     batch_size = check_int("batches: batch_size", batch_size, minimum=1)
     if replace and epochs is not None:
@@ -100,6 +97,14 @@ def batches(
     if replace:
         return _sampled_batches(data, n, batch_size, seed, start, rows)
     return _shuffled_batches(data, n, batch_size, seed, epochs, start, rows)
+
+
+def count_examples(fn: str, data: Dataset) -> int:
+    """The number of examples of ``data``, whose arrays must agree on it."""
+    sizes = {k: len(v) for k, v in data.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{fn}: data arrays disagree on the number of examples: {sizes}.")
+    return next(iter(sizes.values()))
 
 
 def _sampled_batches(data, n, batch_size, seed, start, rows) -> Iterator[Dataset]:

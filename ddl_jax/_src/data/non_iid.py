@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ddl_jax._src.core.strategy import check_int, check_real
-from ddl_jax._src.data.datasets import Dataset
+from ddl_jax._src.data.datasets import Dataset, count_examples
 
 #: Draws of the class proportions before giving up on every worker getting an example.
 _TRIES = 100
@@ -114,11 +114,7 @@ def non_iid_batches(
             f"non_iid_batches: data must be a dict of arrays with labels at {label!r}, "
             "like ddl.data.digits()[0]."
         )
-    sizes = {k: len(v) for k, v in data.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(
-            f"non_iid_batches: data arrays disagree on the number of examples: {sizes}."
-        )
+    count_examples("non_iid_batches", data)
     workers = check_int("non_iid_batches: workers", workers, minimum=1)
     batch_size = check_int("non_iid_batches: batch_size", batch_size, minimum=workers)
     if batch_size % workers:

@@ -394,11 +394,7 @@ def _check_fit_arguments(strategy: Any, arguments: dict[str, Any]) -> FitSetting
         raise ValueError(
             "fit: checkpoint_dir must name a directory, got '' (None saves no checkpoints)."
         )
-    if args.checkpoint_dir is not None and not isinstance(args.checkpoint_dir, str | os.PathLike):
-        raise TypeError(
-            f"fit: checkpoint_dir must be a str or os.PathLike path, or None, got "
-            f"{type(args.checkpoint_dir).__name__} {args.checkpoint_dir!r}."
-        )
+    _check_path_type("checkpoint_dir", args.checkpoint_dir)
     for name, value in (("checkpoint_every", checkpoint_every), ("keep", keep)):
         # Without a directory nothing is saved: a silently ignored setting would hide that.
         if value is not None and args.checkpoint_dir is None:
@@ -427,12 +423,7 @@ def _check_path(name: str, value: Any, *, directory: bool) -> str | None:
     """``value`` as a str path naming a file (or a directory), or ``None``."""
     if value is None:
         return None
-    if not isinstance(value, str | os.PathLike) or isinstance(os.fspath(value), bytes):
-        raise TypeError(
-            f"fit: {name} must be a str or os.PathLike path, or None, got "
-            f"{type(value).__name__} {value!r}."
-        )
-    path = os.fspath(value)
+    path = _check_path_type(name, value)
     isdir = os.path.isdir(path)
     wrong = (os.path.exists(path) and not isdir) if directory else isdir
     if not path or wrong:
@@ -440,6 +431,18 @@ def _check_path(name: str, value: Any, *, directory: bool) -> str | None:
         kind = "a directory" if directory else "a file"
         raise ValueError(f"fit: {name} must name {kind}, got {path!r}{what}.")
     return path
+
+
+def _check_path_type(name: str, value: Any) -> str | None:
+    """``value`` as a str path, or ``None``; raises ``TypeError`` for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike) or isinstance(os.fspath(value), bytes):
+        raise TypeError(
+            f"fit: {name} must be a str or os.PathLike path, or None, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    return os.fspath(value)
 
 
 def _check_callbacks(callbacks: Any) -> tuple[Callable[[dict[str, float]], Any], ...]:
