@@ -6,7 +6,9 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import is_spec
 from ddl_jax._src.core.strategy import DATA, MODEL
@@ -22,6 +24,35 @@ def full_specs(params: Any, specs: Any) -> Any:
             f"param_specs(module)); got {jax.tree.structure(specs, is_leaf=is_spec)} for "
             f"params {jax.tree.structure(params)}."
         ) from None
+
+
+def like_params(state: Any, params: Any, specs: Any, *, worker: tuple[str, ...] = ()) -> Any:
+    """Specs for a transform's state (an optimizer's, a reducer's) over ``params``: a leaf
+    that mirrors a parameter, its key path ending with the parameter's and its shape the
+    parameter's (after ``worker``'s leading axes), gets ``P(*worker, *spec)``; any other
+    leaf (counts, factored moments) ``P(*worker)``.
+
+    Read from the key paths of the state itself, not by calling ``init`` on a placeholder
+    as ``optax.tree_map_params`` does: that cannot run ``optax.multi_transform`` or
+    ``optax.masked`` whose labels or mask are a function reading the params, nor keep a
+    masked leaf's ``optax.MaskedNode``.
+    """
+    flat_specs = jax.tree.leaves(full_specs(params, specs), is_leaf=is_spec)
+    mirrored = {
+        tuple(path): (jnp.shape(x), spec)
+        for (path, x), spec in zip(
+            jax.tree_util.tree_leaves_with_path(params), flat_specs, strict=True
+        )
+    }
+
+    def spec_of(path: tuple[Any, ...], leaf: Any) -> P:
+        shape = jnp.shape(leaf)[len(worker) :]
+        for start in range(len(path) + 1):  # the longest matching path first
+            if (found := mirrored.get(tuple(path[start:]))) is not None:
+                return P(*worker, *found[1]) if found[0] == shape else P(*worker)
+        return P(*worker)
+
+    return jax.tree_util.tree_map_with_path(spec_of, state)
 
 
 def check_specs(params: Any, specs: Any, mesh: Mesh) -> None:

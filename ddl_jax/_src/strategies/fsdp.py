@@ -26,7 +26,7 @@ from ddl_jax._src.core.kit import abstract, is_spec, prepare, restack, unstack, 
 from ddl_jax._src.core.layer_scan import gathering, scanned_leaves
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, as_model_loss, mean_over, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
-from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
+from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs, like_params
 from ddl_jax._src.core.strategy import DATA, MODEL
 from ddl_jax._src.reduce.allreduce import allreduce_mean
 from ddl_jax._src.reduce.gather import quantised_all_gather
@@ -85,18 +85,6 @@ def layout(params: Any, specs: Any, mesh: Mesh) -> Layout:
     dims = jax.tree.map(dim_of, params, whole, is_leaf=is_spec)
     sharded = jax.tree.map(with_data, params, whole, dims, is_leaf=is_spec)
     return Layout(whole, dims, sharded)
-
-
-def _like_params(optimizer: optax.GradientTransformation, opt_state: Any, specs: Any) -> Any:
-    """The optimizer state's specs: each parameter's for what mirrors it, else replicated."""
-    return optax.tree_map_params(
-        optimizer,
-        lambda _, spec: spec,
-        opt_state,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=is_spec,
-    )
 
 
 def fsdp(
@@ -216,7 +204,7 @@ def fsdp(
     n, mesh = kit.n, kit.mesh
     layout_of = functools.partial(layout, specs=specs, mesh=mesh)
 
-    state_specs = functools.partial(_state_specs, layout_of, optimizer, stage)
+    state_specs = functools.partial(_state_specs, layout_of, stage)
 
     def make_state(params: Any, model: ModelVars) -> FSDPState:
         check_specs(params, specs, mesh)
@@ -277,13 +265,11 @@ def fsdp(
     )
 
 
-def _state_specs(
-    layout_of: Any, optimizer: optax.GradientTransformation, stage: int, state: FSDPState
-) -> FSDPState:
+def _state_specs(layout_of: Any, stage: int, state: FSDPState) -> FSDPState:
     """Where each part of the state lives (see ``FSDPState``)."""
     where = layout_of(state.params)
     params = where.sharded if stage == 3 else where.whole
-    opt_specs = _like_params(optimizer, state.opt_state, where.sharded)
+    opt_specs = like_params(state.opt_state, state.params, where.sharded)
     return FSDPState(params, opt_specs, P(DATA), ModelVars(P(), P(), P()))
 
 

@@ -18,21 +18,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import strategy as st
-from ddl_jax._src.core.kit import check_agrees, is_spec, island_specs, prepare, restack, unstack
+from ddl_jax._src.core.kit import check_agrees, island_specs, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.core.reducer import checks_vma, reducer_metrics
-from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs
+from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs, like_params
 from ddl_jax._src.core.strategy import DATA, MODEL
 from ddl_jax._src.reduce.allreduce import allreduce_mean
-
-#: Why an optimizer's update can differ over ``model`` where its gradient did not.
-TREE_WIDE = (
-    "it must be, as they hold the same parameter. The optimizer is likely a tree-wide "
-    "transform such as optax.clip_by_global_norm, which under tensor_parallel sees only this "
-    "device's shard of the gradient. Use an element-wise optimizer, or "
-    "ddl.fsdp(loss_fn, optimizer, mesh, specs=...) with the same specs, whose optimizer sees "
-    "the whole gradient (clip_by_global_norm clips exactly)."
-)
 
 
 class TensorParallelState(NamedTuple):
@@ -78,9 +69,10 @@ def tensor_parallel(
         ``shard_map`` on the parameter shards (e.g. ``ddl.flax.loss_from_module`` of a
         model built from ``ddl.layers``); the loss must agree over ``model`` (end the
         model in a row-parallel layer, or ``psum`` over ``"model"``).
-      optimizer: an element-wise optax transform (each device updates its shard); a
-        tree-wide one (``clip_by_global_norm``) is refused where it can be told, use
-        ``ddl.fsdp(..., specs=specs)`` for it.
+      optimizer: any optax transform. It runs on the whole sharded arrays under
+        ``jax.jit``, as one device would: element-wise transforms stay on each shard, a
+        tree-wide one (``clip_by_global_norm``, ``apply_if_finite``) reads the whole
+        gradient (XLA adds the reduction over ``model`` it needs).
       mesh: a mesh with axes ``data`` and ``model``, e.g. ``ddl.make_mesh(data=2, model=4)``;
         a missing axis counts as size 1.
       specs: ``PartitionSpec`` per parameter over ``"model"`` (``ddl.layers.param_specs``),
@@ -135,63 +127,57 @@ def tensor_parallel(
             "model-sharded and replicated gradients into one payload."
         )
 
-    state_specs = functools.partial(_state_specs, specs, optimizer, reducer)
+    state_specs = functools.partial(_state_specs, specs)
 
     def make_state(params: Any, model: ModelVars) -> TensorParallelState:
         check_specs(params, specs, kit.mesh)
         reducer_state = kit.stack(reducer.init(params))
         return TensorParallelState(params, optimizer.init(params), reducer_state, model)
 
-    def worker_step(
-        state: TensorParallelState, batch: Any
-    ) -> tuple[TensorParallelState, dict[str, jax.Array]]:
+    def worker_step(state: TensorParallelState, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
         # A data-varying view, so the reducer sees each data worker's own gradient.
         local = lax.pcast(state.params, DATA, to="varying")
         key = worker_key(state.model, kit.worker_index())
         (loss, aux), grads, model_state = kit.value_and_grad(local, state.model.state, batch, key)
         check_same_over_model({"loss": loss, **aux})
-        reducer_state = unstack(state.reducer_state)
-        updates, reducer_state = reducer.update(grads, reducer_state, state.params)
+        grads, reducer_state = reducer.update(grads, unstack(state.reducer_state), state.params)
         where = full_specs(state.params, specs)  # with islands, each island's own
         where = island_specs(where) if kit.islands else where
-        check_agrees(updates, where, "the reduced gradient")
-        updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
-        check_agrees(updates, where, "the optimizer's update", TREE_WIDE)
-        params = optax.apply_updates(state.params, updates)
+        check_agrees(grads, where, "the reduced gradient")
         model = ModelVars(mean_over(model_state, DATA), state.model.key, state.model.step + 1)
-        new = TensorParallelState(params, opt_state, restack(reducer_state), model)
-        return new, lax.pmean({"loss": loss, **aux}, DATA)
+        return (grads, restack(reducer_state), model), lax.pmean({"loss": loss, **aux}, DATA)
+
+    def reduced_specs(state: TensorParallelState) -> tuple[Any, Any, ModelVars]:
+        where = state_specs(state)
+        return where.params, where.reducer_state, where.model
+
+    program = kit.step(worker_step, state_specs, out_specs=reduced_specs)
+
+    def update(params: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def step(
+        state: TensorParallelState, batch: Any
+    ) -> tuple[TensorParallelState, dict[str, jax.Array]]:
+        # The shard_map ends at the reduced gradient; the optimizer runs on the sharded
+        # arrays outside it (as fsdp's), so a tree-wide transform sees the whole gradient.
+        (grads, reducer_state, model), metrics = program(state, batch)
+        params, opt_state = kit.per_island(update)(state.params, grads, state.opt_state)
+        return TensorParallelState(params, opt_state, reducer_state, model), metrics
 
     return st.Strategy(
         kit.init(make_state, state_specs),
-        kit.step(worker_step, state_specs),
+        step,
         kit.replicated(kit.over_islands(lambda state: kit.variables(state.params, state.model))),
     )
 
 
-def _state_specs(
-    specs: Any,
-    optimizer: optax.GradientTransformation,
-    reducer: optax.GradientTransformation,
-    state: TensorParallelState,
-) -> TensorParallelState:
+def _state_specs(specs: Any, state: TensorParallelState) -> TensorParallelState:
     """Each parameter's spec, and the same for the optimizer and reducer state it mirrors."""
-
-    full = full_specs(state.params, specs)
-
-    def like_params(transform, tree, worker):
-        return optax.tree_map_params(
-            transform,
-            lambda _, spec: P(*worker, *spec),
-            tree,
-            full,
-            transform_non_params=lambda _: P(*worker),
-            is_leaf=is_spec,
-        )
-
     return TensorParallelState(
-        full,
-        like_params(optimizer, state.opt_state, ()),
-        like_params(reducer, state.reducer_state, (DATA,)),
+        full_specs(state.params, specs),
+        like_params(state.opt_state, state.params, specs),
+        like_params(state.reducer_state, state.params, specs, worker=(DATA,)),
         ModelVars(P(), P(), P()),
     )

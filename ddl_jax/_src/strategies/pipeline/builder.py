@@ -360,8 +360,11 @@ def pipeline(
       stashed input ``h_j`` with its current weights. Huo et al. keep the forward pass locked,
       so their stage k sees a gradient delayed by K-1-k iterations; here the forward is
       pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs M ticks, so M updates of
-      micro-batch size; the pipeline stays full across steps. The delay narrows the stable
-      learning rates; ``ddl.scale_by_staleness`` (below) widens them (``docs/figures.md``).
+      micro-batch size; the pipeline stays full across steps. A learning-rate schedule counts
+      those updates, M a step, and stage k's first comes at tick ``2(K-1)-k``: after T ticks its
+      count is ``T-2(K-1)+k``, the earlier stages' behind the last one's. The delay narrows
+      the stable learning rates; ``ddl.scale_by_staleness`` (below) widens them
+      (``docs/figures.md``).
 
     Model state and randomness (stateful stages: ``pipeline_stages`` of modules with BatchNorm or
     Dropout; see ``docs/design.md``, section 2): stage k's model state lives with its stage
@@ -390,7 +393,9 @@ def pipeline(
     (``optax.clip_by_global_norm`` clips each stage on its own, ``ddl.compression.sign`` has one
     scale per stage, ``top_k``'s and ``threshold``'s entry budgets and ``qsgd``'s buckets are per
     stage), and masks and ``optax.multi_transform`` labels get one array per stage instead of the
-    tree. ``ddl.compression.power_sgd`` would find no matrices, so it is refused (``ValueError``).
+    tree (a mask by a leaf's shape, ``x.ndim > 1``, sees one 1-D vector: ``False``
+    everywhere). ``ddl.compression.power_sgd`` would find no matrices, so it is refused
+    (``ValueError``).
     The optimizer also receives optax's extra argument ``staleness``, stage k's gradient delay
     (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer, ddl.scale_by_staleness())``
     gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
