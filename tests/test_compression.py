@@ -623,6 +623,20 @@ def test_power_sgd_start_iter_sends_the_plain_mean_first():
     assert sorted(branches.values()) == [steps * ring_bytes(sent, n), steps * ring_bytes(dense, n)]
 
 
+def test_power_sgd_takes_float64_gradients_under_x64():
+    """Its factors are float32 whatever the gradients' dtype: under x64 a float64 Q made
+    the plain and compressed phases' branches disagree (a ``TypeError`` in ``lax.cond``)."""
+    n, steps, start = 4, 3, 2
+    with jax.enable_x64():
+        grads = jax.tree.map(lambda g: g.astype(np.float64), random_grads(steps, n, seed=8))
+        _, outs, _ = run_reducer(power_sgd(1, start_iter=start), grads, n)
+        _, plain, _ = run_reducer(ddl.allreduce_mean(), grads, n)
+    for k in SHAPES:
+        assert outs[k].dtype == np.float64
+        np.testing.assert_array_equal(outs[k][:start], plain[k][:start])
+        assert np.all(np.isfinite(outs[k]))
+
+
 def test_power_sgd_start_iter_reports_a_dense_ratio_until_it_compresses(mlp):
     loss_fn, params = mlp
     reducer = power_sgd(2, start_iter=2)

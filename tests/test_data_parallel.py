@@ -215,6 +215,8 @@ def test_tuple_loss_without_has_aux_points_at_has_aux(mlp):
         ({"w": [1, 2]}, r"params\['w'\]\[0\] is int"),
         ({"w": np.arange(3)}, r"params\['w'\] is int64"),
         ({"w": "weights"}, r"params\['w'\] is str"),
+        ({"w": np.float32(0.5)}, r"params\['w'\] is a NumPy scalar \(float32\): wrap it"),
+        ({"w": jnp.ones(3, jnp.complex64)}, r"params\['w'\] is complex64 \(split a complex"),
         ({}, "no leaves"),
     ],
 )

@@ -78,13 +78,25 @@ def check_params(params: Params) -> None:
             "params must be a non-empty pytree of floating-point arrays, got no leaves."
         )
     for path, leaf in leaves:
+        where = f"params{jax.tree_util.keystr(path)}"
+        if isinstance(leaf, np.generic):
+            raise TypeError(
+                f"params must be a pytree of arrays; {where} is a NumPy scalar ({leaf.dtype}): "
+                "wrap it as an array, np.asarray(x) or jnp.asarray(x)."
+            )
         if not isinstance(leaf, jax.Array | np.ndarray) or not jnp.issubdtype(
-            leaf.dtype, jnp.inexact
+            leaf.dtype, jnp.floating
         ):
             kind = getattr(leaf, "dtype", type(leaf).__name__)
+            advice = (
+                " (split a complex parameter into its real and imaginary parts: the "
+                "compressing reducers and byte counts take real numbers)"
+                if jnp.issubdtype(getattr(leaf, "dtype", np.int8), jnp.complexfloating)
+                else ""
+            )
             raise TypeError(
-                f"params must be a pytree of floating-point arrays (jax.Array or np.ndarray); "
-                f"params{jax.tree_util.keystr(path)} is {kind}."
+                f"params must be a pytree of real floating-point arrays (jax.Array or "
+                f"np.ndarray); {where} is {kind}{advice}."
             )
 
 

@@ -283,6 +283,12 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
     Returns:
       A ``CommStats``; see the module docstring for what each collective is charged.
 
+    The bytes are those of the compiled program for the backend that compiled it: XLA:CPU
+    widens a bfloat16 collective to float32 (the simulated devices and a gloo cluster send
+    4 bytes an entry; float16 stays 2), which GPU and TPU collectives need not: count a
+    bfloat16 model's bytes from a program compiled there. ``ddl.compression.cast
+    (jnp.bfloat16)`` sends its values bit-cast, 2 bytes an entry on every backend.
+
     Example:
       A data-parallel step on 8 workers all-reduces the 64 gradient entries and the loss:
 

@@ -289,7 +289,7 @@ def _power_sgd(
 
     def draw_q(key: jax.Array, plan: _Plan) -> list[jax.Array]:
         return [
-            jax.random.normal(jax.random.fold_in(key, j), (b, r))
+            jax.random.normal(jax.random.fold_in(key, j), (b, r), jnp.float32)
             for j, (_, b), r in zip(plan.key_index, plan.views, plan.ranks, strict=True)
         ]
 

@@ -73,6 +73,7 @@ def layout(params: Any, specs: Any, mesh: Mesh) -> Layout:
     def dim_of(x: Any, spec: P) -> int | None:
         entries = tuple(spec) + (None,) * (x.ndim - len(spec))
         free = [d for d in range(x.ndim) if entries[d] is None and x.shape[d] % n == 0]
+        free = free if x.size else []  # an empty leaf stays whole: nothing to split
         return max(free, key=lambda d: x.shape[d], default=None) if n > 1 else None
 
     def with_data(x: Any, spec: P, dim: int | None) -> P:
