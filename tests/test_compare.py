@@ -3,6 +3,7 @@ outputs written, and the same table from the same seed."""
 
 import json
 import logging
+import re
 
 import jax
 import numpy as np
@@ -79,6 +80,7 @@ BAD = [
     (["--target", "0"], "test accuracy); e.g. --target 0.9."),
     (["--target", "-0.5"], "target -0.5 is not an accuracy in (0, 1]"),
     (["--target=-inf"], "target must be finite, got -inf"),
+    (["--target", "0.01"], "the untrained model already meets the target (test accuracy 0."),
     (["--strategies", "streaming:3"], "expected the fragments P, an integer dividing 16"),
     (["--strategies", "asynclocal:5"], "H=5 inner steps do not divide the 16 rows a worker ge"),
     (["--strategies", "asynclocal:5"], "choose a divisor, e.g. asynclocal:4."),
@@ -337,6 +339,24 @@ def few_batches(seed, devices):
     return w._replace(batches=lambda start: itertools.islice(w.batches(start), 4 - start))
 
 
+def shared_iterator(seed, devices):  # a loader wrapped as is: one iterator for all
+    w = make(seed, devices)
+    shared = w.batches(0)
+    return w._replace(batches=lambda start: shared)
+
+
+def percent_accuracy(seed, devices):
+    w = make(seed, devices)
+    return w._replace(evaluate=lambda params: 100 * w.evaluate(params), target=30.0,
+                      metric="test accuracy (%)")
+
+
+def odd_batch(seed, devices):  # 100 rows a batch: no worker count here divides them
+    w = make(seed, devices)
+    rows = lambda start: (jax.tree.map(lambda x: x[:100], b) for b in w.batches(start))
+    return w._replace(batches=rows, batch_size=100)
+
+
 def cross_entropy(seed, devices):
     w = make(seed, devices)
     test = ddl.data.digits()[1]
@@ -396,7 +416,9 @@ def test_a_users_workload_runs_through_the_cli_and_python_as_the_bundled_one(
         ("user_workloads:dict_metric", "one finite number (the metric), got dict {'accuracy'"),
         ("user_workloads:text_metric", "one finite number (the metric), got str '0.5'"),
         ("user_workloads:wrong_batch_size", "batch_size=7, but the first batch of batches(0) has"),
-        ("user_workloads:loss_raises", "sync: RuntimeError: my loss is broken"),
+        ("user_workloads:loss_raises", "run this workload here: RuntimeError: my loss is broken"),
+        ("user_workloads:shared_iterator", "batches(0) called twice gave different first"),
+        ("user_workloads:odd_batch", "global batch of 100 rows does not split over 8 workers"),
     ],
 )
 def test_a_broken_user_workload_is_one_line_and_exit_code_2(
@@ -406,6 +428,24 @@ def test_a_broken_user_workload_is_one_line_and_exit_code_2(
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_users_accuracy_in_percent_and_progress_lines_off_a_terminal(
+    user_module, tmp_path, capsys, monkeypatch
+):
+    """A workload of one's own may count accuracy in percent (its own target says so); on
+    output that is not a terminal (here, captured) a long strategy prints a line now and
+    then, where a terminal shows fit's progress bar."""
+    monkeypatch.setattr(run_module, "HEARTBEAT_SECONDS", 0.0)
+    runs = _run(tmp_path, "--workload", "user_workloads:percent_accuracy", "--strategies",
+                "sync", "--steps", "4")  # fmt: skip
+    assert runs["sync"]["final"] > 1  # in percent
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["workload"]["target"] == 30.0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if ": step " in line]
+    steps = [re.fullmatch(r"\[1/1\] sync: step (\d)/4, loss \d\.\d+", line) for line in lines]
+    assert [m[1] for m in steps] == ["1", "2", "3", "4"], lines
 
 
 def test_settings_that_cannot_reach_a_users_workload_are_refused(user_module, tmp_path, capsys):

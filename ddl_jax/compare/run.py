@@ -227,6 +227,25 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
     }
 
 
+#: Seconds between a strategy's progress lines where stdout is not a terminal.
+HEARTBEAT_SECONDS = 30.0
+
+
+class _Heartbeat:
+    """A ``fit`` callback for output that is not a terminal (a pipe, a log file, a
+    notebook), where no progress bar shows: a line every ``HEARTBEAT_SECONDS``."""
+
+    def __init__(self, label: str, steps: int) -> None:
+        self.label, self.steps = label, steps
+        self.last = time.monotonic()
+
+    def __call__(self, record: dict[str, float]) -> None:
+        if time.monotonic() - self.last >= HEARTBEAT_SECONDS:
+            self.last = time.monotonic()
+            loss = f", loss {record['loss']:.4g}" if "loss" in record else ""
+            print(f"{self.label}: step {record['step']}/{self.steps}{loss}", flush=True)
+
+
 def _fit(
     strategy: ddl.Strategy,
     workload: Workload,
@@ -256,9 +275,10 @@ def _fit(
                 log_every=1,  # each record checked, and kept, before a non-finite loss
                 log_file=log_path(config.out, spec),
                 tensorboard_dir=_tensorboard_dir(config, spec),
-                # a bar on a terminal; elsewhere (a notebook, a pipe) only the line below
+                # a bar on a terminal; elsewhere (a notebook, a pipe) a line now and then
                 progress=sys.stdout.isatty(),
-                callbacks=[records.append],
+                callbacks=[records.append]
+                + ([] if sys.stdout.isatty() else [_Heartbeat(f"{label} {spec.text}", steps)]),
             )
         except FloatingPointError as e:  # "fit: loss is nan at step 9; lower the ..."
             if not records:
@@ -499,12 +519,23 @@ def _check_writable(name: str, folder: str) -> None:
 
 
 def _check_target(config: Config, workload: Workload) -> None:
-    """An accuracy target must be a fraction (``--target 95`` is a percentage)."""
+    """An accuracy target must be a fraction (``--target 95`` is a percentage) where the
+    workload's own target is one (a workload of yours may count accuracy in percent), and
+    one the untrained model does not meet already."""
     target = config_target(config, workload)
-    if "accuracy" in workload.metric and not 0 < target <= 1:
+    fraction = "accuracy" in workload.metric and 0 < workload.target <= 1
+    if fraction and not 0 < target <= 1:
         raise CompareError(
             f"target {target:g} is not an accuracy in (0, 1] (the metric is "
             f"{workload.metric}); e.g. --target {target / 100 if target > 1 else 0.9:g}."
+        )
+    initial = float(workload.evaluate(workload.params))
+    if initial >= target if workload.higher_is_better else initial <= target:
+        side = ">=" if workload.higher_is_better else "<="
+        raise CompareError(
+            f"the untrained model already meets the target ({workload.metric} {initial:.4g} "
+            f"{side} {target:g}): every strategy would reach it before its first step; give "
+            f"a target beyond {initial:.4g} (--target)."
         )
 
 
@@ -526,6 +557,13 @@ def _check_strategies(
     """Builds every strategy, places its state and traces its first step (the step is
     not compiled and nothing trains), so one that refuses the mesh or the workload stops
     the comparison before any trains."""
+    workers = config.worker_count
+    if workload.batch_size % workers:
+        raise CompareError(
+            f"the workload's global batch of {workload.batch_size} rows does not split over "
+            f"{workers} workers: give it a multiple of {workers} rows, or other --devices "
+            "or --workers."
+        )
     try:
         batch = next(workload.batches(0))
     except (ValueError, TypeError) as e:  # e.g. too many workers for --non-iid's split
@@ -538,11 +576,17 @@ def _check_strategies(
             jax.eval_shape(strategy.step, strategy.init(workload.params), batch)
         except Exception as e:  # a refusal, or the workload's loss failing on the mesh
             why = e if isinstance(e, ValueError | TypeError) else f"{type(e).__name__}: {e}"
-            refused.append(f"{spec.text}: {str(why).splitlines()[0]}")
+            refused.append((spec.text, str(why).splitlines()[0]))
+    by_reason: dict[str, list[str]] = {}
+    for name, why in refused:  # each reason said once, after the strategies it stops
+        by_reason.setdefault(why, []).append(name)
+    if len(refused) == len(specs) > 1 and len(by_reason) == 1:  # the workload's
+        raise CompareError(f"no strategy can run this workload here: {refused[0][1]}")
     if refused:
+        reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
         raise CompareError(
             f"{len(refused)} of the strategies cannot run here (remove them or change "
-            f"the setting): {'; '.join(refused)}"
+            f"the setting): {reasons}"
         )
 
 

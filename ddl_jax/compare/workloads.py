@@ -33,7 +33,8 @@ class Workload(NamedTuple):
       title: a few words for tables and figure titles.
       loss_fn: ``(params, batch) -> loss``, or a ``ddl.ModelLoss``.
       params: the initial variables (seeded).
-      batches: ``start -> iterator`` of global batches in the seeded order.
+      batches: ``start -> iterator`` of global batches in the seeded order, a new iterator
+        at each call (every strategy trains on the same batches).
       evaluate: jitted ``variables -> scalar``: the metric on held-out data.
       metric: the metric's name with its unit, for axes and tables.
       higher_is_better: whether the target is reached from below (accuracy) or above.
@@ -264,6 +265,13 @@ def check(workload: Any, where: str) -> Workload:
             f"workload {where!r}: batches(0) must yield global batches; it raised "
             f"{type(e).__name__}: {e}"
         ) from None
+    again = next(iter(workload.batches(0)), None)
+    if again is None or not _same_batch(first, again):
+        raise CompareError(
+            f"workload {where!r}: batches(0) called twice gave different first batches; every "
+            "strategy must train on the same batches in the same order, so batches(start) must "
+            "start a new, seeded iterator at each call (not hand back a shared one)."
+        )
     rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(first)}
     if rows != {workload.batch_size}:
         raise CompareError(
@@ -284,6 +292,17 @@ def check(workload: Any, where: str) -> Workload:
             f"metric), got {type(value).__name__} {shown}."
         )
     return workload
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Whether two batches hold the same arrays (structure, shapes and values)."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if not np.array_equal(x, y, equal_nan=x.dtype.kind in "fc" and y.dtype.kind in "fc"):
+            return False
+    return True
 
 
 def _finite_number(value: Any) -> bool:
