@@ -437,6 +437,12 @@ def test_the_momentum_mask_keeps_always_zero_entries_at_zero():
     assert np.abs(masked_outs["w"][-1]).max() < 1e3
     with pytest.raises(ValueError, match="exp_avg_mask must be None"):
         onebit_adam(2, exp_avg_mask="zeros")
+    # a mask that would broadcast (a matrix's last axis: whole columns) or misses a key
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    row = {**mask, "w": np.ones(SHAPES["w"][-1:], np.float32)}
+    for bad in (row, {"w": mask["w"]}):
+        with pytest.raises(ValueError, match="onebit_adam: exp_avg_mask must be a pytree of 0/1"):
+            onebit_adam(2, exp_avg_mask=bad).init(params)
 
 
 def test_onebit_adam_where_it_cannot_run_says_why():

@@ -631,6 +631,10 @@ def test_bad_input_fails_with_clear_errors():
         strategy.init(params[0])
     with pytest.raises(ValueError, match="params\\[1\\] has shapes"):
         strategy.init([params[0], params[0]])
+    # a mask shaped like the stages' trees: the optimizer sees one flat vector a stage
+    masked = optax.masked(optax.sgd(0.1), [jax.tree.map(lambda _: True, p) for p in params])
+    with pytest.raises(ValueError, match="optimizer.init failed on a stage's parameters, which"):
+        pipeline(stages, xent, masked, mesh, microbatches=2).init(params)
     # Stage 0 ends in 16 features, stage 1 starts from 8.
     mismatched, _ = pipeline_stages(
         [Block([12, 16], last=False, rngs=nnx.Rngs(0)), Block([8, 5], last=True, rngs=nnx.Rngs(1))]

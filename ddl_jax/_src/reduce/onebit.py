@@ -18,7 +18,12 @@ from ddl_jax._src.core.reducer import PermuteReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import check_axis_name, check_padding, compressed_allreduce
+from ddl_jax._src.reduce.quantise import (
+    check_axis_name,
+    check_exp_avg_mask,
+    check_padding,
+    compressed_allreduce,
+)
 
 
 class OnebitAdamState(NamedTuple):
@@ -171,6 +176,7 @@ def onebit_adam(
         )
 
     def init(params) -> OnebitAdamState:
+        check_exp_avg_mask("onebit_adam", exp_avg_mask, params)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         pads = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
         one = jnp.ones((), jnp.float32)

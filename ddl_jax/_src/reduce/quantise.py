@@ -158,6 +158,24 @@ def check_padding(fn: str, padding: Any) -> str:
     return padding
 
 
+def check_exp_avg_mask(fn: str, mask: Any, params: Any) -> None:
+    """Raises ``ValueError`` unless ``mask`` (1-bit and 0/1 Adam's ``exp_avg_mask``) is
+    ``None`` or a pytree of arrays shaped like ``params`` (one that broadcasts, a row for a
+    matrix, would mask whole columns)."""
+    if mask is None:
+        return
+    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+    try:
+        got = [jnp.shape(k) for k in jax.tree.structure(params).flatten_up_to(mask)]
+    except (ValueError, TypeError):
+        got = None
+    if got != shapes:
+        raise ValueError(
+            f"{fn}: exp_avg_mask must be a pytree of 0/1 arrays like the parameters, shaped "
+            f"{jax.tree.map(jnp.shape, params)}; got {jax.tree.map(jnp.shape, mask)}."
+        )
+
+
 def deepspeed_padded_size(size: int, n: int) -> int:
     """DeepSpeed's ``corrected_tensor_size`` of a ``size``-entry tensor over ``n`` workers:
     ``size`` rounded up to a multiple of ``n * lcm(n, 8)`` (``OnebitAdam.step``'s

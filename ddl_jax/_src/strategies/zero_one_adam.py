@@ -18,7 +18,11 @@ from jax.sharding import PartitionSpec as P
 from ddl_jax._src.core.kit import Kit, prepare, restack, unstack, vary
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
 from ddl_jax._src.core.strategy import DATA, Strategy, check_int, check_real
-from ddl_jax._src.reduce.quantise import check_padding, compressed_allreduce
+from ddl_jax._src.reduce.quantise import (
+    check_exp_avg_mask,
+    check_padding,
+    compressed_allreduce,
+)
 
 #: DeepSpeed's ``step()`` counts its first call, which only allocates buffers, as step 1:
 #: the step numbers its schedules test are this builder's 0-based step counter plus this.
@@ -272,7 +276,7 @@ def zero_one_adam(
     )  # fmt: skip
 
     def make_state(params: Any, model: ModelVars) -> ZeroOneAdamState:
-        _check_mask(cfg.exp_avg_mask, params)
+        check_exp_avg_mask("zero_one_adam", cfg.exp_avg_mask, params)
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
         pads = jax.tree.map(lambda p: jnp.zeros((), jnp.float32), params)
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
@@ -367,22 +371,6 @@ def _configure(
         exp_avg_mask,
         padding,
     )
-
-
-def _check_mask(mask: Any, params: Any) -> None:
-    """Raises ``ValueError`` unless ``mask`` is ``None`` or shaped like ``params``."""
-    if mask is None:
-        return
-    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
-    try:
-        got = [np.shape(k) for k in jax.tree.structure(params).flatten_up_to(mask)]
-    except (ValueError, TypeError):
-        got = None
-    if got != shapes:
-        raise ValueError(
-            "zero_one_adam: exp_avg_mask must be a pytree of 0/1 arrays like the parameters, "
-            f"shaped {jax.tree.map(jnp.shape, params)}; got {jax.tree.map(np.shape, mask)}."
-        )
 
 
 class _Worker(NamedTuple):

@@ -180,7 +180,16 @@ def _stage_vectors(
     # of its data workers from a copy of that state.
     reducer_state = kit.stack(jax.vmap(cfg.reducer.init)(stacked))
     model = ml.init_vars(cfg.seed_stage, jnp.stack(states) if cfg.state_len else {})
-    return stacked, jax.vmap(cfg.optimizer.init)(stacked), reducer_state, model
+    try:
+        opt_state = jax.vmap(cfg.optimizer.init)(stacked)
+    except (ValueError, TypeError) as e:  # a mask or labels shaped like the stages' trees
+        raise ValueError(
+            f"pipeline: optimizer.init failed on a stage's parameters, which the optimizer "
+            f"sees as one flat vector of {cfg.param_len} entries, not as their tree: a mask "
+            "or labels (optax.masked, multi_transform) must be a function of that vector or "
+            f"one such array. It raised {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
+    return stacked, opt_state, reducer_state, model
 
 
 def _local_stages(cfg: PipelineConfig, batch: Any) -> Stages:
@@ -392,10 +401,11 @@ def pipeline(
     meaning, mostly without an error: norms and scales are taken per stage over its padded vector
     (``optax.clip_by_global_norm`` clips each stage on its own, ``ddl.compression.sign`` has one
     scale per stage, ``top_k``'s and ``threshold``'s entry budgets and ``qsgd``'s buckets are per
-    stage), and masks and ``optax.multi_transform`` labels get one array per stage instead of the
-    tree (a mask by a leaf's shape, ``x.ndim > 1``, sees one 1-D vector: ``False``
-    everywhere). ``ddl.compression.power_sgd`` would find no matrices, so it is refused
-    (``ValueError``).
+    stage; ``optax.apply_if_finite`` skips one stage's update, not the step), and masks and
+    ``optax.multi_transform`` labels get one array per stage instead of the tree (a mask by a
+    leaf's shape, ``x.ndim > 1``, sees one 1-D vector: ``False`` everywhere; one shaped like
+    the stages' trees is refused). ``ddl.compression.power_sgd`` would find no matrices, so it
+    is refused (``ValueError``).
     The optimizer also receives optax's extra argument ``staleness``, stage k's gradient delay
     (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer, ddl.scale_by_staleness())``
     gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
