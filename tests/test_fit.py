@@ -1,6 +1,7 @@
 """The training loop."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -638,3 +639,63 @@ def test_with_checkpoints_the_log_file_holds_every_evaluation(mlp, tmp_path):
                          log_file=path, progress=False)  # fmt: skip
     assert [r["step"] for r in history if "eval" in r] == [2, 4, 5]
     assert read_log(path) == history
+
+
+def test_an_evaluation_and_a_checkpoint_of_one_step_share_strategys_params(mlp, tmp_path):
+    """``strategy.params`` (under FSDP a gather of the whole model) once a step where an
+    evaluation and a checkpoint fall together, the final step's included."""
+    loss_fn, params = mlp
+    inner = ddl.fsdp(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), stage=3)
+    calls = []
+
+    def counted(state):
+        calls.append(int(state.model.step))
+        return inner.params(state)
+
+    strategy = ddl.Strategy(inner.init, inner.step, counted)
+    ddl.fit(strategy, params, make_batches(8, 8), steps=8, eval_every=2, checkpoint_every=4,
+            eval_fn=lambda p: loss_fn(p, make_batches(1, 8)[0]), checkpoint_dir=tmp_path,
+            progress=False)  # fmt: skip
+    assert calls == [2, 4, 6, 8]
+
+
+def test_a_second_fit_finds_its_steps_compiled(mlp, caplog, tmp_path):
+    """The same strategy fitted again (a sweep, a notebook cell run twice) compiles no
+    step again, with ``skip_nonfinite`` (whose guard once was a new function each time)
+    and with islands (whose init once jitted a new function each time)."""
+    loss_fn, params = mlp
+    islands = ddl.make_mesh(island=2, data=4)
+    for strategy, options in (
+        (ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8)),
+         {"skip_nonfinite": True}),
+        (ddl.local_sgd(inner=ddl.fsdp(loss_fn, optax.sgd(0.1), islands), period=2), {}),
+    ):  # fmt: skip
+        ddl.fit(strategy, params, make_batches(2, 8), steps=2, progress=False, **options)
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+            ddl.fit(strategy, params, make_batches(2, 8), steps=2, progress=False, **options)
+        compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+        assert not compiled, compiled
+
+
+def test_a_resume_frees_the_fresh_state_before_restoring(mlp, tmp_path, monkeypatch):
+    """A resume holds one state, not two: the fresh state only gives the checkpoint's
+    shapes and is freed before the restore allocates (a run that fit once in memory
+    could not resume)."""
+    from ddl_jax._src.train import fit as fit_module
+
+    loss_fn, params = mlp
+    strategy = ddl.local_sgd(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=8), period=2)
+    options = {"checkpoint_dir": tmp_path, "progress": False}
+    state, _ = ddl.fit(strategy, params, make_batches(4, 8), steps=2, **options)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    del state
+    real, live = fit_module.checkpoint.newest_readable, []
+
+    def measured(manager, like):
+        live.append(sum(x.nbytes for x in jax.live_arrays()))
+        return real(manager, like)
+
+    monkeypatch.setattr(fit_module.checkpoint, "newest_readable", measured)
+    ddl.fit(strategy, params, make_batches(4, 8), steps=4, **options)
+    assert len(live) == 1 and live[0] < state_bytes / 2, (live, state_bytes)

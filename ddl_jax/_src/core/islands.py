@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.kit import Kit, after, restack, unstack
+from ddl_jax._src.core.kit import Kit, after, is_spec, restack, unstack
 from ddl_jax._src.core.reducer import axes_communicated
 from ddl_jax._src.core.strategy import ISLAND, Strategy
 
@@ -85,20 +85,27 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
             f"ddl.tensor_parallel on a mesh with an 'island' axis), got {type(inner).__name__}."
         )
 
+    starts: dict[Any, Callable[[Any], Any]] = {}  # by mesh and specs: compiled once
+
     def init(variables: Any) -> IslandsState:
         inner_state = inner.init(variables)
         mesh = island_mesh(inner_state)
         chosen = method(mesh)
         chosen.check(inner_state)
         params_specs = specs_of(inner_state.params)
-        program = jax.shard_map(
-            lambda params: restack(chosen.start(unstack(params))),
-            mesh=mesh,
-            in_specs=(params_specs,),
-            out_specs=P(mesh.axis_names),
-            check_vma=False,
-        )
-        state = IslandsState(inner_state, jax.jit(program)(inner_state.params))
+        flat, tree = jax.tree.flatten(params_specs, is_leaf=is_spec)
+        key = (mesh, tree, tuple(flat))
+        if key not in starts:
+            starts[key] = jax.jit(
+                jax.shard_map(
+                    lambda params: restack(chosen.start(unstack(params))),
+                    mesh=mesh,
+                    in_specs=(params_specs,),
+                    out_specs=P(mesh.axis_names),
+                    check_vma=False,
+                )
+            )
+        state = IslandsState(inner_state, starts[key](inner_state.params))
         _check_axes(name, chosen, mesh, state)
         return state
 

@@ -171,16 +171,17 @@ class Kit(NamedTuple):
             params, model_state = jax.tree.map(jnp.copy, (params, model_state))
             return make_state(params, ml.init_vars(self.loss_fn, model_state))
 
+        def build_islands(params, model_state):
+            return _copies(build(params, model_state), self.islands)
+
         def init(variables: Any) -> st.State:
             params, model_state = ml.split_variables(self.loss_fn, variables)
             st.check_params(params)
             _check_model_state(model_state)
             params, model_state = _onto(self.mesh, (params, model_state))
             out = specs(jax.eval_shape(build, params, model_state)) if callable(specs) else specs
-            make = build
-            if self.islands:
-                out = island_specs(out)
-                make = lambda *a: _copies(build(*a), self.islands)  # noqa: E731
+            make = build_islands if self.islands else build  # defined once: compiled once
+            out = island_specs(out) if self.islands else out
             return jax.jit(make, out_shardings=self.shardings(out))(params, model_state)
 
         return init

@@ -405,11 +405,17 @@ def restore_latest(manager: ocp.CheckpointManager, like: State) -> tuple[State, 
     return newest_readable(manager, like)
 
 
+def abstract_state(state: State) -> State:
+    """``state`` as ``jax.ShapeDtypeStruct``s with their shardings: a restore's target
+    that holds no memory."""
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+
 def newest_readable(manager: ocp.CheckpointManager, like: State) -> tuple[State, int] | None:
     """:func:`restore_latest`'s work, for the functions users call (stacklevel below)."""
     # Called only directly by the functions users call (restore_latest, fit), so the
     # warning's stacklevel 3 is the user's line: 1 is here, 2 is that function.
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    abstract = abstract_state(like)
     _drop_closed_loop_reports()  # before any read: the reports can come at once
     steps = sorted(manager.all_steps(), reverse=True)
     for step in steps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import time
@@ -43,6 +44,13 @@ def guard_nonfinite(
         return kept, {**metrics, "skipped": jnp.where(finite, 0.0, 1.0)}
 
     return guarded
+
+
+@functools.lru_cache(maxsize=16)
+def _guarded(step: Callable[[State, Batch], tuple[State, Metrics]]) -> Any:
+    """``guard_nonfinite(step)``, the same function for the same step: ``jax.jit`` finds
+    it compiled in a later ``fit`` of the strategy (a new wrapper would compile again)."""
+    return guard_nonfinite(step)
 
 
 #: Steps dispatched ahead of their results: beyond this the host waits for the oldest.
@@ -213,10 +221,13 @@ def fit(
             )
             # Not restore_latest: its warning about a corrupt step must name the user's line.
             saved = manager.all_steps()
-            if (restored := checkpoint.newest_readable(manager, state)) is not None:
+            if saved:  # restored into the state's shapes, its arrays freed first: one in memory
+                like, state = checkpoint.abstract_state(state), None
+            if saved and (restored := checkpoint.newest_readable(manager, like)) is not None:
                 state, log.start = restored
                 log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
             elif saved:
+                state = strategy.init(params)
                 log.say(
                     f"fit: none of the {len(saved)} checkpoints in {manager.directory} could be "
                     "restored (each moved aside, see the warnings): training from step 0.",
@@ -274,12 +285,21 @@ def _train(
     """``fit``'s loop from its start step on, and what follows the last step (warnings
     here name ``fit``'s caller: stacklevel 3)."""
     step_fn = jax.jit(
-        guard_nonfinite(strategy.step) if settings.skip_nonfinite else strategy.step,
+        _guarded(strategy.step) if settings.skip_nonfinite else strategy.step,
         donate_argnums=0,
     )
     steps, eval_fn, eval_every = settings.steps, settings.eval_fn, settings.eval_every
     start = log.start
     stream = batches(start) if callable(batches) else itertools.islice(batches, start, None)
+
+    of_state: list[Any] = [None, None]  # a state and its strategy.params, for one step
+
+    def variables() -> Any:
+        """``strategy.params(state)`` once for a step's evaluation and checkpoint alike
+        (under FSDP each is a gather of the whole model)."""
+        if of_state[0] is not state:
+            of_state[:] = [state, strategy.params(state)]
+        return of_state[1]
 
     def save(step: int, *, final: bool = False) -> None:
         # The loss of every step saved is checked first (a non-finite one raises: no bad
@@ -289,10 +309,10 @@ def _train(
         log.flush()
         if not final:
             log.write(durable=True)
-        checkpoint.save(manager, step, state, strategy.params(state))
+        checkpoint.save(manager, step, state, variables())
 
     def evaluate() -> None:
-        log.evaluate(eval_fn, lambda: strategy.params(state))
+        log.evaluate(eval_fn, variables)
 
     stopped = False
     in_flight: collections.deque[Any] = collections.deque()
@@ -317,6 +337,7 @@ def _train(
             settings.checkpoint_every is not None and i % settings.checkpoint_every == 0
         ):
             save(i)
+        of_state[:] = [None, None]  # not held into the next step
     log.flush()
     if (message := log.growth()) is not None:
         warnings.warn(message, LossGrowthWarning, stacklevel=3)
