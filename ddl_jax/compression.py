@@ -1,14 +1,13 @@
 """Gradient compression as reducers: pass one as ``reducer=`` to a strategy (the
 ``scatter_*`` ones to ``ddl.fsdp``, which reduce-scatters)."""
 
-from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.core.reducer import ScatterReducer, reducer_metrics
 from ddl_jax._src.reduce.lowbit import E3M0State, cast_e3m0
 from ddl_jax._src.reduce.lowrank import PowerSGDState, power_sgd
 from ddl_jax._src.reduce.onebit import OnebitAdamState, onebit_adam
 from ddl_jax._src.reduce.outer import DeMoState, SparseLoCoState, demo, sparse_loco
 from ddl_jax._src.reduce.quantise import CastState, QSGDState, SignState, cast, qsgd, sign
 from ddl_jax._src.reduce.scatter import (
-    ScatterReducer,
     ScatterState,
     ScatterTopKState,
     scatter_cast,

@@ -542,6 +542,42 @@ def test_bad_arguments_raise_clear_errors(build, match):
         build()
 
 
+def test_a_reducer_in_the_wrong_place_or_that_does_not_average_is_named(mlp):
+    """A reducer chained into optimizer= reduced the reduced gradient again (top_k of the
+    mean, not DGC), or made local SGD synchronous every step, silently; a scatter reducer
+    (FSDP's) given to an all-reducing strategy failed deep inside, or, in ddl.chain with a
+    ring, broadcast a shard's mean onto the whole parameter."""
+    loss_fn, _ = mlp
+    mesh = ddl.make_mesh(data=8)
+    for build in (
+        lambda: ddl.data_parallel(loss_fn, optax.chain(top_k(0.5), optax.sgd(0.1)), mesh),
+        lambda: ddl.local_sgd(
+            loss_fn, optax.chain(ddl.allreduce_mean(), optax.sgd(0.1)), mesh, period=4
+        ),
+        lambda: ddl.fsdp(loss_fn, optax.chain(ddl.allreduce_mean(), optax.sgd(0.1)), mesh),
+    ):
+        with pytest.raises(ValueError, match=r"optimizer communicates over \['data'\].*reducer="):
+            build()
+    scatter = ddl.compression.scatter_cast(jnp.bfloat16)
+    for build in (
+        lambda: ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh, reducer=scatter),
+        lambda: ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=scatter),
+    ):
+        with pytest.raises(ValueError, match="reducer: a scatter reducer .* for ddl.fsdp"):
+            build()
+    with pytest.raises(ValueError, match="chain: a scatter reducer"):
+        ddl.chain(scatter, ddl.allreduce_mean(algorithm="ring"))
+    # local SGD's reducer that does not average (JAX's "Unsupported pcast" before; with
+    # several workers a device, vmap's "out_axes is None")
+    params, batch, clip = mlp[1], make_batches(1, 16)[0], optax.clip(1.0)
+    for strategy in (
+        ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1, reducer=clip),
+        ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=1, workers=16, reducer=lambda _: clip),
+    ):
+        with pytest.raises(ValueError, match="A reducer must average over the workers"):
+            jax.jit(strategy.step)(strategy.init(params), batch)
+
+
 def test_numpy_scalars_are_arguments_like_python_numbers():
     grads = random_grads(1, 2, seed=7)
     numpy_top_k = top_k(np.float32(0.25), momentum=np.float64(0.5), warmup_steps=np.int64(4))

@@ -256,3 +256,17 @@ def test_bad_arguments_name_what_is_valid():
     strategy = ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, specs=P("data"))
     with pytest.raises(ValueError, match="shards over 'data'"):
         strategy.init(params)
+
+
+def test_a_loss_asking_for_a_missing_key_is_named_layer_by_layer_too():
+    """Stage 3 traces the loss once to find its scanned layers: the same message as every
+    builder's, not a bare ``KeyError``."""
+    params = {"w": jnp.zeros((12, 16)), "layers": {"w": jnp.zeros((3, 16, 16))}}
+
+    def loss_fn(p, batch):
+        h = batch["image"] @ p["w"]  # the batch holds "x"
+        return jnp.mean(ddl.layers.scan_layers(lambda q, h: h @ q["w"], p["layers"], h))
+
+    strategy = ddl.fsdp(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8), stage=3)
+    with pytest.raises(KeyError, match="loss_fn asked for 'image': a key neither the batch"):
+        jax.jit(strategy.step)(strategy.init(params), batch_of(16))

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import model_loss as ml
 from ddl_jax._src.core import strategy as st
-from ddl_jax._src.core.reducer import checks_vma
+from ddl_jax._src.core.reducer import ScatterReducer, axes_communicated, checks_vma
 from ddl_jax._src.xla_cpu import products as cpu_products
 
 Specs = Any  # a PartitionSpec prefix of a state, or ``abstract state -> that prefix``
@@ -328,7 +328,7 @@ class Kit(NamedTuple):
 
         def one(params, model_state, batch, key):
             def loss(p):
-                returned = _call_loss(fn, p, model_state, batch, key)
+                returned = call_loss(fn, p, model_state, batch, key)
                 if not (isinstance(returned, tuple | list) and len(returned) == 2):
                     got = "an array" if hasattr(returned, "shape") else type(returned).__name__
                     raise TypeError(
@@ -407,7 +407,15 @@ def _over_rows(
         else:
             shapes = jax.eval_shape(vmapped(in_axes=(in_axes, 0)), rows, batch)
             out_axes = (mapped(one_worker(shapes[0]), out_specs), None)
-        new, metrics = vmapped(in_axes=(in_axes, 0), out_axes=out_axes)(rows, batch)
+        try:
+            new, metrics = vmapped(in_axes=(in_axes, 0), out_axes=out_axes)(rows, batch)
+        except ValueError as e:  # a shared part of the state came out per worker
+            if "out_axes is None" not in str(e):
+                raise
+            raise ValueError(
+                "the new state's parts shared by a device's workers came out different for "
+                f"each worker: {REDUCER_CAUSE}"
+            ) from None
         new = jax.tree.map(
             lambda x, a: x if a is None else x.reshape(k, *x.shape[2:]), new, out_axes[0]
         )
@@ -479,7 +487,7 @@ def _check_not_a_factory(reducer: Callable[..., Any]) -> None:
         )
 
 
-def _call_loss(fn: Callable[..., Any], *args: Any) -> Any:
+def call_loss(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(params, model_state, batch, key)``, its commonest mistakes named: a key that
     neither the batch nor the params hold, a traced value made concrete inside it, float
     labels."""
@@ -583,6 +591,30 @@ def _check_no_unused_axis(mesh: Mesh, used: tuple[str, ...]) -> None:
             )
 
 
+def _check_optimizer_is_local(optimizer: optax.GradientTransformation, mesh: Mesh) -> None:
+    """Refuses an optimizer that communicates over a mesh axis: a reducer given as (or
+    chained into) ``optimizer=`` would reduce the reduced gradient again, or replace the
+    strategy's own exchange (local SGD's), silently. Traced on a probe parameter; an
+    optimizer that needs the model's own tree (labels, masks) is not checked."""
+    probe = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+
+    def update(g: Any) -> Any:
+        return optimizer.update(g, optimizer.init(g), g)[0]
+
+    program = jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    try:
+        axes = axes_communicated(jax.make_jaxpr(program)(probe))
+    except Exception:  # the probe is not this optimizer's tree: nothing to tell
+        return
+    if axes:
+        raise ValueError(
+            f"optimizer communicates over {sorted(axes)} (a ddl.allreduce_mean or "
+            "ddl.compression reducer in it?): a strategy reduces each worker's gradient with "
+            "its reducer= and then runs the optimizer on the result; give the reducer as "
+            "reducer=, and an optimizer that acts on one worker's values."
+        )
+
+
 def prepare(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -633,6 +665,12 @@ def prepare(
         )
     elif reducer is not None:
         _check_not_a_factory(reducer)
+    if isinstance(reducer, ScatterReducer):
+        raise ValueError(
+            "reducer: a scatter reducer (ddl.compression.scatter_*) reduce-scatters the "
+            "gradient's chunks for ddl.fsdp at stages 2 and 3; this strategy all-reduces: "
+            "give it ddl.allreduce_mean() or a compressor such as ddl.compression.cast(...)."
+        )
     accumulate = st.check_int("accumulate", accumulate, minimum=1)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}.")
@@ -654,6 +692,7 @@ def prepare(
             f"device runs workers / {devices} of them), e.g. "
             f"workers={devices * max(n // devices, 1)}."
         )
+    _check_optimizer_is_local(optimizer, mesh)
     kit = Kit(mesh, axis, n, None, loss_fn, has_aux, accumulate, islands, n // devices, given)
     if islands and kit.per_device > 1:
         raise ValueError(

@@ -5,7 +5,8 @@ A reducer is an ``optax.GradientTransformation`` run inside the strategy's ``sha
 on each worker's gradient. Its output must be the same on every worker; its state is the
 worker's own. A compressor's state has a ``compression_ratio`` field, reported by
 :func:`reducer_metrics`; a reducer built from ``ppermute`` rounds carries the
-:class:`PermuteReducer` mark (:func:`checks_vma`).
+:class:`PermuteReducer` mark (:func:`checks_vma`); FSDP's reduce-scatters are
+:class:`ScatterReducer`s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class PermuteReducer(optax.GradientTransformation):
     """
 
 
+class ScatterReducer(optax.GradientTransformation):
+    """A reducer of per-owner gradient chunks ``[n, *shard]`` to this worker's mean shard
+    (``reduce/scatter.py``); ``ddl.fsdp(reducer=...)`` takes only these, and the other
+    builders none."""
+
+
 def checks_vma(reducer: optax.GradientTransformation) -> bool:
     """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
     return not isinstance(reducer, PermuteReducer)
@@ -40,7 +47,8 @@ def reducer_metrics(reducer_state: Any) -> dict[str, jax.Array]:
 
     ``r`` is the bytes a dense float32 ring all-reduce of the same gradient sends per device
     divided by the bytes the compressor sends per device (both as ``ddl.comm_stats`` charges
-    them), for the last exchange; 1 before the first exchange and on a single worker.
+    them), for the last exchange; 1 before the first exchange and on a single worker. In a
+    chain it is the compressor's own: a collective chained after it is not counted.
 
     Args:
       reducer_state: one worker's reducer state (any pytree, ``optax.chain`` states

@@ -25,7 +25,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
-from ddl_jax._src.core.reducer import PermuteReducer, checks_vma
+from ddl_jax._src.core.reducer import PermuteReducer, ScatterReducer, checks_vma
 from ddl_jax._src.core.strategy import check_real, check_transform, vary_over
 from ddl_jax._src.reduce.collectives import (
     check_axis_in_scope,
@@ -130,6 +130,11 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
       >>> type(reducer).__name__  # the mark: strategies run it without the replication check
       'PermuteReducer'
     """
+    if any(isinstance(t, ScatterReducer) for t in transforms):
+        raise ValueError(
+            "chain: a scatter reducer (ddl.compression.scatter_*) is ddl.fsdp's reducer on "
+            "its own; it does not chain with others."
+        )
     chained = optax.chain(*transforms)
     if all(checks_vma(t) for t in transforms):
         return chained

@@ -18,18 +18,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
+from ddl_jax._src.core.reducer import ScatterReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
 from ddl_jax._src.reduce.quantise import check_axis_name, dequantise, quantise
-
-
-class ScatterReducer(optax.GradientTransformation):
-    """A reducer of per-owner gradient chunks ``[n, *shard]`` to this worker's mean shard
-    (see the module docstring); ``ddl.fsdp(reducer=...)`` takes only these."""
 
 
 class ScatterState(NamedTuple):

@@ -22,15 +22,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core import strategy as st
-from ddl_jax._src.core.kit import abstract, is_spec, prepare, restack, unstack, vary
+from ddl_jax._src.core.kit import abstract, call_loss, is_spec, prepare, restack, unstack, vary
 from ddl_jax._src.core.layer_scan import gathering, scanned_leaves
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, as_model_loss, mean_over, worker_key
-from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.core.reducer import ScatterReducer, reducer_metrics
 from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs, like_params
 from ddl_jax._src.core.strategy import DATA, MODEL
 from ddl_jax._src.reduce.allreduce import allreduce_mean
 from ddl_jax._src.reduce.gather import quantised_all_gather
-from ddl_jax._src.reduce.scatter import ScatterReducer
 
 STAGES = (1, 2, 3)
 #: Every parameter whole over ``model`` (no tensor parallelism).
@@ -312,7 +311,8 @@ def _per_layer(
     micro = jax.tree.map(lambda x: x[: x.shape[0] // kit.accumulate], batch)
     scanned = tuple(
         scanned_leaves(
-            lambda p: fn(p, state.model.state, micro, key), jax.tree.unflatten(treedef, whole)
+            lambda p: call_loss(fn, p, state.model.state, micro, key),
+            jax.tree.unflatten(treedef, whole),
         )
     )
     if not scanned:

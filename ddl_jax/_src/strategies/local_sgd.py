@@ -21,7 +21,7 @@ from ddl_jax._src.core.islands import (
     island_kit,
     over_islands,
 )
-from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.kit import Kit, check_agrees, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import (
@@ -185,7 +185,8 @@ def local_sgd(
         the axis (``data_parallel``'s ``workers``). Not with ``inner``.
 
     Returns:
-      A ``Strategy`` with ``LocalSGDState``; metrics ``loss``, aux values, ``synchronised``
+      A ``Strategy`` with ``LocalSGDState``; metrics ``loss`` and aux values (with
+      ``churn``, over the present workers, and ``workers_present``), ``synchronised``
       (1.0 after a synchronisation, a group's included), the reducer's metrics, and
       ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
       (drop: the share of workers in this step's synchronisation, 0 without one).
@@ -465,7 +466,15 @@ def _worker_step(
         model_state=model_state,
     )
     carry, schedule = _exchange(cfg, carry, step, warm, arrived)
-    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(carry.reducer_state)}, axis)
+    values = {"loss": loss, **aux}
+    if present is None:
+        values = lax.pmean(values, axis)
+    else:  # over the present workers (an absent one trained nothing), as gossip's
+        count = jnp.sum(present)
+        totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
+        values = jax.tree.map(lambda v: v / jnp.maximum(count, 1).astype(v.dtype), totals)
+        values["workers_present"] = count.astype(jnp.float32)
+    metrics = {**values, **lax.pmean(reducer_metrics(carry.reducer_state), axis)}
     model = ModelVars(restack(carry.model_state), state.model.key, step + 1)
     new = LocalSGDState(
         params=restack(carry.params),
@@ -574,6 +583,7 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     if arrived is not None:
         delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
     delta, reducer_state = cfg.kit.reducer.update(delta, carry.reducer_state, anchor)
+    check_agrees(delta, P(), "the reduced pseudo-gradient")
     if arrived is not None:  # the mean over those that arrived; none: no outer step
         scale = n / jnp.maximum(jnp.sum(arrived), 1)
         delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)

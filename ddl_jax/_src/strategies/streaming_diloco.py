@@ -24,7 +24,7 @@ from ddl_jax._src.core.islands import (
     island_kit,
     over_islands,
 )
-from ddl_jax._src.core.kit import Kit, prepare, restack, unstack
+from ddl_jax._src.core.kit import Kit, check_agrees, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
 from ddl_jax._src.core.reducer import reducer_metrics
 from ddl_jax._src.core.strategy import (
@@ -590,6 +590,7 @@ def _send(carry: Carry, cfg: _Config, bounds: tuple[tuple[int, ...], ...], p: in
     local, glob = _groups(params, bounds)[p], _groups(anchor, bounds)[p]
     delta = jax.tree.map(jnp.subtract, glob, local)
     delta, fragment_reducer = cfg.kit.reducer.update(delta, reducer_state[p], glob)
+    check_agrees(delta, P(), "the reduced outer gradient")
     reducer_state = _replace(reducer_state, p, fragment_reducer)
     model_state = worker_mean(model_state, cfg.kit.workers_axis)
     if cfg.overlap:
