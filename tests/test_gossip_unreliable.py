@@ -86,6 +86,8 @@ def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, chu
     edges, lost_any, absent_any = w > 0, False, False
     for t, batch in enumerate(make_batches(3, 32)):
         arrives, present = map(np.asarray, link_masks(key, t, n, drop=drop, churn=churn))
+        rows = worker_shards(batch, n)  # every replica's loss on its rows, an absent one's too
+        losses = [loss_fn(jax.tree.map(lambda x, i=i: x[i], replicas), rows[i]) for i in range(n)]
         replicas, traces = reference_step(loss_fn, replicas, traces, batch, w, arrives, present)
         lost_any |= bool((edges & ~arrives & present[:, None] & present[None, :]).any())
         absent_any |= not present.all()
@@ -97,6 +99,7 @@ def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, chu
         x = flat(replicas)
         distance = np.linalg.norm(x - x.mean(0), axis=1).mean()
         np.testing.assert_allclose(metrics["consensus_distance"], distance, rtol=1e-4)
+        np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=1e-5)
         if drop:
             sent = edges & ~np.eye(n, dtype=bool) & present[:, None] & present[None, :]
             lost = (sent & ~arrives).sum() / max(sent.sum(), 1)

@@ -237,7 +237,8 @@ def gossip(
 
     Returns:
       A ``Strategy`` with ``GossipState`` (with ``inner``: an ``IslandsState``); metrics
-      ``loss`` and aux values (with ``churn``, over the present workers), unless
+      ``loss`` and aux values (the mean over every worker's replica on its rows, an
+      absent one's too), unless
       ``consensus_every=0`` ``consensus_distance`` as last measured (after the mixing of a
       step t with ``t % consensus_every == 0``), with ``drop`` ``messages_dropped`` (the
       fraction of this step's messages between present workers that were lost), with
@@ -323,7 +324,7 @@ def _island_exchange(
     params, model_state = _mix_unreliable(
         (params, model_state), ISLAND, cfg.weights, cfg.perms, arrives
     )
-    metrics = _network_metrics(cfg, arrives, present, here, {})
+    metrics = _network_metrics(cfg, arrives, present, {})
     return (params, opt_state, model_state, reducer_state), outer, metrics
 
 
@@ -367,7 +368,7 @@ def _worker_step(
         params, model_state = _mix_unreliable(
             (params, model_state), axis, cfg.weights, cfg.perms, arrives
         )
-        metrics = _network_metrics(cfg, arrives, present, here, {"loss": loss, **aux})
+        metrics = _network_metrics(cfg, arrives, present, {"loss": loss, **aux})
     distance = measured_consensus(params, state, cfg.consensus_every, axis)
     if cfg.consensus_every:
         metrics["consensus_distance"] = distance
@@ -376,17 +377,14 @@ def _worker_step(
 
 
 def _network_metrics(
-    cfg: _Config, arrives: jax.Array, present: jax.Array, here: jax.Array, values: dict
+    cfg: _Config, arrives: jax.Array, present: jax.Array, values: dict
 ) -> dict[str, jax.Array]:
-    """The loss and aux values over the present workers, and the network's metrics."""
+    """The loss and aux values over every worker's replica on its rows (an absent one's
+    too: the global batch's, as local SGD's and the islands'), and the network's metrics."""
     axis, n = cfg.kit.workers_axis, cfg.kit.n
-    count = present.sum()
+    metrics = lax.pmean(values, axis)
     if cfg.churn:
-        totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
-        metrics = jax.tree.map(lambda v: v / jnp.maximum(count, 1).astype(v.dtype), totals)
-        metrics["workers_present"] = count.astype(jnp.float32)
-    else:
-        metrics = lax.pmean(values, axis)
+        metrics["workers_present"] = present.sum().astype(jnp.float32)
     if cfg.drop:
         edges = np.zeros((n, n), bool)  # edges[i, j]: worker j sends to worker i
         for perm in cfg.perms:

@@ -185,8 +185,8 @@ def local_sgd(
         the axis (``data_parallel``'s ``workers``). Not with ``inner``.
 
     Returns:
-      A ``Strategy`` with ``LocalSGDState``; metrics ``loss`` and aux values (with
-      ``churn``, over the present workers, and ``workers_present``), ``synchronised``
+      A ``Strategy`` with ``LocalSGDState``; metrics ``loss`` and aux values (the mean
+      over every worker's replica on its rows, an absent one's too), ``synchronised``
       (1.0 after a synchronisation, a group's included), the reducer's metrics, and
       ``sync_group_size`` (hierarchy), ``synchronised_<field>`` (state_periods), ``arrived``
       (drop: the share of workers in this step's synchronisation, 0 without one).
@@ -466,15 +466,8 @@ def _worker_step(
         model_state=model_state,
     )
     carry, schedule = _exchange(cfg, carry, step, warm, arrived)
-    values = {"loss": loss, **aux}
-    if present is None:
-        values = lax.pmean(values, axis)
-    else:  # over the present workers (an absent one trained nothing), as gossip's
-        count = jnp.sum(present)
-        totals = lax.psum(jax.tree.map(lambda v: jnp.where(here, v, 0), values), axis)
-        values = jax.tree.map(lambda v: v / jnp.maximum(count, 1).astype(v.dtype), totals)
-        values["workers_present"] = count.astype(jnp.float32)
-    metrics = {**values, **lax.pmean(reducer_metrics(carry.reducer_state), axis)}
+    # over every worker's replica and rows, an absent one's too: the global batch's loss
+    metrics = lax.pmean({"loss": loss, **aux, **reducer_metrics(carry.reducer_state)}, axis)
     model = ModelVars(restack(carry.model_state), state.model.key, step + 1)
     new = LocalSGDState(
         params=restack(carry.params),
