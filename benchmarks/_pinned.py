@@ -3,6 +3,7 @@ cores, under a hard timeout (the multi-process benchmarks: peers.py, pipeline.py
 buckets.py)."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,15 +61,21 @@ def run_pinned(
     ]
     deadline = time.monotonic() + timeout
     outs, errors = [], []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
+    # SIGTERM raises here, so the finally below stops the workers (they outlived it, on
+    # their pinned cores, and shared them with whatever ran next)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"timed out after {timeout:.0f} s") from None
+            outs.append(out)
+            errors.append(err)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for q in procs:
+            if q.poll() is None:
                 q.kill()
-            for q in procs:
                 q.communicate()
-            raise TimeoutError(f"timed out after {timeout:.0f} s") from None
-        outs.append(out)
-        errors.append(err)
     return outs, errors, [p.returncode for p in procs]

@@ -18,6 +18,7 @@ with the XLA:CPU tunings on.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def main() -> None:
                            workload, "--devices", n, "--emulate", rate, "--strategies",
                            args.strategies, "--out", str(out)]  # fmt: skip
                 print(" ".join(command[2:]), flush=True)
-                done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+                done = run_stoppable(command, timeout=3600)
                 if done.returncode:
                     raise SystemExit(done.stderr.strip().splitlines()[-1])
                 results = json.loads((out / "results.json").read_text())
@@ -63,6 +64,28 @@ def main() -> None:
                     )
                 write(rows, args.out)  # after every grid point: a stopped run keeps its rows
     print((args.out / "emulated.md").read_text(), end="")
+
+
+def run_stoppable(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a compare whose processes and network namespaces outlive no
+    stop: past ``timeout``, or when this script gets SIGTERM, the compare gets SIGTERM and
+    is waited for while it removes them (a SIGKILL, or this script dying alone, left them
+    running); on Ctrl-C it got the interrupt too and is waited for."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except BaseException as stop:
+        if not isinstance(stop, KeyboardInterrupt):
+            child.terminate()
+        try:
+            child.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
 def write(rows: list[dict], out: Path) -> None:

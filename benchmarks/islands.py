@@ -14,10 +14,7 @@ gap between the data-parallel islands and flat DiLoCo is that noise, and FSDP's 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import optax
 
@@ -26,6 +23,7 @@ from ddl_jax.compare.workloads import make_workload
 
 
 def main() -> None:
+    ddl.simulate_cpu_devices(8)  # whatever XLA_FLAGS the caller set
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--period", type=int, default=16)

@@ -107,6 +107,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=2)
     args = parser.parse_args()
+    if args.steps < PERIOD:
+        parser.error(
+            f"--steps {args.steps} runs no outer step (H = {PERIOD}): give at least {PERIOD}."
+        )
     started = time.perf_counter()
     mesh = ddl.make_mesh(data=8)
     print(f"text-gpt, 8 simulated CPU devices, {args.steps} steps; validation bits per byte\n")

@@ -19,10 +19,6 @@ benchmarks/results/many_workers.md.
         [--strategies NAME,...]
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import argparse
 import time
 from pathlib import Path
@@ -94,6 +90,7 @@ def run(n: int, steps: int, only: list[str] | None) -> dict[str, dict[str, float
 
 
 def main() -> None:
+    ddl.simulate_cpu_devices(8)  # whatever XLA_FLAGS the caller set
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,64,256,1024")
     parser.add_argument("--out", type=Path, default=HERE / "results")

@@ -27,6 +27,9 @@ from tqdm import tqdm
 
 import ddl_jax as ddl
 
+#: ddl's step time over the hand-written one's, at most.
+TARGET = 1.03
+
 
 def hand_written_step(loss_fn, optimizer, mesh):
     """The minimal correct data-parallel step, written directly against JAX."""
@@ -131,6 +134,7 @@ def main() -> None:
         "steps_per_round": args.steps,
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "ratio_ddl_over_hand": statistics.median(times["ddl"]) / statistics.median(times["hand"]),
+        "target": TARGET,
         "same_params_after_training": all(jax.tree.leaves(same)),
         "same_hlo_op_counts": same_program,
         "hlo_ops_only_in_ddl": extra_ops,
@@ -143,7 +147,8 @@ def main() -> None:
         "| step | median s/step |\n|---|---|\n"
         f"| ddl.data_parallel | {result['median_s']['ddl']:.4f} |\n"
         f"| hand-written shard_map + pmean | {result['median_s']['hand']:.4f} |\n"
-        f"\nratio ddl / hand = **{result['ratio_ddl_over_hand']:.3f}** (target <= 1.03); "
+        f"\nratio ddl / hand = **{result['ratio_ddl_over_hand']:.3f}** (target <= {TARGET}: "
+        f"{'met' if result['ratio_ddl_over_hand'] <= TARGET else 'NOT met'}); "
         f"same params after training: {result['same_params_after_training']}; "
         f"compiled programs hold the same HLO ops: {same_program} (ops only in ddl's: "
         f"{extra_ops}; only in the hand-written one: {missing_ops})\n"

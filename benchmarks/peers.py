@@ -28,10 +28,13 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.append(str(Path(__file__).parent))  # under python -P too
 from _pinned import free_port, run_pinned
 
 PROGRAMS = {

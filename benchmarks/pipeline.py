@@ -33,8 +33,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).parent))  # under python -P too
 from _pinned import free_port, run_pinned
 
 from ddl_jax.schedules import idle_fraction, lockstep_time, make_schedule

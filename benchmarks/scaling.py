@@ -16,11 +16,8 @@ Writes benchmarks/results/scaling.md.
     python -P benchmarks/scaling.py [--workers 8,16,32,64,128,256,512,1024]
 """
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -99,6 +96,7 @@ def exponent(ns: list[int], seconds: list[float], start: int = 64) -> float:
 
 
 def main() -> None:
+    ddl.simulate_cpu_devices(8)  # whatever XLA_FLAGS the caller set
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,16,32,64,128,256,512,1024")
     parser.add_argument("--out", type=Path, default=HERE / "results")

@@ -1,6 +1,7 @@
 """``ddl-jax compare --measure`` / ``--emulate``: the strategies as real processes, timed,
 next to the simulator's time before and after calibrating it on those processes."""
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import GLOO_LOOPS_REPORT, child_env
@@ -191,6 +193,26 @@ def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
     assert not re.search(r"^d\d+(n\d+|br)\b", names, re.M), names  # all removed
 
 
+def _descendants(pid, command):
+    """The pids of ``pid``'s descendants whose command line holds ``command``."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found += [c for c in frontier if command.encode() in _cmdline(c)]
+    return found
+
+
+def _cmdline(pid):
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
 def _namespaces(tag):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return re.findall(rf"^{tag}\w+", listed, re.M) + [p for p in os.listdir("/etc/netns")
@@ -217,7 +239,9 @@ def test_a_terminated_emulation_removes_its_network(tmp_path):
         while not _namespaces(tag):  # the simulated run trains first
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.2)
-        time.sleep(1.0)  # the calibration's processes start on it
+        while not (ranks := _descendants(proc.pid, "ddl_jax.compare.worker")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)  # the calibration's processes start on it
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
@@ -226,6 +250,8 @@ def test_a_terminated_emulation_removes_its_network(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "terminated; removing the emulated network" in stderr
     assert _namespaces(tag) == []
+    time.sleep(0.5)
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], "ranks left running"
 
 
 def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most_of_it(capsys):

@@ -253,29 +253,31 @@ def _run_ranks(
     """``run_worker``'s processes: started, waited for, every one stopped on the way out."""
     n = len(cluster.prefixes)
     procs, outs, errs, pumps = [], [], [], []
-    for rank, prefix in enumerate(cluster.prefixes):
-        worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n), str(rank)]
-        procs.append(
-            subprocess.Popen(
-                [*prefix, *worker, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+    try:  # the starts too: a SIGTERM between two of them left the first running
+        for rank, prefix in enumerate(cluster.prefixes):
+            worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n),
+                      str(rank)]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [*prefix, *worker, *args],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,  # a group of its own, stopped whole below
+                )
             )
-        )
-        outs.append([])
-        errs.append([])
-        for stream, into in ((procs[-1].stdout, outs[-1]), (procs[-1].stderr, errs[-1])):
-            pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
-            pumps[-1].start()
-    try:
+            outs.append([])
+            errs.append([])
+            for stream, into in ((procs[-1].stdout, outs[-1]), (procs[-1].stderr, errs[-1])):
+                pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
+                pumps[-1].start()
         failed = _first_failure(procs, time.monotonic() + timeout)
     finally:  # the others of a failed rank wait on it in a collective: stop them now
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         for t in pumps:
             t.join(timeout=5)
     if failed is None:

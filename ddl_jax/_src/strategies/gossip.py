@@ -238,12 +238,11 @@ def gossip(
     Returns:
       A ``Strategy`` with ``GossipState`` (with ``inner``: an ``IslandsState``); metrics
       ``loss`` and aux values (the mean over every worker's replica on its rows, an
-      absent one's too), unless
-      ``consensus_every=0`` ``consensus_distance`` as last measured (after the mixing of a
-      step t with ``t % consensus_every == 0``), with ``drop`` ``messages_dropped`` (the
-      fraction of this step's messages between present workers that were lost), with
-      ``churn`` ``workers_present`` (their number this step). ``params(state)`` is the mean
-      of the replicas.
+      absent one's too), unless ``consensus_every=0`` ``consensus_distance`` as last
+      measured (after the mixing of a step t with ``t % consensus_every == 0``), with
+      ``drop`` ``messages_dropped`` (the fraction of this step's messages between present
+      workers that were lost), with ``churn`` ``workers_present`` (their number this
+      step). ``params(state)`` is the mean of the replicas.
 
     Example:
       >>> import jax, jax.numpy as jnp
