@@ -660,7 +660,7 @@ def test_an_evaluation_and_a_checkpoint_of_one_step_share_strategys_params(mlp, 
     assert calls == [2, 4, 6, 8]
 
 
-def test_a_second_fit_finds_its_steps_compiled(mlp, caplog, tmp_path):
+def test_a_second_fit_finds_its_steps_compiled(mlp, caplog):
     """The same strategy fitted again (a sweep, a notebook cell run twice) compiles no
     step again, with ``skip_nonfinite`` (whose guard once was a new function each time)
     and with islands (whose init once jitted a new function each time)."""
