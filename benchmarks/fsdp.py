@@ -76,7 +76,8 @@ def costs(workload, mesh):
             "state_bytes_per_device": memory.argument_size_in_bytes - batch_bytes,
             "bytes_per_device_per_step": stats.bytes_per_device,
             "bytes_by_kind": stats.bytes_by_kind,
-            "all_gathers": sum(op.count for op in stats.ops if op.kind == "all-gather"),
+            # each buffer of a combined all-gather counted, as fsdp_layers.py counts them
+            "all_gathers": sum(o.count * o.buffers for o in stats.ops if o.kind == "all-gather"),
             "comm_s_1gbps": ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G),
             "comm_s_ici": ddl.sim.estimate_step_time(stats, ddl.sim.TPU_V4_ICI),
         }
