@@ -220,19 +220,21 @@ def fit(
                 settings.checkpoint_dir, keep=settings.keep or 3
             )
             # Not restore_latest: its warning about a corrupt step must name the user's line.
-            saved = manager.all_steps()
-            if saved:  # restored into the state's shapes, its arrays freed first: one in memory
+            if saved := manager.all_steps():
+                # restored into the state's shapes, its arrays freed first: one in memory
                 like, state = checkpoint.abstract_state(state), None
-            if saved and (restored := checkpoint.newest_readable(manager, like)) is not None:
-                state, log.start = restored
-                log.say(f"fit: resumed from step {log.start} in {manager.directory}", notice=True)
-            elif saved:
-                state = strategy.init(params)
-                log.say(
-                    f"fit: none of the {len(saved)} checkpoints in {manager.directory} could be "
-                    "restored (each moved aside, see the warnings): training from step 0.",
-                    notice=True,
-                )
+                if (restored := checkpoint.newest_readable(manager, like)) is not None:
+                    state, log.start = restored
+                    log.say(f"fit: resumed from step {log.start} in {manager.directory}",
+                            notice=True)  # fmt: skip
+                else:
+                    state = strategy.init(params)
+                    log.say(
+                        f"fit: none of the {len(saved)} checkpoints in {manager.directory} "
+                        "could be restored (each moved aside, see the warnings): training from "
+                        "step 0.",
+                        notice=True,
+                    )
         log.open()
         return _train(strategy, state, batches, log, manager, settings)
     except KeyboardInterrupt:
