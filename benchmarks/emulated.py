@@ -12,7 +12,10 @@ the simulator's errors before and after calibration into one table.
 
 Writes benchmarks/results/emulated.md and emulated.json (and each compare's own output
 under benchmarks/results/emulated/). ``DDL_JAX_XLA_CPU_TUNINGS=1`` runs the processes
-with the XLA:CPU tunings on.
+with the XLA:CPU tunings on. ``--reprice`` runs nothing: it reads each grid point's saved
+``results.json`` under ``--out`` and prices it again with this version of the model
+(``ddl_jax.compare.measured.reprice``: the fit, the compute scale and every calibrated
+time, from the sweep, probe and timings measured then).
 """
 
 import argparse
@@ -22,6 +25,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from ddl_jax.compare import measured
 
 HERE = Path(__file__).parent
 STRATEGIES = "sync,ring,fsdp:3,local:16,diloco:16,streaming:4,noloco:16,powersgd:4,topk:0.01"
@@ -34,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rates", default="100mbit,1gbit")
     parser.add_argument("--strategies", default=STRATEGIES)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--reprice", action="store_true", help="price saved runs again")
     args = parser.parse_args()
     rows = []
     for workload in args.workloads.split(","):
@@ -44,10 +50,13 @@ def main() -> None:
                            workload, "--devices", n, "--emulate", rate, "--strategies",
                            args.strategies, "--out", str(out)]  # fmt: skip
                 print(" ".join(command[2:]), flush=True)
-                done = run_stoppable(command, timeout=3600)
-                if done.returncode:
-                    raise SystemExit(done.stderr.strip().splitlines()[-1])
+                if not args.reprice:
+                    done = run_stoppable(command, timeout=3600)
+                    if done.returncode:
+                        raise SystemExit(done.stderr.strip().splitlines()[-1])
                 results = json.loads((out / "results.json").read_text())
+                if args.reprice:
+                    results = measured.reprice(results)
                 fitted = results["measured"]["fitted_network"]
                 for run in results["runs"]:
                     m = run["measured"]
@@ -55,7 +64,8 @@ def main() -> None:
                         continue
                     row = {"workload": workload, "processes": int(n), "rate": rate,
                            "strategy": run["strategy"], **m, "fitted": fitted,
-                           "compute_scale": results["measured"]["compute_scale"]}  # fmt: skip
+                           "compute_scale": results["measured"]["compute_scale"],
+                           "cores": results["measured"]["cores"]}  # fmt: skip
                     rows.append(row)
                     print(
                         f"  {run['strategy']:12s} measured {m['seconds']:.3f} s, nominal "
@@ -91,8 +101,9 @@ def run_stoppable(command: list[str], timeout: float) -> subprocess.CompletedPro
 def write(rows: list[dict], out: Path) -> None:
     """``emulated.md`` (the table) and ``emulated.json`` (the rows) in ``out``."""
     tunings = os.environ.get("DDL_JAX_XLA_CPU_TUNINGS", "0")
+    cores = " or ".join(str(c) for c in sorted({r["cores"] for r in rows}))
     lines = [
-        f"{os.cpu_count()} cores, XLA:CPU tunings {'on' if tunings not in ('0', '') else 'off'}. "
+        f"{cores} cores, XLA:CPU tunings {'on' if tunings not in ('0', '') else 'off'}. "
         "Error: simulated / measured - 1.",
         "",
         "| workload | processes | rate | strategy | steps | measured (s) | nominal | "

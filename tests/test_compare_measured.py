@@ -254,9 +254,9 @@ def test_a_terminated_emulation_removes_its_network(tmp_path):
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], "ranks left running"
 
 
-def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most_of_it(capsys):
+def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_all_of_it(capsys):
     from ddl_jax import sim
-    from ddl_jax.compare import measured
+    from ddl_jax.compare import measured, report
 
     probe = {"seconds": 1e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2, "ops": 1,
              "op_buffers": 1, "busy_bytes": 4.0}  # fmt: skip
@@ -264,7 +264,20 @@ def test_the_compute_scale_takes_the_probes_collectives_out_unless_they_are_most
     net = sim.Network(bandwidth=1e8, latency=100e-6, overhead=50e-6)  # 0.25 ms of the 1 ms
     scale = measured._compute_scale(probe, net, sim.CPU_CORE, per_buffer=True)
     assert scale == pytest.approx((1e-3 - 2e-4 - 5e-5 - 4e-8) / modeled)
-    slow = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms: not believed
+    # most of the step, still taken out: a run of probe-like steps (the same compute and
+    # collective) is then priced at the probe's measured time, not that plus its collective
+    most = sim.Network(bandwidth=1e8, latency=400e-6)  # 0.8 ms of the 1 ms
+    scale = measured._compute_scale(probe, most, sim.CPU_CORE, True)
+    assert scale == pytest.approx((1e-3 - 8e-4 - 4e-8) / modeled)
+    steps = 10
+    like_probe = {"compute_seconds_to_target": steps * modeled * scale, "steps_to_target": steps,
+                  "events_to_target": 0, "comm_calls_per_step": 2, "comm_op_buffers_per_step": 1,
+                  "comm_busy_bytes_per_step": 4.0, "comm_calls_per_event": 0,
+                  "comm_op_buffers_per_event": 0, "comm_busy_bytes_per_event": 0}  # fmt: skip
+    priced = report.time_to_target(like_probe, most.bandwidth, most.latency, per_buffer=True)
+    assert priced == pytest.approx(steps * probe["seconds"])
+    assert capsys.readouterr().err == ""
+    slow = sim.Network(bandwidth=1e8, latency=600e-6)  # 1.2 ms of the 1 ms: nothing left
     assert measured._compute_scale(probe, slow, sim.CPU_CORE, True) == pytest.approx(1e-3 / modeled)
     assert "timed mostly by its collectives; or the machine is busy" in capsys.readouterr().err
 
