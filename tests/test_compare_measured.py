@@ -327,6 +327,52 @@ def test_a_strategy_whose_measured_run_fails_leaves_the_others_measured(
     assert "| local:4 | failed: measure: rank 1 of `train` was killed" in report.markdown(results)
 
 
+def test_saved_runs_are_priced_again_as_they_were_measured(tmp_path, monkeypatch):
+    """``reprice`` recomputes, from a results.json's own sweep, probe and timings, what
+    ``measure`` wrote: the same numbers while the model is the same, and a faster probe
+    gives less compute to every strategy."""
+    from ddl_jax import sim
+    from ddl_jax.compare.run import run_compare
+
+    settings = {"strategies": "sync,local:4", "steps": 8, "eval_every": 4, "target": 0.3,
+                "devices": 2, "out": str(tmp_path)}  # fmt: skip
+    results = run_compare(make_config(settings))
+    truth = sim.Network(bandwidth=1e8, latency=60e-6, overhead=20e-6)
+    shapes = [(2, 1, 4), (2, 1, 1 << 20), (2, 1, 1 << 24), (32, 16, 16384), (64, 32, 2048),
+              (1, 1, 4), (32, 32, 2048)]  # (calls, op_buffers, busy bytes)  # fmt: skip
+    sweep = [{"calls": c, "op_buffers": o, "busy_bytes": b, "rounds": 2, "ops": 1,
+              "seconds": c * truth.latency + o * truth.overhead + b / truth.bandwidth + 1e-5}
+             for c, o, b in shapes]  # fmt: skip
+    probe = {"seconds": 2e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2, "ops": 1,
+             "op_buffers": 1, "busy_bytes": 4.0}  # fmt: skip
+    timings = {"sync": 0.5, "local:4": 0.25}
+
+    def run_worker(cluster, args, timeout):
+        if args[0] == "sweep":
+            return {"samples": sweep}
+        if args[0] == "compute":
+            return probe
+        return {"seconds": timings[args[2]], "repeats": [timings[args[2]]], "metric": 0.5}
+
+    monkeypatch.setattr(processes, "run_worker", run_worker)
+    measured.measure(results, make_config({**settings, "measure": True}))
+    fitted = sim.Network(**results["measured"]["fitted_network"])
+    assert fitted.latency == pytest.approx(truth.latency)
+    assert fitted.overhead == pytest.approx(truth.overhead)
+    again = measured.reprice(json.loads(json.dumps(results)))
+    for run, priced in zip(results["runs"], again["runs"], strict=True):
+        assert priced["measured"].keys() == run["measured"].keys()
+        for key in ("seconds", "error", "calibrated_seconds", "calibrated_error"):
+            assert priced["measured"][key] == pytest.approx(run["measured"][key], rel=1e-12)
+    assert again["measured"]["compute_scale"] == pytest.approx(results["measured"]["compute_scale"])
+    results["measured"]["probe"]["seconds"] = 1e-3  # the same steps, half the compute
+    faster = measured.reprice(results)
+    assert faster["measured"]["compute_scale"] < again["measured"]["compute_scale"]
+    for run, priced in zip(again["runs"], faster["runs"], strict=True):
+        assert priced["measured"]["calibrated_seconds"] < run["measured"]["calibrated_seconds"]
+        assert priced["measured"]["seconds"] == run["measured"]["seconds"]
+
+
 def test_nothing_is_calibrated_when_no_strategy_can_be_measured(tmp_path, monkeypatch, capsys):
     """No strategy reached the target: no process starts, each run and the report say why."""
     from ddl_jax.compare import report
