@@ -1,7 +1,13 @@
 """Models for pricing a step on other hardware: an alpha-beta network model for its
 communication, a two-number device model for its computation."""
 
-from ddl_jax._src.measure.comm import CollectiveOp, per_worker, split_islands, summarise
+from ddl_jax._src.measure.comm import (
+    CollectiveOp,
+    CommStats,
+    per_worker,
+    split_islands,
+    summarise,
+)
 from ddl_jax._src.measure.compute import (
     A100,
     CPU_CORE,
@@ -29,6 +35,7 @@ __all__ = [
     "TPU_V4",
     "TPU_V4_ICI",
     "CollectiveOp",
+    "CommStats",
     "ComputeStats",
     "Device",
     "Network",

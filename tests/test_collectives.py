@@ -165,6 +165,51 @@ def test_comm_stats_rejects_a_plain_function():
         ddl.comm_stats(lambda x: x, 1.0)
 
 
+def test_a_combined_collective_priced_per_buffer_pays_each_buffers_messages():
+    """Two calls of an all-reduce of 3 buffers over 4 devices (6 rounds), 300 bytes from
+    the busiest device: per op, or per buffer as XLA:CPU's gloo sends them."""
+    groups = ((0, 1, 2, 3),)
+    op = ddl.sim.CollectiveOp("all-reduce", 200, 2, 4, (300.0,) * 4, 6, "", 3, groups)
+    stats = ddl.sim.summarise((op,))
+    net = ddl.sim.Network(bandwidth=100.0, latency=0.01, overhead=0.5)
+    assert ddl.sim.estimate_step_time(stats, net) == pytest.approx(2 * (0.5 + 0.06 + 3.0))
+    priced = ddl.sim.estimate_step_time(stats, net, per_buffer=True)
+    assert priced == pytest.approx(2 * (3 * (0.5 + 0.06) + 3.0))
+    with pytest.raises(TypeError, match="per_buffer must be a bool"):
+        ddl.sim.estimate_step_time(stats, net, per_buffer="yes")
+
+
+def test_the_step_time_names_a_wrong_network_or_island_size():
+    op = ddl.sim.CollectiveOp("all-reduce", 8, 1, 8, (14.0,) * 8, 14, "", 1, (tuple(range(8)),))
+    stats = ddl.sim.summarise((op,))
+    with pytest.raises(TypeError, match="network must be a ddl.sim.Network"):
+        ddl.sim.estimate_step_time(stats, (1e9, 1e-6))
+    with pytest.raises(TypeError, match="inner_network must be a ddl.sim.Network"):
+        ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G, inner_network=1e9, island_devices=4)
+    for size in (3, 16):
+        with pytest.raises(ValueError, match=f"island_devices={size} does not divide the"):
+            ddl.sim.estimate_step_time(
+                stats, ddl.sim.ETHERNET_1G, inner_network=ddl.sim.TPU_V4_ICI, island_devices=size
+            )
+    with pytest.raises(TypeError, match="per_worker: stats must be a ddl.sim.CommStats"):
+        ddl.sim.per_worker(None, 2)
+    assert isinstance(stats, ddl.sim.CommStats)
+
+
+def test_a_lowered_or_compiled_program_is_read_as_its_jit_function_is():
+    mesh = ddl.make_mesh(data=4)
+    body = lambda x: jax.lax.psum(x, "data") @ x.T  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+    lowered = f.lower(x)
+    assert ddl.comm_stats(lowered) == ddl.comm_stats(lowered.compile()) == ddl.comm_stats(f, x)
+    compute = ddl.sim.compute_stats(f, x)
+    assert compute.flops > 0
+    assert ddl.sim.compute_stats(lowered) == ddl.sim.compute_stats(lowered.compile()) == compute
+    with pytest.raises(TypeError, match="a lowered or compiled program takes no arguments"):
+        ddl.comm_stats(lowered, x)
+
+
 def test_alpha_beta_step_time():
     n, k = 8, 4 * 1000 * 8
     stats = stats_of("ring", n, k // 4)

@@ -76,6 +76,8 @@ def test_the_measuring_functions_name_a_wrong_argument():
         ddl.sim.estimate_compute_time(stats._replace(flops=-1.0), ddl.sim.CPU_CORE)
     with pytest.raises(TypeError, match="estimate_step_time: stats must be a ddl.sim.CommStats"):
         ddl.sim.estimate_step_time(stats, ddl.sim.ETHERNET_1G)
+    with pytest.raises(TypeError, match="device must be a ddl.sim.Device"):
+        ddl.sim.estimate_compute_time(stats, "a100")
     with pytest.raises(ValueError, match="mixing_matrix: n must be an int >= 1, got 0"):
         ddl.mixing_matrix("ring", 0)
 

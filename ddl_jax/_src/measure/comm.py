@@ -26,6 +26,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from ddl_jax._src.core.strategy import check_int
@@ -277,7 +278,8 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
     """Bytes each device sends per call of ``jitted(*args, **kwargs)``, from the compiled HLO.
 
     Args:
-      jitted: a ``jax.jit``-wrapped function.
+      jitted: a ``jax.jit``-wrapped function, or the program lowered or compiled already
+        (``jax.jit(f).lower(...)``, and its ``.compile()``), then without arguments.
       *args, **kwargs: arguments to lower it with (arrays or ``jax.ShapeDtypeStruct``).
 
     Returns:
@@ -302,9 +304,26 @@ def comm_stats(jitted: Any, *args: Any, **kwargs: Any) -> CommStats:
       >>> stats.bytes_per_device  # 2 (N-1)/N * 65 floats * 4 bytes
       455.0
     """
+    return summarise(collectives(compiled_text("comm_stats", jitted, args, kwargs)))
+
+
+def compiled_text(caller: str, jitted: Any, args: tuple, kwargs: dict) -> str:
+    """The optimised HLO text of ``jitted`` compiled for ``args`` (a ``jax.jit`` function),
+    or of a program already lowered (``jax.stages.Lowered``) or compiled (``Compiled``)."""
+    if isinstance(jitted, (jax.stages.Lowered, jax.stages.Compiled)):
+        if args or kwargs:
+            raise TypeError(
+                f"{caller}: a lowered or compiled program takes no arguments (it was lowered "
+                "with them); pass the jax.jit function and the arguments instead."
+            )
+        compiled = jitted.compile() if isinstance(jitted, jax.stages.Lowered) else jitted
+        return compiled.as_text()
     if not hasattr(jitted, "lower"):
-        raise TypeError(f"comm_stats: jitted must be a jax.jit function, got {jitted!r}.")
-    return summarise(collectives(jitted.lower(*args, **kwargs).compile().as_text()))
+        raise TypeError(
+            f"{caller}: jitted must be a jax.jit function (or its .lower(...) or "
+            f".lower(...).compile()), got {jitted!r}."
+        )
+    return jitted.lower(*args, **kwargs).compile().as_text()
 
 
 def runs_in(op_branch: str, branch: str) -> bool:
@@ -366,6 +385,11 @@ def per_worker(stats: CommStats, per_device: int) -> CommStats:
     Returns:
       The ``CommStats`` of the ``devices * per_device`` workers, indexed by worker.
     """
+    if not isinstance(stats, CommStats):
+        raise TypeError(
+            f"per_worker: stats must be a ddl.sim.CommStats (from ddl.comm_stats), got "
+            f"{type(stats).__name__}."
+        )
     k = check_int("per_device", per_device, minimum=1)
     if k == 1:
         return stats

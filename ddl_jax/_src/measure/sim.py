@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ddl_jax._src.core.strategy import check_real
+from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.measure.comm import CommStats, runs_in, split_islands
 
 
@@ -109,10 +109,17 @@ def _least_squares(columns: dict[str, np.ndarray], seconds: np.ndarray) -> dict[
     names = list(columns)
     a = np.stack([*columns.values(), np.ones_like(seconds)], axis=1)
     if np.linalg.matrix_rank(a) < a.shape[1]:
-        needs = "two message counts and two sizes to separate latency from bandwidth"
+        needs = (
+            f"at least {a.shape[1]} samples that no combination of the others explains "
+            "(each program also has a fixed cost fitted): two message counts and two sizes "
+            "not in step (e.g. an all-reduce sweep of sizes, and many messages of one size)"
+        )
         if "collectives" in columns:
-            needs += ", and collectives of two different rounds to separate the overhead"
-        raise ValueError(f"Network.fit: the samples need {needs}.")
+            needs += (
+                ", and collectives of two different rounds in programs of several "
+                "collectives, to separate the overhead (e.g. many permutes in turn)"
+            )
+        raise ValueError(f"Network.fit: the samples do not determine the terms; they need {needs}.")
     weight = 1.0 / seconds
     solution, *_ = np.linalg.lstsq(a * weight[:, None], seconds * weight, rcond=None)
     terms = dict(zip(names, solution[:-1].tolist(), strict=True))
@@ -139,13 +146,17 @@ def estimate_step_time(
     branch: str | None = None,
     inner_network: Network | None = None,
     island_devices: int | None = None,
+    per_buffer: bool = False,
 ) -> float:
     """Seconds per step: compute, then every collective in turn, without overlap.
 
     Each collective costs ``count * (overhead + rounds * latency + bytes / bandwidth)`` where
-    ``bytes`` is what its busiest device sends. Collectives inside conditional branches
-    count only for the ``branch`` named, with those of the branches around it (only one
-    branch of a conditional runs; see ``stats.branches``).
+    ``bytes`` is what its busiest device sends; with ``per_buffer``, each buffer of a
+    combined collective pays the overhead and its rounds' latency,
+    ``count * (buffers * (overhead + rounds * latency) + bytes / bandwidth)``, as XLA:CPU's
+    gloo sends them (and as ``Network.fit`` counts messages there). Collectives inside
+    conditional branches count only for the ``branch`` named, with those of the branches
+    around it (only one branch of a conditional runs; see ``stats.branches``).
     With islands (``local_sgd(inner=...)``), the collectives within an island travel on
     the island's fast ``inner_network`` and those across islands on ``network``.
 
@@ -156,7 +167,10 @@ def estimate_step_time(
       branch: a key of ``stats.branches``: price a step that takes this branch (a local
         SGD synchronisation, say); ``None`` prices a step that takes none.
       inner_network: the network inside an island; give it with ``island_devices``.
-      island_devices: devices per island (``ddl.sim.split_islands``).
+      island_devices: devices per island (``ddl.sim.split_islands``): divides the
+        program's devices.
+      per_buffer: price each buffer of a combined collective apart (a network fitted on
+        XLA:CPU with ``rounds * buffers`` messages, as ``Network.fit`` advises there).
 
     Returns:
       The estimated step time in seconds.
@@ -178,6 +192,14 @@ def estimate_step_time(
             f"{type(stats).__name__}; a ComputeStats prices by "
             "ddl.sim.estimate_compute_time, passed here as compute_s."
         )
+    for name, net in (("network", network), ("inner_network", inner_network)):
+        if net is not None and not isinstance(net, Network):
+            raise TypeError(
+                f"estimate_step_time: {name} must be a ddl.sim.Network(bandwidth, latency), "
+                f"got {type(net).__name__}."
+            )
+    if not isinstance(per_buffer, bool):
+        raise TypeError(f"estimate_step_time: per_buffer must be a bool, got {per_buffer!r}.")
     if branch is not None and branch not in stats.branches:
         raise ValueError(f"branch={branch!r} is not one of stats.branches: {list(stats.branches)}.")
     if (inner_network is None) != (island_devices is None):
@@ -187,17 +209,32 @@ def estimate_step_time(
         )
     compute_s = check_real("compute_s", compute_s, minimum=0)
     if inner_network is not None:
+        devices = len(stats.bytes_sent)
+        island_devices = check_int("island_devices", island_devices, minimum=1)
+        if devices and devices % island_devices:
+            raise ValueError(
+                f"estimate_step_time: island_devices={island_devices} does not divide the "
+                f"program's {devices} devices."
+            )
         within, across = split_islands(stats, island_devices)
-        return compute_s + _comm_s(within, inner_network, branch) + _comm_s(across, network, branch)
-    return compute_s + _comm_s(stats, network, branch)
+        return (
+            compute_s
+            + _comm_s(within, inner_network, branch, per_buffer)
+            + _comm_s(across, network, branch, per_buffer)
+        )
+    return compute_s + _comm_s(stats, network, branch, per_buffer)
 
 
-def _comm_s(stats: CommStats, network: Network, branch: str | None) -> float:
+def _comm_s(stats: CommStats, network: Network, branch: str | None, per_buffer: bool) -> float:
     bandwidth = check_real("network.bandwidth", network.bandwidth, minimum=0, exclusive=True)
     latency = check_real("network.latency", network.latency, minimum=0)
     overhead = check_real("network.overhead", network.overhead, minimum=0)
     return sum(
-        op.count * (overhead + op.rounds * latency + max(op.sent) / bandwidth)
+        op.count
+        * (
+            (op.buffers if per_buffer else 1) * (overhead + op.rounds * latency)
+            + max(op.sent) / bandwidth
+        )
         for op in stats.ops
         if not op.branch or (branch is not None and runs_in(op.branch, branch))
     )
