@@ -230,6 +230,33 @@ def test_streaming_diloco_over_islands_is_flat_streaming_diloco(model, name):
     assert [m["fragment"] for m in history] == [m["fragment"] for m in ref_history]
 
 
+def test_streaming_fragments_over_islands_are_cut_from_the_whole_models_leaves():
+    """FSDP keeps a leaf that does not divide its 4 devices whole (``w1``, 6 x 10; the
+    biases) and splits the others, so a device's shards weigh otherwise than the leaves:
+    cut by the shards, the fragments were ((0, 1), (2,), (3, 4)) where the model's are
+    ((0, 1, 2), (3,), (4,)), and the run drifted from flat Streaming DiLoCo."""
+    key = iter(jax.random.split(jax.random.key(0), 3))
+    params = {"w1": 0.3 * jax.random.normal(next(key), (6, 10)), "b1": jnp.zeros(10),
+              "w2": 0.3 * jax.random.normal(next(key), (10, 8)),
+              "w3": 0.3 * jax.random.normal(next(key), (8, 5)), "b3": jnp.zeros(5)}  # fmt: skip
+
+    def loss_fn(p, batch):
+        h = jnp.tanh(jnp.tanh(batch["x"][:, :6] @ p["w1"] + p["b1"]) @ p["w2"])
+        logits = h @ p["w3"] + p["b3"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    options = {"period": 6, "fragments": 3, "outer_optimizer": OUTER}
+    inner = ddl.fsdp(loss_fn, optax.adam(1e-2), ddl.make_mesh(island=2, data=4), stage=3)
+    stacked = ddl.streaming_diloco(inner=inner, **options)
+    state, history = train(stacked, params, make_batches(6, 32))
+    reference = ddl.streaming_diloco(loss_fn, optax.adam(1e-2), ddl.make_mesh(data=2), **options)
+    ref, ref_history = train(reference, params, make_batches(6, 32))
+    chex.assert_trees_all_close(
+        jax.device_get(stacked.params(state)), jax.device_get(reference.params(ref)), atol=2e-5
+    )
+    assert [m["fragment"] for m in history] == [m["fragment"] for m in ref_history]
+
+
 @pytest.mark.parametrize("options", [{}, {"drop": 0.3, "churn": 0.2}], ids=["reliable", "lossy"])
 def test_gossip_over_islands_is_flat_gossip_with_one_worker_per_island(model, options):
     loss_fn, params, specs = model
@@ -379,6 +406,13 @@ def test_wrong_arguments_are_clear_errors(model):
         ddl.local_sgd(inner=inner, hierarchy=((1, 2), (2, 8))).init(params)
     with pytest.raises(ValueError, match="topology='star' is not known"):
         ddl.gossip(inner=inner, topology="star")  # when built, before init
+    # local SGD's own settings, when built too (as without islands)
+    with pytest.raises(ValueError, match="local_sgd takes period=H or hierarchy="):
+        ddl.local_sgd(inner=inner)
+    with pytest.raises(ValueError, match="period must be an int >= 1, got 0"):
+        ddl.local_sgd(inner=inner, period=0)
+    with pytest.raises(ValueError, match="hierarchy's periods must increase"):
+        ddl.local_sgd(inner=inner, hierarchy=((2, 1), (2, 2)))
 
 
 def test_fit_warns_that_an_inner_strategy_alone_trains_its_islands_apart(model):

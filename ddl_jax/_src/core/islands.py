@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ddl_jax._src.core.kit import Kit, after, is_spec, restack, unstack
+from ddl_jax._src.core.kit import Kit, after, is_spec, one_worker, restack, unstack
 from ddl_jax._src.core.reducer import axes_communicated
 from ddl_jax._src.core.strategy import ISLAND, Strategy
 
@@ -71,7 +71,8 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
     Args:
       inner: ``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` built on a mesh
         with an ``island`` axis.
-      method: ``mesh -> Exchange``.
+      method: ``(mesh, params) -> Exchange``; ``params`` one island's parameters as
+        abstract arrays, the whole model's shapes (an exchange sees a device's shard).
       name: the outer method's builder, for error messages (``"local_sgd"``).
 
     Returns:
@@ -90,11 +91,12 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
     def init(variables: Any) -> IslandsState:
         inner_state = inner.init(variables)
         mesh = island_mesh(inner_state)
-        chosen = method(mesh)
+        shapes = one_worker(inner_state.params)
+        chosen = method(mesh, shapes)
         chosen.check(inner_state)
         params_specs = specs_of(inner_state.params)
         flat, tree = jax.tree.flatten(params_specs, is_leaf=is_spec)
-        key = (mesh, tree, tuple(flat))
+        key = (mesh, tree, tuple(flat), tuple(jax.tree.leaves(shapes)))
         if key not in starts:
             starts[key] = jax.jit(
                 jax.shard_map(
@@ -111,7 +113,7 @@ def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) 
 
     def step(state: IslandsState, batch: Any) -> tuple[IslandsState, dict[str, jax.Array]]:
         mesh = island_mesh(state.inner)
-        chosen = method(mesh)
+        chosen = method(mesh, one_worker(state.inner.params))
         before = state.inner
         inner_state, metrics = inner.step(before, batch)
         # The exchange (its first collectives read the step) waits for the metrics'.

@@ -265,7 +265,7 @@ def gossip(
                 "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("gossip", flat, axis, ("data", ISLAND), consensus_every)
 
-        def method(mesh: Any) -> Exchange:
+        def method(mesh: Any, params: Any) -> Exchange:
             n = mesh.shape[ISLAND]
             kit = island_kit(mesh)
             w = _weights(topology, mixing_weights, n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
@@ -330,8 +331,9 @@ def _state_periods(
 SCHEDULES = ("ddl", "torch")
 
 
-def _levels(period: Any, hierarchy: Any, n: int, axis: str) -> tuple[tuple[int, int], ...]:
-    """``(period, group_size)`` per level, periods increasing, the last group all ``n``."""
+def _levels(period: Any, hierarchy: Any, n: int | None, axis: str) -> tuple[tuple[int, int], ...]:
+    """``(period, group_size)`` per level, periods increasing, the last group all ``n``
+    (``None``: not known yet, not checked)."""
     if (period is None) == (hierarchy is None):
         raise ValueError(
             "local_sgd takes period=H or hierarchy=((H_1, G_1), ..., (H_L, N)), exactly one; "
@@ -368,7 +370,7 @@ def _levels(period: Any, hierarchy: Any, n: int, axis: str) -> tuple[tuple[int, 
             f"hierarchy's group sizes must increase, each dividing the next (nested groups), "
             f"got {sizes}."
         )
-    if sizes[-1] != n:
+    if n is not None and sizes[-1] != n:
         raise ValueError(
             f"hierarchy's last group size must be the number of workers on axis {axis!r}, "
             f"{n}, got {sizes[-1]}."
@@ -660,8 +662,11 @@ def _over_islands(
     names = ("loss_fn", "optimizer", "mesh", "accumulate", "has_aux", "workers")
     check_outer_only("local_sgd", dict(zip(names, flat[:6], strict=True)), flat[6], (None, ISLAND))
     reducer = reducer_for(reducer, ISLAND)
+    # checked at the call, as without islands (a hierarchy's last group against the
+    # island count once the inner state gives it)
+    _configure(SimpleNamespace(n=None, axis=ISLAND, reducer=reducer), None, *settings)
 
-    def method(mesh: Any) -> Exchange:
+    def method(mesh: Any, params: Any) -> Exchange:
         kit = island_kit(mesh, reducer)
         cfg = _configure(kit, None, *settings)
 

@@ -256,7 +256,7 @@ def noloco(
                 "accumulate": accumulate, "has_aux": has_aux, "workers": workers}  # fmt: skip
         check_outer_only("noloco", flat, axis, ("data", ISLAND), consensus_every)
 
-        def method(mesh: Any) -> Exchange:
+        def method(mesh: Any, params: Any) -> Exchange:
             n = mesh.shape[ISLAND]
             kit = island_kit(mesh)
             chosen = _pairing(pairing, n)

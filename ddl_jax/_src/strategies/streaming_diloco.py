@@ -126,9 +126,10 @@ def streaming_diloco(
     **Islands.** ``streaming_diloco(inner=strategy, ...)`` makes each worker an island
     running ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on
     a mesh with an ``island`` axis), as ``ddl.local_sgd(inner=...)`` does: each device
-    sends its shard of a fragment to its counterparts (the fragments cut from the shards'
-    sizes, which FSDP splits alike), and keeps its shard's anchor, outer states and
-    in-flight gradients. The reducer must average over ``island``.
+    sends its shard of a fragment to its counterparts (the fragments cut from the whole
+    model's leaves, as without islands: FSDP keeps a leaf that does not divide its devices
+    whole, so cuts by a device's shard sizes would differ), and keeps its shard's anchor,
+    outer states and in-flight gradients. The reducer must average over ``island``.
 
     The reference implementation, pytorch/torchft ``torchft/local_sgd.py`` (``DiLoCo``),
     takes the fragments from the user (``model_fragments``); torchtitan's default
@@ -221,11 +222,14 @@ def streaming_diloco(
         check_outer_only("streaming_diloco", flat, axis, ("data", ISLAND))
         reducer = reducer_for(reducer, ISLAND)
 
-        def method(mesh: Any) -> Exchange:
+        def method(mesh: Any, params: Any) -> Exchange:
             kit = island_kit(mesh, reducer)
+            # cut from the whole model's leaves: a device's shards need not split alike
+            # (FSDP keeps a leaf that does not divide its devices whole)
             cfg = _configure(kit, None, *settings)
-            start = lambda params: (params, *_outer_start(cfg, params))  # noqa: E731
-            return Exchange(start, functools.partial(_island_exchange, cfg))
+            bounds = fragment_indices(params, cfg.layout, cfg.order)
+            start = lambda shard: (shard, *_outer_start(cfg, shard, bounds))  # noqa: E731
+            return Exchange(start, functools.partial(_island_exchange, cfg, bounds))
 
         return over_islands(inner, method, "streaming_diloco")
     kit = prepare(
@@ -468,11 +472,14 @@ def _replace(items: tuple[Any, ...], p: int, item: Any) -> tuple[Any, ...]:
     return (*items[:p], item, *items[p + 1 :])
 
 
-def _outer_start(cfg: _Config, params: Any) -> tuple[Any, Any, Any]:
-    """Per fragment: the outer optimizer's state, one worker's reducer state, and (with
-    overlap) the gradient in flight."""
+def _outer_start(
+    cfg: _Config, params: Any, bounds: tuple[tuple[int, ...], ...] | None = None
+) -> tuple[Any, Any, Any]:
+    """Per fragment (``bounds``, else cut from ``params``): the outer optimizer's state, one
+    worker's reducer state, and (with overlap) the gradient in flight."""
     outer = cfg.outer
-    groups = _groups(params, fragment_indices(params, cfg.layout, cfg.order))
+    bounds = fragment_indices(params, cfg.layout, cfg.order) if bounds is None else bounds
+    groups = _groups(params, bounds)
     outer_state = tuple(optax.EmptyState() if outer is None else outer.init(g) for g in groups)
     pending = () if cfg.overlap == 0 else tuple(jax.tree.map(jnp.zeros_like, groups))
     return outer_state, tuple(cfg.kit.reducer.init(g) for g in groups), pending
@@ -527,14 +534,17 @@ def _worker_step(
     return new, {**metrics, **schedule}
 
 
-def _exchange(cfg: _Config, carry: Carry, step: jax.Array) -> tuple[Carry, dict[str, Any]]:
+def _exchange(
+    cfg: _Config, carry: Carry, step: jax.Array, bounds: tuple[tuple[int, ...], ...] | None = None
+) -> tuple[Carry, dict[str, Any]]:
     """What follows a worker's local step ``step``: on schedule, one fragment's send or
-    landing. Returns the carry and the schedule's metrics, with ``"reducer"``: the
-    reducer's own (of the last fragment sent), not yet averaged over the workers."""
+    landing (the fragments ``bounds``, else cut from the carry's parameters). Returns the
+    carry and the schedule's metrics, with ``"reducer"``: the reducer's own (of the last
+    fragment sent), not yet averaged over the workers."""
     # Branch 0: nothing; 1 + p: fragment p is sent (and lands, without overlap);
     # 1 + P + p (with overlap): fragment p's outer gradient lands. overlap < H/P keeps a
     # landing off the steps that send.
-    bounds = fragment_indices(carry[1], cfg.layout, cfg.order)
+    bounds = fragment_indices(carry[1], cfg.layout, cfg.order) if bounds is None else bounds
     spacing, count = cfg.period // cfg.fragments, cfg.fragments
     # "paper": the k-th send after k H/P local steps, of fragment k mod P; "torchft": the
     # k-th landing after k H/P steps, sent tau before, of fragment k - 1 mod P
@@ -561,12 +571,18 @@ def _exchange(cfg: _Config, carry: Carry, step: jax.Array) -> tuple[Carry, dict[
 
 
 def _island_exchange(
-    cfg: _Config, parts: Parts, before: None, outer: Any, clock: Any
+    cfg: _Config,
+    bounds: tuple[tuple[int, ...], ...],
+    parts: Parts,
+    before: None,
+    outer: Any,
+    clock: Any,
 ) -> tuple[Parts, Any, dict[str, jax.Array]]:
-    """One device's exchange over islands: ``_exchange`` on its shard."""
+    """One device's exchange over islands: ``_exchange`` on its shard, of the fragments
+    ``bounds`` cut from the whole model."""
     _, step = clock
     params, opt_state, model_state, inner_reducer_state = parts
-    carry, metrics = _exchange(cfg, (params, *outer, model_state), step)
+    carry, metrics = _exchange(cfg, (params, *outer, model_state), step, bounds)
     params, anchor, outer_state, reducer_state, pending, model_state = carry
     metrics |= lax.pmean(metrics.pop("reducer"), ISLAND)
     parts = (params, opt_state, model_state, inner_reducer_state)
