@@ -65,7 +65,7 @@ class Exchange(NamedTuple):
     check: Callable[[Any], None] = lambda inner_state: None
 
 
-def over_islands(inner: Strategy, method: Callable[[Any], Exchange], name: str) -> Strategy:
+def over_islands(inner: Strategy, method: Callable[[Any, Any], Exchange], name: str) -> Strategy:
     """The outer method ``method(mesh)`` over the island-stacked ``inner`` strategy.
 
     Args:
