@@ -227,3 +227,7 @@ def test_alpha_beta_step_time():
         ddl.sim.estimate_step_time(stats, net, compute_s=float("nan"))
     numpy_net = ddl.sim.Network(np.float32(1e9), np.float64(1e-5))
     assert ddl.sim.estimate_step_time(stats, numpy_net, np.float32(0.5)) == pytest.approx(expected)
+    jax_net = ddl.sim.Network(jnp.float32(1e9), jnp.float32(1e-5))  # JAX scalars, as NumPy's
+    assert ddl.sim.estimate_step_time(stats, jax_net, jnp.float32(0.5)) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="compute_s must be a finite real number"):
+        ddl.sim.estimate_step_time(stats, net, compute_s=jnp.ones(2))

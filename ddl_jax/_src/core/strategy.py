@@ -221,7 +221,16 @@ def check_real(
     exclusive: bool = False,
 ) -> float:
     """Returns ``value`` as a ``float``; raises ``ValueError`` unless it is a finite real
-    number (Python or NumPy, not ``bool``) within the bounds (open ones if ``exclusive``)."""
+    number (Python, NumPy, or a JAX scalar array; not ``bool``) within the bounds (open ones
+    if ``exclusive``)."""
+    if (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.shape == ()
+        and jnp.issubdtype(value.dtype, jnp.number)
+        and not jnp.issubdtype(value.dtype, jnp.complexfloating)
+    ):
+        value = value.item()  # jnp.float32(0.1): a concrete number, as np.float32 is
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
     if ok and math.isfinite(value):
         low = minimum is None or (value > minimum if exclusive else value >= minimum)
