@@ -1,5 +1,5 @@
-"""The straggler report of a multi-process ``fit``: each rank's loader and step times, and
-the slowest rank named.
+"""The straggler report of a multi-process ``fit``: each rank's host, loader, wait and step
+times, and the rank the others wait for named.
 
 The 2-process run is fresh ``python`` processes under ``ddl-jax launch`` (1 CPU device
 each, over gloo on 127.0.0.1), as in ``tests/test_launch.py``.
@@ -9,11 +9,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
+import pytest
 from conftest import child_env
 
-from ddl_jax._src.train.log import straggler_lines
+from ddl_jax._src.train.stragglers import StepClock, straggler_lines
 
 SLEEP = 0.03  # seconds rank 1's loader sleeps per batch in the first run
 
@@ -47,13 +49,17 @@ WORKER = textwrap.dedent(
         return from_start
 
     ddl.fit(strategy, params, batches({SLEEP}), steps=12, log_every=2, progress=False)
+    print("--- a slow callback ---", flush=True)  # callbacks run on process 0
+    slow_callback = lambda record: time.sleep({SLEEP})
+    ddl.fit(strategy, params, batches(0.0), steps=12, log_every=1, progress=False,
+            callbacks=[slow_callback])
     print("--- no sleep ---", flush=True)
     ddl.fit(strategy, params, batches(0.0), steps=12, log_every=2, progress=False)
     """
 )
 
 
-def test_a_two_process_run_names_the_rank_with_a_slow_loader(tmp_path):
+def test_a_two_process_run_names_the_rank_whose_host_is_slow(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     launcher = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2"]
@@ -62,36 +68,64 @@ def test_a_two_process_run_names_the_rank_with_a_slow_loader(tmp_path):
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     log = f"{proc.stdout}{proc.stderr}"
     assert proc.returncode == 0, log
-    slowed, _, unslowed = proc.stdout.partition("[rank 0] --- no sleep ---")
+    slow_loader, _, rest = proc.stdout.partition("[rank 0] --- a slow callback ---")
+    slow_callback, _, unslowed = rest.partition("[rank 0] --- no sleep ---")
     assert unslowed, log
-    for out in (slowed, unslowed):
+    for out in (slow_loader, slow_callback, unslowed):
         for rank in (0, 1):  # one line per rank, printed by process 0 only
-            line = rf"\[rank 0\] fit: rank {rank}: loader [\d.]+ ms median, [\d.]+ ms worst per "
-            assert len(re.findall(line + r"step; step [\d.]+ ms median\n", out)) == 1, log
+            line = (
+                rf"\[rank 0\] fit: rank {rank}: host [\d.]+ ms a step \(mean; loader [\d.]+ ms\), "
+                r"[\d.]+ ms worst; waited [\d.]+ ms a step \(mean\) for results; step [\d.]+ ms "
+                r"median\n"
+            )
+            assert len(re.findall(line, out)) == 1, log
         assert "[rank 1] fit: rank" not in out, log
-    named = r"\[rank 0\] fit: rank 1 is the straggler: its loader takes ([\d.]+) ms"
-    named = re.search(named, slowed)
-    assert named and float(named[1]) >= SLEEP * 1e3, log
-    assert "wait for it inside each step's collectives" in slowed, log
+    for out, slow in ((slow_loader, 1), (slow_callback, 0)):
+        named = rf"\[rank 0\] fit: rank {slow} is the straggler: its host takes ([\d.]+) ms"
+        named = re.search(named, out)
+        assert named and float(named[1]) >= 0.8 * SLEEP * 1e3, log
+        waits = re.search(r"they waited ([\d.]+) ms a step or more for results, it waited "
+                          r"([\d.]+) ms", out)  # fmt: skip
+        assert waits and float(waits[1]) > float(waits[2]), log
     assert "[rank 0] fit: no rank stands out" in unslowed, log
     assert "straggler:" not in unslowed, log
 
 
 def test_straggler_lines_name_a_rank_only_by_a_clear_margin():
-    # [rank, loader median, loader worst, step median] in seconds, in any order.
-    slow = straggler_lines(np.array([[1, 0.031, 0.04, 0.035], [0, 0.0004, 0.002, 0.034]]))
+    # [rank, host mean, host worst, loader mean, waited mean, step median] in seconds.
+    slow = straggler_lines(
+        np.array([[1, 0.031, 0.04, 0.030, 0.001, 0.035], [0, 0.0004, 0.002, 0.0001, 0.03, 0.034]])
+    )
     assert slow[0] == (
-        "fit: rank 0: loader 0.4 ms median, 2.0 ms worst per step; step 34.0 ms median"
+        "fit: rank 0: host 0.4 ms a step (mean; loader 0.1 ms), 2.0 ms worst; waited 30.0 ms a "
+        "step (mean) for results; step 34.0 ms median"
     )
-    assert slow[1].startswith("fit: rank 1: loader 31.0 ms median")
-    assert slow[2].startswith(
-        "fit: rank 1 is the straggler: its loader takes 31.0 ms per step (median), the "
-        "others' at most 0.4 ms."
-    )
-    assert "their wait is about its extra loader time, 30.6 ms per step." in slow[2]
+    assert slow[1].startswith("fit: rank 1: host 31.0 ms a step (mean; loader 30.0 ms)")
+    assert slow[2].startswith("fit: rank 1 is the straggler: its host takes 31.0 ms a step")
+    assert "the others' at most 0.4 ms." in slow[2]
+    assert "they waited 30.0 ms a step or more for results, it waited 1.0 ms." in slow[2]
     # 2x but under 1 ms apart, then 1 ms apart but under 2x: no straggler.
-    for medians in ((0.0009, 0.0003), (0.004, 0.0025)):
-        lines = straggler_lines(np.array([[0, medians[0], 0.01, 0.01], [1, medians[1], 0, 0]]))
-        assert lines[-1].startswith(
-            f"fit: no rank stands out: the slowest loader, rank 0's, takes {medians[0] * 1e3:.1f}"
+    for hosts in ((0.0009, 0.0003), (0.004, 0.0025)):
+        lines = straggler_lines(
+            np.array([[0, hosts[0], 0.01, 0, 0, 0.01], [1, hosts[1], 0, 0, 0, 0.01]])
         )
+        assert lines[-1].startswith(
+            f"fit: no rank stands out: the busiest host, rank 0's, takes {hosts[0] * 1e3:.1f}"
+        )
+        assert "is not told apart by these timings" in lines[-1]
+
+
+def test_the_step_clock_counts_waits_apart_from_the_host_and_skips_the_first_step():
+    clock = StepClock()
+    time.sleep(0.05)  # the first step: compiling, not counted
+    clock.lap()
+    for _ in range(2):
+        time.sleep(0.01)  # the host's work
+        with clock.waiting():
+            time.sleep(0.03)  # a wait on results
+        clock.lap()
+    assert len(clock.host) == len(clock.waited) == 2
+    assert all(0.009 < h < 0.025 for h in clock.host), clock.host
+    assert all(0.029 < w < 0.045 for w in clock.waited), clock.waited
+    row = clock.row(3, [0.5, 0.002, 0.004], [0.2, 0.01, 0.03])
+    assert row[0] == 3 and row[3] == pytest.approx(0.003) and row[5] == pytest.approx(0.02)

@@ -103,14 +103,17 @@ def fit(
     ``LOSS_GROWTH`` (100) times the first recorded one gives one ``ddl.LossGrowthWarning``
     (a learning rate too high, or negative).
 
-    With several processes, each measures the seconds its steps wait for their batch (the
-    time inside ``next`` of ``batches``: the loader) and its wall seconds per step between
-    log points (no synchronisation beyond the log points'; the first includes compiling).
-    At the end all exchange them, and process 0 prints, even with ``progress=False``, one
-    line per rank (loader median and worst, step median) and names the slowest loader: a
-    straggler when its median exceeds every other rank's ``STRAGGLER_RATIO`` (2) times and
-    by at least 1 ms. The others wait for a straggler inside each step's collectives, so
-    their steps take about as long as its. One process reports nothing.
+    With several processes, each measures per step after the first (which compiles) its
+    host's seconds (wall time less its waits on device results: the loader, callbacks,
+    logging) and its waits, the loader's part (the time inside ``next`` of ``batches``),
+    and its wall seconds per step between log points. At the end all exchange them, and
+    process 0 prints, even with ``progress=False``, one line per rank (host mean, loader
+    mean, host worst step, wait mean, step median) and names the straggler: the rank
+    whose host time exceeds every other rank's ``STRAGGLER_RATIO`` (2) times and by at
+    least 1 ms. The others wait for it inside each step's collectives, so their waits on
+    results grow by about its extra host time. A rank slow in its device computation
+    (a shared core) delays every rank alike and is not told apart; the report says so.
+    One process reports nothing.
 
     With ``checkpoint_dir``, every ``checkpoint_every`` steps and after the last step a
     checkpoint is saved there asynchronously (orbax), keeping the last ``keep``: the whole
@@ -328,7 +331,8 @@ def _train(
         log.add(metrics, batch)
         in_flight.append(metrics)
         if len(in_flight) > MAX_IN_FLIGHT:
-            jax.block_until_ready(in_flight.popleft())
+            with log.clock.waiting():
+                jax.block_until_ready(in_flight.popleft())
         if i % settings.log_every == 0:
             log.flush()
         if eval_fn is not None and eval_every is not None and i % eval_every == 0:
@@ -338,8 +342,10 @@ def _train(
         if manager is not None and (
             settings.checkpoint_every is not None and i % settings.checkpoint_every == 0
         ):
-            save(i)
+            with log.clock.waiting():  # the gather and the processes' barriers, mostly
+                save(i)
         of_state[:] = [None, None]  # not held into the next step
+        log.clock.lap()
     log.flush()
     if (message := log.growth()) is not None:
         warnings.warn(message, LossGrowthWarning, stacklevel=3)

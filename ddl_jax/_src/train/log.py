@@ -1,5 +1,5 @@
 """``fit``'s records: metrics fetched in batches, progress shown, the JSON-lines log file,
-TensorBoard, callbacks, the loss-growth warning, and the straggler report."""
+TensorBoard, callbacks, the loss-growth warning, and the straggler report (``stragglers``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tqdm import std
 from ddl_jax._src.core.model_loss import Variables
 from ddl_jax._src.core.strategy import Metrics
 from ddl_jax._src.train.settings import FitSettings
+from ddl_jax._src.train.stragglers import StepClock, straggler_lines
 
 #: ``fit`` warns once when the loss exceeds this multiple of the first recorded loss.
 LOSS_GROWTH = 100.0
@@ -30,12 +31,6 @@ class LossGrowthWarning(UserWarning):
     value: the run is diverging. A category of its own, to act on (``ddl-jax compare``
     marks the run diverged) or to make an error: ``warnings.simplefilter("error",
     ddl.LossGrowthWarning)``."""
-
-
-#: A rank is named a straggler when its median loader seconds per step exceed every other
-#: rank's by this factor and by ``STRAGGLER_MIN_SECONDS``: a clear margin, not noise.
-STRAGGLER_RATIO = 2.0
-STRAGGLER_MIN_SECONDS = 1e-3
 
 
 def _eval_record(eval_fn: Callable[[Variables], Any], variables: Variables) -> dict[str, float]:
@@ -152,44 +147,6 @@ def _json_line(record: dict[str, float]) -> str:
     return json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
-
-
-def straggler_lines(ranks: np.ndarray) -> list[str]:
-    """The straggler report of a multi-process ``fit``: one line per rank, then one naming
-    the slowest.
-
-    Args:
-      ranks: one row per process, ``[rank, median loader seconds per step, worst loader
-        seconds per step, median step seconds]``.
-    """
-    ranks = np.asarray(ranks, dtype=np.float64)
-    ranks = ranks[np.argsort(ranks[:, 0])]
-    lines = [
-        f"fit: rank {int(rank)}: loader {_ms(median)} median, {_ms(worst)} worst per step; "
-        f"step {_ms(step)} median"
-        for rank, median, worst, step in ranks
-    ]
-    slowest = int(np.argmax(ranks[:, 1]))
-    rank, median = int(ranks[slowest, 0]), ranks[slowest, 1]
-    others = max(np.delete(ranks[:, 1], slowest), default=0.0)
-    if median > STRAGGLER_RATIO * others and median - others >= STRAGGLER_MIN_SECONDS:
-        lines.append(
-            f"fit: rank {rank} is the straggler: its loader takes {_ms(median)} per step "
-            f"(median), the others' at most {_ms(others)}. In a synchronous program the other "
-            "ranks wait for it inside each step's collectives, so their wait is about its "
-            f"extra loader time, {_ms(median - others)} per step."
-        )
-    else:
-        lines.append(
-            f"fit: no rank stands out: the slowest loader, rank {rank}'s, takes {_ms(median)} "
-            f"per step (median), the others' at most {_ms(others)} (a straggler's would exceed "
-            f"theirs {STRAGGLER_RATIO:g}x and by at least {_ms(STRAGGLER_MIN_SECONDS)})."
-        )
-    return lines
-
-
 def summary_writer_class() -> type:
     """tensorboardX's ``SummaryWriter``, imported on first use (an optional dependency).
 
@@ -225,6 +182,7 @@ class TrainingLog:
         self.pending: list[Any] = []
         self.examples, self.tick = 0, time.perf_counter()
         self.step_seconds: list[float] = []  # wall seconds per step, one per log point
+        self.clock = StepClock()  # the host's time per step and its waits (stragglers)
         self.checked, self.warned, self.first = 0, False, None
 
     def say(self, line: str, *, notice: bool = False) -> None:
@@ -271,7 +229,9 @@ class TrainingLog:
         if not self.pending:
             return
         history = self.history
-        for metrics in jax.device_get(self.pending):
+        with self.clock.waiting():
+            fetched = jax.device_get(self.pending)
+        for metrics in fetched:
             record = {"step": self.start + len(history) + 1}
             record |= {k: float(v) for k, v in metrics.items()}
             if not math.isfinite(record["loss"]) and not record.get("skipped"):
@@ -300,7 +260,8 @@ class TrainingLog:
 
     def evaluate(self, eval_fn: Callable[[Variables], Any], variables: Callable[[], Any]) -> None:
         self.flush()
-        record = _eval_record(eval_fn, variables())
+        with self.clock.waiting():  # the evaluation's results, and any collective in it
+            record = _eval_record(eval_fn, variables())
         self.history[-1].update(record)
         fields = ", ".join(f"{k}={v:.4f}" for k, v in record.items())
         self.say(f"step {self.history[-1]['step']}: {fields}")
@@ -318,17 +279,12 @@ class TrainingLog:
         return message
 
     def report_stragglers(self, loader_seconds: list[float]) -> None:
-        """With several processes, each gives its loader seconds per step (median, worst)
-        and its median step seconds; process 0 prints ``straggler_lines`` of them, even
-        with ``progress=False``. Every process calls this at the end of training."""
+        """With several processes, each gives its row of the report (``StepClock.row``);
+        process 0 prints ``straggler_lines`` of them, even with ``progress=False``. Every
+        process calls this at the end of training."""
         if jax.process_count() == 1:
             return
-        mine = [
-            jax.process_index(),
-            float(np.median(loader_seconds)) if loader_seconds else 0.0,
-            max(loader_seconds, default=0.0),
-            float(np.median(self.step_seconds)) if self.step_seconds else 0.0,
-        ]
+        mine = self.clock.row(jax.process_index(), loader_seconds, self.step_seconds)
         ranks = multihost_utils.process_allgather(np.asarray(mine, dtype=np.float32))
         for line in straggler_lines(ranks):
             self.say(line, notice=True)
@@ -346,7 +302,8 @@ class TrainingLog:
                 stop |= result is True or (isinstance(result, np.bool_) and bool(result))
         self.passed = len(self.history)
         if jax.process_count() > 1:  # every process calls this at the same steps
-            stop = bool(multihost_utils.broadcast_one_to_all(np.bool_(stop)))
+            with self.clock.waiting():  # for process 0's callbacks, among others
+                stop = bool(multihost_utils.broadcast_one_to_all(np.bool_(stop)))
         return stop
 
     def write(self, *, durable: bool = False) -> None:
