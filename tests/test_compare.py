@@ -254,6 +254,14 @@ def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(
     assert slow["compute_ms_per_step"] > fast["compute_ms_per_step"]
     assert (slow["comm_s_per_event"], slow["final"]) == (fast["comm_s_per_event"], fast["final"])
     assert (tmp_path / "fast" / "logs" / "diloco_2_over_fsdp_3.jsonl").exists()
+    # a straggler slows the compute, not the islands' network: their time is added alike
+    slowed = ("--straggler", "4")
+    fast4 = _run(tmp_path / "fast4", *options, *slowed, "--inner-network", "ici")
+    slow4 = _run(tmp_path / "slow4", *options, *slowed, "--inner-network", "1gbps")
+    inner = slow["simulated_seconds_total"] - fast["simulated_seconds_total"]
+    assert inner > 0
+    total = "simulated_seconds_total"
+    assert slow4["diloco:2/fsdp:3"][total] - fast4["diloco:2/fsdp:3"][total] == pytest.approx(inner)
     note = "a stacked strategy's bytes are those crossing islands, and what moves inside an "
     assert note + "island is priced as time on its ici network" in (
         (tmp_path / "fast" / "results.md").read_text().replace("\n", " ")

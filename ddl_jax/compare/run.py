@@ -173,16 +173,19 @@ def _curves(
     event: str | None,
     compute_s: float,
     straggler: float,
+    inner_s: float = 0.0,
 ) -> dict[str, list[float]]:
     """Per step: cumulative bytes per device and simulated seconds (a parameter server's
-    fetches priced at ``comm["fetch_seconds"]`` each, their bytes the server's)."""
+    fetches priced at ``comm["fetch_seconds"]`` each, their bytes the server's). The
+    ``straggler`` slows the compute, not ``inner_s``, an island's collectives on its own
+    network (counted with the compute: the bandwidth sweep does not re-price them)."""
     steps = np.array([r["step"] for r in history], dtype=np.float64)
     events = np.cumsum([sum(r[m] for m in event.split("+")) if event else 0.0 for r in history])
     fetches = np.cumsum([r.get("fetches", 0.0) for r in history])
     if "wall_clock" in history[0]:
         compute = np.array([r["wall_clock"] for r in history]) * compute_s
     else:
-        compute = steps * straggler * compute_s
+        compute = steps * (straggler * compute_s + inner_s)
     sent = steps * comm["bytes"] + events * comm["event_bytes"]
     comm_s = steps * comm["seconds"] + events * comm["event_seconds"]
     comm_s = comm_s + fetches * comm.get("fetch_seconds", 0.0)
@@ -354,6 +357,7 @@ def run_one(
     per_device = config.worker_count // config.devices
     if family.asynchronous or per_device == 1:
         work = sim.compute_stats(jitted, state, batch)
+    inner_s = 0.0  # an island's collectives, on the inner network
     if family.asynchronous:
         compute_s = gradient_s
         comm = _server_comm(_float_bytes(workload.params), config.worker_count, network)
@@ -375,10 +379,10 @@ def run_one(
         _say_uncounted(work, f"{label} {spec.text}")
         if spec.inner is not None:  # an island's collectives on its own network
             within, stats = sim.split_islands(stats, mesh.size // config.islands)
-            compute_s += sim.estimate_step_time(within, NETWORKS[config.inner_network])
+            inner_s = sim.estimate_step_time(within, NETWORKS[config.inner_network])
         comm = _comm(stats, network, event)
     slow = 1.0 if family.asynchronous else config.straggler
-    curves = _curves(history, comm, event, compute_s, slow)
+    curves = _curves(history, comm, event, compute_s, slow, inner_s)
     evals = [(i, r["eval"]) for i, r in enumerate(history) if "eval" in r]
     target = config_target(config, workload)
     reached = next(
@@ -412,7 +416,7 @@ def run_one(
         **_fetch_record(comm, curves),
         "compute_flops_per_step": work.flops,
         "compute_bytes_per_step": work.bytes,
-        "compute_ms_per_step": 1e3 * compute_s,
+        "compute_ms_per_step": 1e3 * (compute_s + inner_s),
         "simulated_seconds_total": curves["seconds"][-1],
         "steps_to_target": None,
         "examples_to_target": None,
