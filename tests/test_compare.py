@@ -101,6 +101,8 @@ BAD = [
     (["--islands", "1"], "islands must be an integer >= 2, got 1"),
     (["--islands", "3", "--strategies", "diloco/sync"], "devices=8 do not split into islands=3"),
     (["--inner-network", "5g"], "unknown inner_network '5g'; valid: 1gbps"),
+    (["--islands", "4"], "islands shape stacked strategies (OUTER/INNER, e.g. diloco:16/fsdp:3)"),
+    (["--strategies", "sync", "--inner-network", "1gbps"], "and none is listed: add one, or drop"),
     (["--workers", "12"], "workers=12 must be a multiple of devices=8"),
     (["--workers", "16", "--strategies", "sync,fsdp:3"], "fsdp:3: fsdp splits its state over"),
     (["--workers", "16", "--strategies", "ring"], "ring: a worker's compute in the ring grows"),
@@ -149,6 +151,13 @@ def test_toml_config_is_checked_by_the_same_code(tmp_path, capsys):
     path.write_text('network = "5g"\n')
     assert cli.main(["compare", "--config", str(path), "--network", "1gbps", "--steps", "0"]) == 2
     assert "steps must be an integer >= 1" in capsys.readouterr().err
+
+    for strategies in ("5", '{sync = 1, "local:16" = 2}'):  # not a list of specs
+        path.write_text(f"strategies = {strategies}\n")
+        assert cli.main(["compare", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "strategies must be a comma-separated string of specs" in err
+        assert err.count("\n") == 1, err
 
     path.write_text("steps = [\n")
     assert cli.main(["compare", "--config", str(path)]) == 2
@@ -266,6 +275,12 @@ def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(
     assert note + "island is priced as time on its ici network" in (
         (tmp_path / "fast" / "results.md").read_text().replace("\n", " ")
     )
+
+
+def test_the_crossover_table_names_its_baseline_where_sync_is_not_run(tmp_path):
+    _run(tmp_path, "--strategies", "local:2,gossip", "--steps", "4")  # neither reaches it
+    text = (tmp_path / "results.md").read_text()
+    assert "Against local:2 (which does not reach the target), on bandwidths" in text
 
 
 def test_an_out_folder_used_again_holds_only_this_runs_logs(tmp_path):

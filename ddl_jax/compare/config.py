@@ -184,7 +184,7 @@ def make_config(values: Mapping[str, Any]) -> Config:
             raise CompareError(f"tensorboard must be a directory path, got {v['tensorboard']!r}.")
         checked["tensorboard"] = str(v["tensorboard"])
     _measure(v, checked)
-    _islands(Config(**checked))
+    _islands(Config(**checked), given=[k for k in ("islands", "inner_network") if k in v])
     _workers(Config(**checked))
     return Config(**checked)
 
@@ -210,10 +210,17 @@ def _workers(config: Config) -> None:
         raise CompareError("measure runs one device per process: drop measure or workers.")
 
 
-def _islands(config: Config) -> None:
-    """Stacked specs need the devices to split into the islands, and no --measure."""
+def _islands(config: Config, given: list[str]) -> None:
+    """Stacked specs need the devices to split into the islands, and no --measure; the
+    islands' settings (``given``) need a stacked spec to shape."""
     stacked = [s.text for s in config.strategies if s.inner is not None]
     if not stacked:
+        if given:
+            raise CompareError(
+                f"{' and '.join(given)} shape stacked strategies (OUTER/INNER, e.g. "
+                "diloco:16/fsdp:3), and none is listed: add one, or drop "
+                f"{' and '.join(given)}."
+            )
         return
     if config.devices % config.islands:
         raise CompareError(

@@ -123,7 +123,11 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     cross = crossovers(results)
     if cross:
-        base = "sync" if any(r["strategy"] == "sync" for r in results["runs"]) else "the first"
+        runs = [r for r in results["runs"] if "error" not in r]  # as crossovers takes it
+        first = next((r for r in runs if r["strategy"] == "sync"), runs[0])
+        base = first["strategy"]
+        if first.get("steps_to_target") is None or first.get("diverged"):
+            base += " (which does not reach the target)"
         lines += [
             "",
             f"Against {base}, on bandwidths from 10 Mb/s to 100 Gb/s at "

@@ -674,6 +674,13 @@ def _parse_flat(text: str) -> Spec:
 
 def parse_specs(value: str | Sequence[str]) -> tuple[Spec, ...]:
     """Parses a comma-separated string (or a list) of specs; refuses duplicates."""
+    if not isinstance(value, str) and not (
+        isinstance(value, Sequence) and all(isinstance(i, str) for i in value)
+    ):
+        raise CompareError(
+            f"strategies must be a comma-separated string of specs like 'sync,local:16' (or "
+            f"in a TOML file a list of them, ['sync', 'local:16']), got {value!r}."
+        )
     items = value.split(",") if isinstance(value, str) else list(value)
     items = [i.strip() if isinstance(i, str) else i for i in items]
     if not items or any(i == "" for i in items):
