@@ -284,9 +284,10 @@ def test_the_crossover_table_names_its_baseline_where_sync_is_not_run(tmp_path):
 
 
 def test_an_out_folder_used_again_holds_only_this_runs_logs(tmp_path):
-    _run(tmp_path, "--strategies", "sync,local:4", "--steps", "2")
+    _run(tmp_path, "--strategies", "sync,local:4,diloco:2/sync", "--steps", "2")
+    (tmp_path / "logs" / "notes.jsonl").write_text("{}\n")  # the user's: kept
     _run(tmp_path, "--strategies", "sync", "--steps", "2")
-    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["sync.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["notes.jsonl", "sync.jsonl"]
 
 
 def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):

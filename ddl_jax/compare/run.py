@@ -68,6 +68,7 @@ from ddl_jax.compare.specs import (
     BuildContext,
     CompareError,
     Spec,
+    parse_spec,
 )
 from ddl_jax.compare.workloads import Workload
 
@@ -324,6 +325,15 @@ def file_name(spec: Spec) -> str:
     """``spec``'s text as a file name: ``:`` written ``_``, a stacked spec's ``/`` written
     ``_over_`` (``diloco_16_over_fsdp_3``)."""
     return spec.text.replace(":", "_").replace("/", "_over_")
+
+
+def _is_strategy_log(path: Path) -> bool:
+    """Whether ``path`` is named as ``log_path`` names a strategy's log."""
+    try:
+        parse_spec(path.stem.replace("_over_", "/").replace("_", ":"))
+    except CompareError:
+        return False
+    return True
 
 
 def run_one(
@@ -644,7 +654,8 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     _check_strategies(config.strategies, workload, mesh, config, eval_every)
     ours = {log_path(config.out, spec) for spec in config.strategies}
     for stale in set((Path(config.out) / "logs").glob("*.jsonl")) - ours:  # an earlier run's
-        stale.unlink()
+        if _is_strategy_log(stale):  # a file of the user's stays
+            stale.unlink()
     asynchronous = any(FAMILIES[s.family].asynchronous for s in config.strategies)
     gradient_s = _gradient_seconds(workload, mesh, config) if asynchronous else 0.0
     started = time.perf_counter()
