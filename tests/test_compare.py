@@ -283,6 +283,12 @@ def test_the_crossover_table_names_its_baseline_where_sync_is_not_run(tmp_path):
     assert "Against local:2 (which does not reach the target), on bandwidths" in text
 
 
+def test_one_device_plots_its_bytes_on_a_linear_axis_without_a_warning(tmp_path, recwarn):
+    _run(tmp_path, "--devices", "1", "--strategies", "sync", "--steps", "4")
+    assert not [w for w in recwarn if "log-scaled" in str(w.message)]
+    assert (tmp_path / "accuracy_vs_bytes.png").exists()
+
+
 def test_an_out_folder_used_again_holds_only_this_runs_logs(tmp_path):
     _run(tmp_path, "--strategies", "sync,local:4,diloco:2/sync", "--steps", "2")
     (tmp_path / "logs" / "notes.jsonl").write_text("{}\n")  # the user's: kept

@@ -319,6 +319,7 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
     paths = []
     for name, key, xlabel, log, what in axes:
         fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+        positive = False  # a log axis needs a value > 0 (one device sends no bytes)
         for i, r in enumerate(results["runs"]):
             if "error" in r:
                 continue
@@ -329,6 +330,7 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
             if not finite:  # a metric non-finite from the first evaluation: no curve
                 continue
             xs, ys = map(list, zip(*finite, strict=True))
+            positive |= any(x > 0 for x in xs)
             ax.plot(
                 xs,
                 ys,
@@ -349,10 +351,10 @@ def figures(results: dict[str, Any], out: Path) -> list[Path]:
             color="grey",
             fontsize=8,
         )
-        if log:
+        if log and positive:
             ax.set_xscale("log")
         _zoom(ax, results, name == "steps")
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel if log and positive else xlabel.replace(" (log scale)", ""))
         ax.set_ylabel(metric + (" (higher is better)" if w["higher_is_better"] else ""))
         ax.set_title(
             f"{metric} {what}\n{subtitle(results)}\nnetwork {_network(results)}", fontsize=10
