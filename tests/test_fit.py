@@ -525,6 +525,22 @@ def test_a_non_finite_step_is_never_checkpointed_nor_the_last_good_one_dropped(m
     assert [r["step"] for r in read_log(path)] == list(range(1, 12))
 
 
+def test_an_update_that_overflows_behind_a_finite_loss_is_not_checkpointed(mlp, tmp_path):
+    """The learning rate overflows at the optimizer's third update: step 3's loss is
+    finite, its new state is not. Saved, it pushed the last good checkpoint out (keep=1)
+    and a rerun resumed from it."""
+    loss_fn, params = mlp
+    rate = lambda count: jnp.where(count == 2, jnp.inf, 0.1)  # noqa: E731
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(rate), ddl.make_mesh(data=2))
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(FloatingPointError, match="the state after step 3 holds non-finite"):
+        ddl.fit(strategy, params, make_batches(6, 8), steps=6, checkpoint_every=1, keep=1,
+                checkpoint_dir=ckpt, progress=False)  # fmt: skip
+    assert _checkpointed_steps(ckpt) == [2]
+    variables = ddl.checkpoint.load_variables(ckpt, 2)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(variables))
+
+
 def test_a_crash_between_log_points_leaves_no_step_unlogged_after_a_resume(mlp, tmp_path):
     loss_fn, params = mlp
     batches = make_batches(20, 8)

@@ -46,6 +46,17 @@ def guard_nonfinite(
     return guarded
 
 
+@jax.jit
+def _all_finite(state: State) -> jax.Array:
+    """Whether every floating-point leaf of ``state`` is finite (over the global arrays:
+    the same answer on every process)."""
+    finite = jnp.bool_(True)
+    for leaf in jax.tree.leaves(state):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            finite &= jnp.isfinite(leaf).all()
+    return finite
+
+
 @functools.lru_cache(maxsize=16)
 def _guarded(step: Callable[[State, Batch], tuple[State, Metrics]]) -> Any:
     """``guard_nonfinite(step)``, the same function for the same step: ``jax.jit`` finds
@@ -124,8 +135,9 @@ def fit(
     of the stream, so a restarted command ends where an uninterrupted one would (bitwise
     on the same mesh, dropout masks included). A step that fails to restore is reported
     and the previous one used (see ``ddl.checkpoint.restore_latest``); when none can be,
-    ``fit`` says it trains from step 0. Before each save the steps' losses are fetched: a
-    non-finite one raises there (no checkpoint holds it, none before it is rotated out).
+    ``fit`` says it trains from step 0. Before each save the steps' losses are fetched and
+    the state is checked: a non-finite loss, or a finite one whose update made the state
+    non-finite, raises there (no checkpoint holds it, none before it is rotated out).
     The last step is saved before the final evaluation and the callbacks, so that their
     failure loses no training.
 
@@ -312,6 +324,13 @@ def _train(
         # last, which the final evaluation may still add to): the log covers every
         # checkpoint, so a resume after a crash leaves no step unlogged.
         log.flush()
+        if not bool(_all_finite(state)):  # a finite loss, then an update that overflowed
+            raise FloatingPointError(
+                f"fit: the state after step {step} holds non-finite values (its loss was "
+                "finite: the update made them); no checkpoint of it is saved. Lower the "
+                "learning rate, clip gradients (optax.clip_by_global_norm), or skip such "
+                "steps (skip_nonfinite=True)."
+            )
         if not final:
             log.write(durable=True)
         checkpoint.save(manager, step, state, variables())
