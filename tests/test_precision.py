@@ -207,6 +207,7 @@ def test_local_sgd_with_a_bfloat16_reducer_trains():
         ({"compute_dtype": jnp.complex64}, ValueError, "compute_dtype must be a floating"),
         ({"compute_dtype": "not a dtype"}, TypeError, "compute_dtype must be a floating"),
         ({"compute_dtype": None}, TypeError, "compute_dtype must be a floating dtype"),
+        ({"compute_dtype": jnp.float8_e4m3fn}, ValueError, "float8 needs per-tensor scaling"),
         ({"cast_batch": "yes"}, TypeError, "cast_batch must be a bool"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be a callable .* or a ddl.ModelLoss"),
         ({"loss_fn": ddl.ModelLoss(fn=3)}, TypeError, "loss_fn.fn must be callable"),

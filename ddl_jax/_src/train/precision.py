@@ -69,6 +69,11 @@ def _check_dtype(compute_dtype: Any) -> jnp.dtype:
         raise TypeError(f"mixed_precision: compute_dtype must be {valid}, got {compute_dtype!r}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"mixed_precision: compute_dtype must be {valid}, got {dtype}.")
+    if jnp.finfo(dtype).bits < 16:  # float8: no promotion to float32, and no scaling here
+        raise ValueError(
+            f"mixed_precision: compute_dtype must be {valid}, got {dtype}: float8 needs "
+            "per-tensor scaling, which this wrapper does not do."
+        )
     return dtype
 
 
@@ -89,10 +94,12 @@ def mixed_precision(
     ``float16``, small gradients may flush to zero.
 
     A Flax layer computes in the dtype of what it is given unless its ``dtype`` says
-    otherwise, with one exception: a normalisation layer (``LayerNorm``, ``BatchNorm``)
-    left at ``dtype=None`` takes its statistics in float32 and returns float32, so
-    everything after it computes in float32 again. For such a model set the layers'
-    ``dtype`` (``ddl.models.GPT(dtype=jnp.bfloat16)`` does) instead of wrapping its loss.
+    otherwise, with one exception: a layer that mixes float32 model state into its output
+    at ``dtype=None`` returns float32 (NNX ``BatchNorm``: its running statistics stay
+    float32, as model state does), so everything after it computes in float32 again; give
+    such a layer ``dtype=jnp.bfloat16`` (``ddl.models.GPT(dtype=...)`` sets every layer's).
+    ``LayerNorm`` and ``RMSNorm`` at ``dtype=None`` return bfloat16 here (their input and
+    scale are cast).
 
     Reduction precision is the strategy's choice, independent of this one: with
     ``ddl.data_parallel`` or ``ddl.local_sgd`` pass ``reducer=ddl.compression.cast(dtype)``
