@@ -36,25 +36,24 @@ def guard_nonfinite(
 
     def guarded(state: State, batch: Batch) -> tuple[State, Metrics]:
         new, metrics = step(state, batch)
-        finite = jnp.isfinite(metrics["loss"])
-        for leaf in jax.tree.leaves(new):
-            if jnp.issubdtype(leaf.dtype, jnp.inexact):
-                finite &= jnp.isfinite(leaf).all()
+        finite = jnp.isfinite(metrics["loss"]) & _finite(new)
         kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
         return kept, {**metrics, "skipped": jnp.where(finite, 0.0, 1.0)}
 
     return guarded
 
 
-@jax.jit
-def _all_finite(state: State) -> jax.Array:
-    """Whether every floating-point leaf of ``state`` is finite (over the global arrays:
-    the same answer on every process)."""
+def _finite(tree: Any) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is finite (over the global arrays:
+    the same answer on every worker and process)."""
     finite = jnp.bool_(True)
-    for leaf in jax.tree.leaves(state):
+    for leaf in jax.tree.leaves(tree):
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
             finite &= jnp.isfinite(leaf).all()
     return finite
+
+
+_all_finite = jax.jit(_finite)  # a state checked before it is checkpointed
 
 
 @functools.lru_cache(maxsize=16)
