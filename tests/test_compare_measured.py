@@ -155,9 +155,7 @@ def test_the_measured_processes_idle_their_gloo_threads(tmp_path):
     to SCHED_IDLE: processes on one host stand for hosts of their own."""
     script = tmp_path / "sweep_then_look.py"
     script.write_text(SWEEP_THEN_LOOK)
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{free.getsockname()[1]}"
+    coordinator = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen([sys.executable, str(script), coordinator, "2", str(rank), "sweep"],
                          env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -176,10 +174,13 @@ def test_the_measured_processes_idle_their_gloo_threads(tmp_path):
         assert loops and int(loops[1]) >= 1 and loops[2] == "True", stdout[-2000:]
 
 
-@pytest.mark.skipif(
+_NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
     reason="network namespaces and tc need root",
 )
+
+
+@_NEEDS_ROOT
 def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
     results, stdout = _compare(tmp_path, "--strategies", "sync", "--emulate", "100mbit")
     _check_measured(results, stdout)
@@ -191,6 +192,63 @@ def test_an_emulated_link_is_what_the_calibration_finds(tmp_path):
     assert "each in a network namespace, 100mbit" in stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not re.search(r"^d\d+(n\d+|br)\b", names, re.M), names  # all removed
+
+
+# Rank 0 receives messages of a length given in their first 8 bytes and answers each with
+# one byte; rank 1 sends 64 kB after 5 ms idle, 15 times, and prints the median round trip.
+_ECHO = """
+import socket, statistics, sys, time
+rank, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+if rank == 0:
+    listener = socket.create_server((host, port))
+    peer, _ = listener.accept()
+    while header := peer.recv(8, socket.MSG_WAITALL):
+        peer.recv(int.from_bytes(header, "little"), socket.MSG_WAITALL)
+        peer.sendall(b"k")
+else:
+    for _ in range(100):
+        try:
+            peer = socket.create_connection((host, port))
+            break
+        except OSError:
+            time.sleep(0.1)
+    peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(15):
+        time.sleep(0.005)
+        tick = time.perf_counter()
+        peer.sendall((65536).to_bytes(8, "little") + bytes(65536))
+        peer.recv(1)
+        times.append(time.perf_counter() - tick)
+    print(statistics.median(times))
+"""
+
+
+@_NEEDS_ROOT
+def test_an_emulated_link_carries_a_message_no_faster_than_its_rate():
+    """A message after an idle spell (a gradient after a step's compute) crosses the
+    emulated link at its rate, as a real link of that rate carries it: the token bucket
+    must not let it pass at the virtual ethernet's speed (a bucket of 1 ms at 1 Gb/s did:
+    64 kB in 135 us where 1 Gb/s takes 524 us)."""
+    link = processes.parse_emulation("1gbit")
+    with processes.emulated(2, link) as cluster:
+        args = ["-c", _ECHO, "{rank}", cluster.host, str(_free_port())]
+        ranks = [subprocess.Popen([*prefix, sys.executable, *(a.format(rank=r) for a in args)],
+                                  stdout=subprocess.PIPE, text=True)
+                 for r, prefix in enumerate(cluster.prefixes)]  # fmt: skip
+        try:
+            stdout, _ = ranks[1].communicate(timeout=60)
+        finally:
+            for rank in ranks:
+                rank.kill()
+    assert ranks[1].returncode == 0
+    assert float(stdout) >= 0.8 * 65536 / link.bandwidth, stdout
+
+
+def _free_port():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
 
 
 def _descendants(pid, command):
@@ -219,10 +277,7 @@ def _namespaces(tag):
                                                      if p.startswith(tag)]  # fmt: skip
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
-    reason="network namespaces and tc need root",
-)
+@_NEEDS_ROOT
 def test_a_terminated_emulation_removes_its_network(tmp_path):
     """A SIGTERM while the processes run on the emulated network (a job scheduler's stop,
     ``kill``) removes the namespaces, as an error does."""
