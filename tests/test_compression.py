@@ -453,6 +453,21 @@ COMPRESSORS = {
 }
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_a_non_finite_gradient_on_one_worker_reaches_every_workers_update(name, bad):
+    """As a dense mean would: one worker's NaN or inf makes every worker's update
+    non-finite, so that fit stops on it, or skips the step (``skip_nonfinite``). Kept in an
+    error-feedback residual instead, it trained on silently: the threshold quantiser
+    never sent a NaN entry (NaN >= tau is false) and sent an inf one as +-tau every step."""
+    grads = random_grads(2, 4)
+    grads["w"][0, 2, 1, 1] = bad  # step 0, worker 2
+    _, outs, _ = run_reducer(COMPRESSORS[name](), grads, 4)
+    for worker in range(4):
+        update = [leaf[0, worker] for leaf in outs.values()]
+        assert not all(np.isfinite(u).all() for u in update), (name, worker)
+
+
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_a_compressor_in_optax_chain_trains_like_the_unchecked_program(mlp, name):
     """``optax.chain(clip, compressor)`` runs with shard_map's replication check, and equals

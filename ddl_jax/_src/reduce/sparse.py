@@ -60,6 +60,10 @@ class ThresholdState(NamedTuple):
     compression_ratio: jax.Array
 
 
+#: The code a worker whose residual is not finite sends (valid codes are >= 0, -1 empty).
+_NON_FINITE = -2
+
+
 def threshold(
     tau: float, *, capacity: float = 0.01, axis: str = "data"
 ) -> optax.GradientTransformation:
@@ -72,7 +76,11 @@ def threshold(
     ``|r_j|``) leave a worker per step; the others wait in ``r``, so
     ``sum_t g_t + mean_i r_i = mean_i sum_t g_{i,t}`` always.
 
-    Each device sends ``(N-1) * 4 * ceil(capacity * D)`` bytes.
+    Each device sends ``(N-1) * 4 * ceil(capacity * D)`` bytes. A worker whose residual
+    holds NaN or inf sends the code ``-2`` instead, and every worker's update is NaN, as a
+    dense mean's would be (``fit`` stops on it, or skips the step with ``skip_nonfinite``);
+    as a code it would never leave the residual (NaN) or leave it as ``+-tau`` every step
+    (inf).
 
     References:
       Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
@@ -109,12 +117,14 @@ def threshold(
         send = jnp.abs(picked) >= tau
         negative = picked < 0
         codes = jnp.where(send, 2 * index + negative, -1).astype(jnp.int32)
+        codes = jnp.where(jnp.isfinite(r).all(), codes, _NON_FINITE)
         r = r.at[index].add(-jnp.where(send, jnp.where(negative, -tau, tau), 0.0))
 
         codes = wire.gather_from_owners(codes, axis).reshape(-1)
         valid = codes >= 0
         values = jnp.where(valid, jnp.where(codes & 1, -tau, tau), 0.0)
         out = jnp.zeros(view.size, jnp.float32).at[jnp.where(valid, codes >> 1, 0)].add(values)
+        out = jnp.where((codes == _NON_FINITE).any(), jnp.nan, out)
         new_state = ThresholdState(r, wire.ratio(view.size, (n - 1) * 4 * k, n))
         return wire.unravel_updates(view, out / n), wire.typed_like(new_state, state)
 
@@ -407,7 +417,10 @@ def top_k(
     ``ddl.comm_stats`` count all k: the reference's all-gather of what passes sends at most
     this. ``ratio=1`` compresses nothing, as the reference (``compress_ratio < 1.0``): every
     tensor is all-reduced and takes its momentum after the average; with ``m = 0``, the
-    exact mean.
+    exact mean. A worker whose ``v`` holds NaN or inf sends NaN in every slot (at entry 0),
+    so every worker's update is non-finite, as a dense mean's would be (``fit`` stops on
+    it, or skips the step with ``skip_nonfinite``); the reference's selection keeps a NaN
+    in ``v`` for good, never sent (``|v| >= threshold`` is false for it).
 
     Differences from the reference: the payload's static size, above. The samples come
     from JAX's keys, not Python's ``random`` and torch's generator; when more than
@@ -575,6 +588,10 @@ def top_k(
                             [_select(v, group, k) for group, k in zip(groups, ks, strict=True)]
                         )
                         picked = v[index]
+                    # a non-finite residual is sent as NaN in every slot, at entry 0: as
+                    # an entry, a NaN would never pass (|v| >= threshold is false for it)
+                    bad = ~jnp.isfinite(v).all()
+                    index, picked = jnp.where(bad, 0, index), jnp.where(bad, jnp.nan, picked)
                     values = wire.gather_from_owners(picked, axis).reshape(-1)
                     indices = wire.gather_from_owners(index, axis).reshape(-1)
                     out = out.at[indices].add(values / n, mode="drop")
