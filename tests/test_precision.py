@@ -200,6 +200,62 @@ def test_local_sgd_with_a_bfloat16_reducer_trains():
     assert losses[-1] < losses[0], losses
 
 
+def tiny_gradient_loss(params, batch):
+    """A loss whose gradient (entries of 1e-9 times a sum of x, at most 5e-9) lies below
+    float16's smallest subnormal 2**-24 (6e-8), from factors float16 holds (1e-4, 1e-5):
+    in float16 it flushes to zero unless scaled."""
+    return jnp.sum((batch["x"] * 1e-4) @ params["w"] * 1e-5) + 0.0 * jnp.sum(params["b"])
+
+
+def test_a_loss_scale_keeps_float16_gradients_that_flush_to_zero_without_it():
+    params = {"w": jnp.ones((4, 3), jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+    batch = {"x": jnp.linspace(0.5, 2.0, 8, dtype=jnp.float32).reshape(2, 4)}
+    want = jax.grad(tiny_gradient_loss)(params, batch)  # float32: 1e-8 * column sums of x
+    plain = jax.grad(mixed_precision(tiny_gradient_loss, jnp.float16))(params, batch)
+    assert not np.asarray(plain["w"]).any()  # flushed to zero
+    scaled_loss = mixed_precision(tiny_gradient_loss, jnp.float16, loss_scale=2**15)
+    value, got = jax.value_and_grad(scaled_loss)(params, batch)
+    assert floating_dtypes(got) == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-2)
+    np.testing.assert_array_equal(got["b"], want["b"])
+    # the value is the unscaled loss
+    np.testing.assert_array_equal(
+        value, mixed_precision(tiny_gradient_loss, jnp.float16)(params, batch)
+    )
+
+
+def test_a_loss_scale_leaves_a_model_losss_value_state_and_gradient_as_without():
+    """A gradient that neither underflows nor overflows is the same with and without the
+    scale (a power of two): exactly, with batch norm's state and an aux dict through."""
+    loss_fn, variables = bn_dropout_pair()
+    params = variables["params"]
+    state = {"batch_stats": variables["batch_stats"]}
+    batch = make_batches(1, 16)[0]
+
+    def run(fn):
+        return jax.value_and_grad(lambda p: fn(p, state, batch, KEY), has_aux=True)(params)
+
+    plain = mixed_precision(loss_fn, jnp.bfloat16)
+    scaled = mixed_precision(loss_fn, jnp.bfloat16, loss_scale=2.0**8)
+    assert_trees_equal(run(scaled.fn), run(plain.fn))
+
+
+def test_an_overflowing_scaled_step_is_skipped_by_fit():
+    """A scale that overflows float16 gives an inf gradient, which
+    ``fit(skip_nonfinite=True)`` skips, leaving the parameters as they were."""
+    loss_fn, params = mlp_pair()
+    batches = make_batches(2, 32)
+    loss = mixed_precision(loss_fn, jnp.float16, loss_scale=2.0**15)
+    strategy = ddl.data_parallel(
+        lambda p, b: loss(p, b) * 1e6, optax.sgd(0.1), ddl.make_mesh(data=2)
+    )
+    with pytest.warns(UserWarning, match="all 2 steps were skipped"):
+        state, history = ddl.fit(strategy, params, iter(batches), steps=2,
+                                 skip_nonfinite=True, progress=False)  # fmt: skip
+    assert [r["skipped"] for r in history] == [1.0, 1.0]
+    assert_trees_equal(strategy.params(state), params)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -209,6 +265,10 @@ def test_local_sgd_with_a_bfloat16_reducer_trains():
         ({"compute_dtype": None}, TypeError, "compute_dtype must be a floating dtype"),
         ({"compute_dtype": jnp.float8_e4m3fn}, ValueError, "float8 needs per-tensor scaling"),
         ({"cast_batch": "yes"}, TypeError, "cast_batch must be a bool"),
+        ({"loss_scale": 0}, ValueError, "loss_scale must be a finite real number > 0"),
+        ({"loss_scale": "8"}, ValueError, "loss_scale must be a finite real number"),
+        ({"loss_scale": 1000.0}, ValueError, "loss_scale must be a power of two below"),
+        ({"compute_dtype": jnp.float16, "loss_scale": 2**16}, ValueError, "below float16's"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be a callable .* or a ddl.ModelLoss"),
         ({"loss_fn": ddl.ModelLoss(fn=3)}, TypeError, "loss_fn.fn must be callable"),
     ],

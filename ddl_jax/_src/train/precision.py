@@ -10,6 +10,8 @@ of the gradient reduction is the reducer's business (``ddl.compression.cast``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from typing import Any
 
 import jax
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddl_jax._src.core.model_loss import AnyLoss, ModelLoss, call_loss
+from ddl_jax._src.core.strategy import check_real
 
 
 def _is_floating(x: Any) -> bool:
@@ -59,6 +62,63 @@ def _like(new: Any, old: Any) -> Any:
     return jax.tree.map(one, new, old)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _grow_cotangent(loss: jax.Array, scale: float) -> jax.Array:
+    """``loss``, whose gradient reaches the computation below it ``scale`` times larger."""
+    return loss
+
+
+def _grow_fwd(loss, scale):
+    return loss, None
+
+
+def _grow_bwd(scale, _, cotangent):
+    return (cotangent * scale,)
+
+
+_grow_cotangent.defvjp(_grow_fwd, _grow_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _shrink_cotangent(params: Any, scale: float) -> Any:
+    """``params``, whose gradient is divided by ``scale`` (in the parameters' dtype)."""
+    return params
+
+
+def _shrink_fwd(params, scale):
+    return params, None
+
+
+def _shrink_bwd(scale, _, cotangents):
+    # integer leaves' cotangents are float0 and stay as they are
+    return (jax.tree.map(lambda g: g / scale if _is_floating(g) else g, cotangents),)
+
+
+_shrink_cotangent.defvjp(_shrink_fwd, _shrink_bwd)
+
+
+def _scaled(out: Any, scale: float) -> Any:
+    """The loss output ``out`` (the loss, or ``(loss, aux)``) with its loss scaled on the way
+    back."""
+    if isinstance(out, tuple | list) and len(out) == 2:
+        return type(out)((_grow_cotangent(out[0], scale), out[1]))
+    return _grow_cotangent(out, scale)
+
+
+def _check_loss_scale(loss_scale: Any, dtype: jnp.dtype) -> float:
+    """A finite power of two > 0 that the compute dtype holds (the gradient of the loss
+    enters the low-precision pass as ``loss_scale``)."""
+    scale = check_real("mixed_precision: loss_scale", loss_scale, minimum=0, exclusive=True)
+    largest = float(jnp.finfo(dtype).max)
+    if scale >= largest or math.frexp(scale)[0] != 0.5:
+        raise ValueError(
+            f"mixed_precision: loss_scale must be a power of two below {dtype}'s largest "
+            f"value {largest:g} (e.g. 2**15 for float16), got {loss_scale!r}: it multiplies "
+            "the gradient in that dtype, and a power of two scales it exactly."
+        )
+    return scale
+
+
 def _check_dtype(compute_dtype: Any) -> jnp.dtype:
     valid = "a floating dtype such as jnp.bfloat16, jnp.float16 or jnp.float32"
     dtype = None
@@ -78,7 +138,11 @@ def _check_dtype(compute_dtype: Any) -> jnp.dtype:
 
 
 def mixed_precision(
-    loss_fn: AnyLoss, compute_dtype: Any = jnp.bfloat16, *, cast_batch: bool = True
+    loss_fn: AnyLoss,
+    compute_dtype: Any = jnp.bfloat16,
+    *,
+    cast_batch: bool = True,
+    loss_scale: float | None = None,
 ) -> AnyLoss:
     """Runs a loss in ``compute_dtype`` (bfloat16) over float32 master parameters.
 
@@ -90,8 +154,16 @@ def mixed_precision(
     token ids, step counters) are not touched. For a ``ddl.ModelLoss`` the model state
     (batch statistics) goes in as it is and comes back in its own dtype, and the seed is
     kept; only what is computed is cast. The loss and floating aux values come back as
-    float32 (at least). There is no loss scaling: bfloat16 has float32's range; with
-    ``float16``, small gradients may flush to zero.
+    float32 (at least).
+
+    Loss scaling (Micikevicius et al., section 3.2: a constant scale): bfloat16 has
+    float32's range and needs none; with ``float16`` gradients below 2**-24 flush to zero.
+    ``loss_scale=S`` multiplies the loss's gradient by S as it enters the low-precision
+    backward pass and divides the parameters' gradient by S in float32 after it, so the
+    gradient is unchanged where nothing underflowed or overflowed. An overflow (a gradient
+    over S times float16's 65504) makes that step's gradient inf: train with
+    ``fit(skip_nonfinite=True)`` to skip such steps, as PyTorch's ``GradScaler`` does (it
+    also lowers its scale then; this one stays constant).
 
     A Flax layer computes in the dtype of what it is given unless its ``dtype`` says
     otherwise, with one exception: a layer that mixes float32 model state into its output
@@ -116,6 +188,9 @@ def mixed_precision(
         ``jnp.float16``; ``jnp.float32`` gives back the loss unchanged in value).
       cast_batch: also cast the batch's floating leaves (inputs) to ``compute_dtype``;
         ``False`` passes the batch as it comes, for a model that casts its own inputs.
+      loss_scale: ``None`` (no scaling), or a power of two below the compute dtype's
+        largest value by which the backward pass's gradients are scaled (``2**15`` for
+        float16, a common start).
 
     Returns:
       A loss of the same kind as ``loss_fn`` (a function, or a ``ddl.ModelLoss`` with the
@@ -150,6 +225,19 @@ def mixed_precision(
     if not isinstance(cast_batch, bool | np.bool_):
         raise TypeError(f"mixed_precision: cast_batch must be a bool, got {cast_batch!r}.")
     cast_batch = bool(cast_batch)
+    scale = 1.0 if loss_scale is None else _check_loss_scale(loss_scale, dtype)
+
+    def low(params, batch):
+        """The parameters and batch as the loss computes with them."""
+        if scale != 1.0:
+            params = _shrink_cotangent(params, scale)
+        return _cast_floating(params, dtype), _cast_floating(batch, dtype) if cast_batch else batch
+
+    def high(out):
+        """The loss output back in float32 (at least), its gradient scaled on the way in."""
+        out = _widen(out)
+        return out if scale == 1.0 else _scaled(out, scale)
+
     if isinstance(loss_fn, ModelLoss):
         if not callable(loss_fn.fn):
             raise TypeError(
@@ -159,9 +247,9 @@ def mixed_precision(
         fn = loss_fn.fn
 
         def model_loss(params, model_state, batch, key):
-            batch = _cast_floating(batch, dtype) if cast_batch else batch
-            out, new_state = fn(_cast_floating(params, dtype), model_state, batch, key)
-            return _widen(out), _like(new_state, model_state)
+            params, batch = low(params, batch)
+            out, new_state = fn(params, model_state, batch, key)
+            return high(out), _like(new_state, model_state)
 
         return ModelLoss(model_loss, loss_fn.seed)
     if not callable(loss_fn):
@@ -171,7 +259,6 @@ def mixed_precision(
         )
 
     def loss(params, batch):
-        batch = _cast_floating(batch, dtype) if cast_batch else batch
-        return _widen(call_loss(loss_fn, _cast_floating(params, dtype), batch))
+        return high(call_loss(loss_fn, *low(params, batch)))
 
     return loss
