@@ -277,6 +277,31 @@ def _namespaces(tag):
                                                      if p.startswith(tag)]  # fmt: skip
 
 
+def test_a_sigterm_while_a_rank_starts_stops_that_rank_too(monkeypatch):
+    """A SIGTERM that comes inside ``Popen``, after its fork, stops that process too: raised
+    there (as ``SystemExit``, in the thread that started the ranks) it left the process
+    running, unknown to the cleanup (a rank left running after the emulation's test)."""
+    started = []
+
+    class SignalledWhileStarting(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            if len(started) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # a handler of this thread's runs here
+
+    monkeypatch.setattr(processes.subprocess, "Popen", SignalledWhileStarting)
+    try:
+        with pytest.raises(SystemExit):
+            processes.run_worker(processes.loopback(2), ["sweep"], timeout=60)
+        assert [p.poll() is not None for p in started] == [True] * len(started)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 @_NEEDS_ROOT
 def test_a_terminated_emulation_removes_its_network(tmp_path):
     """A SIGTERM while the processes run on the emulated network (a job scheduler's stop,

@@ -251,30 +251,49 @@ def run_worker(cluster: Cluster, args: Sequence[str], timeout: float) -> dict:
 def _run_ranks(
     cluster: Cluster, args: Sequence[str], timeout: float, coordinator: str, env: dict
 ) -> dict:
-    """``run_worker``'s processes: started, waited for, every one stopped on the way out."""
+    """``run_worker``'s processes: started, waited for, every one stopped on the way out.
+
+    A thread starts them: a SIGTERM (raised as ``SystemExit`` in the main thread) that
+    came inside ``Popen``, after its fork, left that process running and unknown; the
+    thread's ``Popen`` returns, and the ``finally`` stops what it started. (It waits on an
+    event: a ``join`` interrupted by the signal marks the thread finished while it runs.)"""
     n = len(cluster.prefixes)
-    procs, outs, errs, pumps = [], [], [], []
-    try:  # the starts too: a SIGTERM between two of them left the first running
-        for rank, prefix in enumerate(cluster.prefixes):
-            worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n),
-                      str(rank)]  # fmt: skip
-            procs.append(
-                subprocess.Popen(
-                    [*prefix, *worker, *args],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,  # a group of its own, stopped whole below
+    procs, outs, errs, pumps, start_error = [], [], [], [], []
+    started = threading.Event()
+
+    def start() -> None:
+        try:
+            for rank, prefix in enumerate(cluster.prefixes):
+                worker = [sys.executable, "-m", "ddl_jax.compare.worker", coordinator, str(n),
+                          str(rank)]  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [*prefix, *worker, *args],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,  # a group of its own, stopped whole below
+                    )
                 )
-            )
-            outs.append([])
-            errs.append([])
-            for stream, into in ((procs[-1].stdout, outs[-1]), (procs[-1].stderr, errs[-1])):
-                pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
-                pumps[-1].start()
+                outs.append([])
+                errs.append([])
+                for stream, into in ((procs[-1].stdout, outs[-1]), (procs[-1].stderr, errs[-1])):
+                    pumps.append(threading.Thread(target=_drain, args=(stream, into), daemon=True))
+                    pumps[-1].start()
+        except BaseException as error:  # an executable missing, say: raised below
+            start_error.append(error)
+        finally:
+            started.set()
+
+    try:
+        threading.Thread(target=start, daemon=True).start()
+        started.wait()
+        if start_error:
+            raise start_error[0]
         failed = _first_failure(procs, time.monotonic() + timeout)
     finally:  # the others of a failed rank wait on it in a collective: stop them now
+        started.wait()  # a start under way ends first, so that its process is stopped
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
