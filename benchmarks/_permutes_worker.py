@@ -1,0 +1,49 @@
+"""One process of ``benchmarks/gloo_permutes.py``.
+
+    python benchmarks/_permutes_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID SIZES
+
+Joins the processes (gloo's transport threads idled, as ``compare --measure`` does) and
+times, per size in bytes a device, the median of 9 calls of: an all-reduce, a permute
+round the ring (between 2 processes: both ways), and one from process 0 to 1 alone. Process
+0 prints one JSON line: ``{size: {kind: seconds}}``.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ddl_jax as ddl
+
+coordinator, n, rank, sizes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ddl.launch.initialize(coordinator, n, rank, initialization_timeout=60)
+ddl.launch.idle_gloo_threads()
+mesh = ddl.make_mesh(data=n)
+RING = [(i, (i + 1) % n) for i in range(n)]
+KINDS = {
+    "all-reduce": lambda a: jax.lax.psum(a, "data"),
+    "permute round the ring": lambda a: jax.lax.ppermute(a, "data", RING),
+    "permute one way (0 to 1)": lambda a: jax.lax.ppermute(a, "data", [(0, 1)]),
+}
+results = {}
+for size in map(int, sizes.split(",")):
+    local = np.ones((1, size // 4), np.float32)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+    results[size] = {}
+    for kind, collective in KINDS.items():
+        fn = jax.jit(jax.shard_map(lambda a, c=collective: c(a) * 0.5, mesh=mesh,
+                                   in_specs=P("data"), out_specs=P("data")))  # fmt: skip
+        jax.block_until_ready(fn(x))
+        times = []
+        for _ in range(9):
+            tick = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - tick)
+        results[size][kind] = statistics.median(times)
+if rank == 0:
+    print(json.dumps(results), flush=True)
