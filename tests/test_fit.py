@@ -610,6 +610,27 @@ def test_every_step_skipped_warns(mlp):
     assert [r["skipped"] for r in history] == [1.0] * 3
 
 
+def test_most_steps_skipped_warns_and_a_few_do_not(mlp):
+    """A run that overflows step after step (a loss scale too large, a learning rate that
+    diverges) skips most updates: said at the end, as when every step is skipped."""
+    loss_fn, params = mlp
+    strategy = ddl.data_parallel(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=2))
+
+    def batches(bad):
+        out = make_batches(4, 8)
+        for i in bad:
+            out[i] = {**out[i], "x": out[i]["x"] * np.nan}
+        return out
+
+    with pytest.warns(UserWarning, match="fit: 3 of 4 steps were skipped"):
+        _, history = ddl.fit(strategy, params, batches([1, 2, 3]), steps=4,
+                             skip_nonfinite=True, progress=False)  # fmt: skip
+    assert [r["skipped"] for r in history] == [0.0, 1.0, 1.0, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddl.fit(strategy, params, batches([1]), steps=4, skip_nonfinite=True, progress=False)
+
+
 def test_the_log_file_is_strict_json_non_finite_values_null(mlp, tmp_path):
     loss_fn, params = mlp
     params = jax.tree.map(lambda x: x * np.nan, params)

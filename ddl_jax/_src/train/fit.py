@@ -181,7 +181,8 @@ def fit(
       keep: number of most recent checkpoints kept (default 3).
       skip_nonfinite: do not apply a step whose loss or new state holds NaN/inf, on any
         worker (see ``guard_nonfinite``); such steps are recorded with ``skipped=1.0``
-        instead of stopping training.
+        instead of stopping training, and a run that skipped more than half of its steps
+        ends with a warning.
       log_file: a JSON-lines file (parents created) to which process 0 appends the records
         as they are passed on, and those up to each checkpoint before it is saved (but the
         last, written after the final evaluation), flushed;
@@ -392,11 +393,19 @@ def _train(
         if eval_fn is not None and not any(k.startswith("eval") for k in history[-1]):
             evaluate()
         log.pass_on()
-    if settings.skip_nonfinite and all(r.get("skipped") for r in history):
+    skipped = sum(1 for r in history if r.get("skipped")) if settings.skip_nonfinite else 0
+    if skipped == len(history) > 0:
         warnings.warn(
             f"fit: all {len(history)} steps were skipped (a non-finite loss or new state on "
             "some worker, every step): the parameters did not change. Check the initial "
             "parameters and the data for NaN/inf, or lower the learning rate.",
+            stacklevel=3,
+        )
+    elif 2 * skipped > len(history):  # overflowing again and again: hardly trained
+        warnings.warn(
+            f"fit: {skipped} of {len(history)} steps were skipped (a non-finite loss or new "
+            "state on some worker): most updates were not applied. Lower the learning rate "
+            "or mixed_precision's loss_scale, or clip gradients (optax.clip_by_global_norm).",
             stacklevel=3,
         )
     log.report_stragglers(loader_seconds)
