@@ -580,6 +580,9 @@ def test_a_reducer_in_the_wrong_place_or_that_does_not_average_is_named(mlp):
     ):
         with pytest.raises(ValueError, match="reducer: a scatter reducer .* for ddl.fsdp"):
             build()
+    # tensor_parallel takes no compressor: the message does not send one there
+    with pytest.raises(ValueError, match=r"allreduce_mean\(\), or where it takes one \(not tensor"):
+        ddl.tensor_parallel(loss_fn, optax.sgd(0.1), mesh, specs=P(), reducer=scatter)
     with pytest.raises(ValueError, match="chain: a scatter reducer"):
         ddl.chain(scatter, ddl.allreduce_mean(algorithm="ring"))
     # local SGD's reducer that does not average (JAX's "Unsupported pcast" before; with

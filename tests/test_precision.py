@@ -279,6 +279,13 @@ def test_bad_arguments_are_named(kwargs, error, match):
         mixed_precision(**args)
 
 
+def test_a_loss_wrapped_twice_is_refused():
+    """The second cast would round the first one's values again (bfloat16 through float16)."""
+    for loss in (mlp_pair()[0], bn_dropout_pair()[0]):
+        with pytest.raises(ValueError, match="already computes in bfloat16 .* wrap the plain"):
+            mixed_precision(mixed_precision(loss), jnp.float16)
+
+
 REDUCERS_IN_BFLOAT16 = {
     "cast": lambda: ddl.compression.cast(jnp.bfloat16),
     "qsgd": lambda: ddl.compression.qsgd(8),

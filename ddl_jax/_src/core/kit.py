@@ -669,7 +669,8 @@ def prepare(
         raise ValueError(
             "reducer: a scatter reducer (ddl.compression.scatter_*) reduce-scatters the "
             "gradient's chunks for ddl.fsdp at stages 2 and 3; this strategy all-reduces: "
-            "give it ddl.allreduce_mean() or a compressor such as ddl.compression.cast(...)."
+            "give it ddl.allreduce_mean(), or where it takes one (not tensor_parallel) a "
+            "compressor such as ddl.compression.cast(...)."
         )
     accumulate = st.check_int("accumulate", accumulate, minimum=1)
     if not isinstance(has_aux, bool):

@@ -222,6 +222,12 @@ def mixed_precision(
       float32 1.0
     """
     dtype = _check_dtype(compute_dtype)
+    inner = loss_fn.fn if isinstance(loss_fn, ModelLoss) else loss_fn
+    if (wrapped := getattr(inner, "mixed_precision_dtype", None)) is not None:
+        raise ValueError(
+            f"mixed_precision: loss_fn already computes in {wrapped} (a mixed_precision "
+            "loss); wrap the plain loss once, with the compute_dtype and loss_scale wanted."
+        )
     if not isinstance(cast_batch, bool | np.bool_):
         raise TypeError(f"mixed_precision: cast_batch must be a bool, got {cast_batch!r}.")
     cast_batch = bool(cast_batch)
@@ -251,6 +257,7 @@ def mixed_precision(
             out, new_state = fn(params, model_state, batch, key)
             return high(out), _like(new_state, model_state)
 
+        model_loss.mixed_precision_dtype = dtype  # type: ignore[attr-defined]
         return ModelLoss(model_loss, loss_fn.seed)
     if not callable(loss_fn):
         raise TypeError(
@@ -261,4 +268,5 @@ def mixed_precision(
     def loss(params, batch):
         return high(call_loss(loss_fn, *low(params, batch)))
 
+    loss.mixed_precision_dtype = dtype  # type: ignore[attr-defined]
     return loss
