@@ -1,4 +1,7 @@
-"""Quantised weight gathers: ZeRO++'s qwZ, an int8 all-gather of FSDP's parameter shards.
+"""FSDP's parameter gathers in fewer bytes: ZeRO++'s qwZ (int8 codes), and a cast
+(bfloat16, PyTorch FSDP's ``MixedPrecision(param_dtype=...)`` gather).
+
+Quantised: ZeRO++'s qwZ, an int8 all-gather of FSDP's parameter shards.
 
 As DeepSpeed's ``zero_quantized_weights`` (``deepspeed/runtime/zero/partition_parameters.py``,
 ``CUDAQuantizer``; the kernel's ``Params<Type::Symmetric, 8>`` in
@@ -23,10 +26,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from ddl_jax._src.reduce import wire
 
 #: DeepSpeed's ``CUDAQuantizer.target_group_size``.
 TARGET_GROUP_SIZE = 8000
@@ -76,3 +82,31 @@ def _backward(axis: str, dim: int, _: None, cotangent: jax.Array) -> tuple[jax.A
 
 
 quantised_all_gather.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def cast_all_gather(x: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> jax.Array:
+    """Inside ``shard_map``: the whole array from each worker's shard ``x`` along ``dim``,
+    in ``dtype`` (cast before it is sent): the all-gather of PyTorch FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=dtype)`` (pytorch/pytorch,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_api.py``), whose unsharded parameters are
+    ``dtype``. Its transpose reduce-scatters the cotangent in ``x.dtype``, as that policy's
+    ``reduce_dtype`` left unset reduces in the parameters' original dtype. The values
+    travel as unsigned integers of their width (``wire.to_bits``): XLA:CPU widens a 16-bit
+    float all-gather to float32."""
+    bits = lax.all_gather(wire.to_bits(x.astype(dtype)), axis, axis=dim, tiled=True)
+    return wire.from_bits(bits, dtype)
+
+
+def _cast_forward(x: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> tuple[jax.Array, Any]:
+    return cast_all_gather(x, axis, dim, dtype), jnp.zeros((), x.dtype)
+
+
+def _cast_backward(
+    axis: str, dim: int, dtype: jnp.dtype, like: jax.Array, cotangent: jax.Array
+) -> tuple[jax.Array]:
+    wide = cotangent.astype(like.dtype)
+    return (lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True),)
+
+
+cast_all_gather.defvjp(_cast_forward, _cast_backward)

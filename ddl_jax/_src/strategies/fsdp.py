@@ -29,7 +29,7 @@ from ddl_jax._src.core.reducer import ScatterReducer, reducer_metrics
 from ddl_jax._src.core.specs import check_same_over_model, check_specs, full_specs, like_params
 from ddl_jax._src.core.strategy import DATA, MODEL
 from ddl_jax._src.reduce.allreduce import allreduce_mean
-from ddl_jax._src.reduce.gather import quantised_all_gather
+from ddl_jax._src.reduce.gather import cast_all_gather, quantised_all_gather
 
 STAGES = (1, 2, 3)
 #: Every parameter whole over ``model`` (no tensor parallelism).
@@ -97,6 +97,7 @@ def fsdp(
     reducer: ScatterReducer | None = None,
     reshard_after_forward: bool = True,
     quantized_weights: bool = False,
+    gather_dtype: Any = None,
     accumulate: int = 1,
     has_aux: bool = False,
 ) -> st.Strategy:
@@ -151,6 +152,13 @@ def fsdp(
         a float32 scale each (ZeRO++'s qwZ, DeepSpeed's ``zero_quantized_weights``;
         ``ddl_jax._src.reduce.gather``): about 1/4 of the gather's bytes; the master weights
         stay float32 and sharded, and the gradient is reduce-scattered in float32.
+      gather_dtype: at stage 3, all-gather the parameters cast to this floating dtype
+        (``jnp.bfloat16``: half the gather's bytes and of the gathered parameters' memory),
+        as PyTorch FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``: the loss receives
+        them in it, the master weights stay float32 and sharded, and the gradient is
+        reduce-scattered in float32. With a loss that computes in that dtype
+        (``ddl.mixed_precision(loss_fn, dtype)``, which also casts the inputs) training is
+        exactly the same as without it; ``None`` gathers in the parameters' dtype.
       reducer: at stages 2 and 3, how the gradient chunks travel to their owners: a scatter
         reducer, ``ddl.compression.scatter_cast(jnp.bfloat16)`` (half the bytes, summed in
         float32), ``scatter_qsgd(levels)`` or ``scatter_top_k(ratio)`` (error feedback on
@@ -200,6 +208,8 @@ def fsdp(
             f"stage 3 has; got stage={stage}."
         )
     gather_one = _quantised_gather if quantized_weights else _gather
+    if gather_dtype is not None:
+        gather_one = _cast_gather(_check_gather_dtype(gather_dtype, stage, quantized_weights))
     _check_reducer(reducer, stage, kit.mesh)
     n, mesh = kit.n, kit.mesh
     layout_of = functools.partial(layout, specs=specs, mesh=mesh)
@@ -228,6 +238,8 @@ def fsdp(
             (loss, aux), grads, model_state = kit.value_and_grad(
                 local, state.model.state, batch, key
             )
+        # a gather_dtype's gradient, of its gathered parameters, in the parameters' dtype
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         check_same_over_model({"loss": loss, **aux})
         if scanned and reducer is not None:
             raise ValueError(
@@ -281,6 +293,34 @@ def _gather(x: jax.Array, dim: int | None) -> jax.Array:
 def _quantised_gather(x: jax.Array, dim: int | None) -> jax.Array:
     """``_gather`` with int8 values on the wire (ZeRO++'s qwZ)."""
     return x if dim is None else quantised_all_gather(x, DATA, dim)
+
+
+def _cast_gather(dtype: jnp.dtype) -> Any:
+    """``_gather`` in ``dtype`` (floating leaves; one kept whole is cast alone)."""
+
+    def gather(x: jax.Array, dim: int | None) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return _gather(x, dim)
+        return x.astype(dtype) if dim is None else cast_all_gather(x, DATA, dim, dtype)
+
+    return gather
+
+
+def _check_gather_dtype(gather_dtype: Any, stage: int, quantized_weights: bool) -> jnp.dtype:
+    valid = "a floating dtype of 2 or 4 bytes such as jnp.bfloat16"
+    try:
+        dtype = jnp.dtype(gather_dtype)
+    except TypeError:
+        raise TypeError(f"fsdp: gather_dtype must be {valid}, got {gather_dtype!r}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize not in (2, 4):
+        raise ValueError(f"fsdp: gather_dtype must be {valid}, got {dtype}.")
+    if stage != 3 or quantized_weights:
+        raise ValueError(
+            "fsdp: gather_dtype casts the all-gather of the parameters, which only stage 3 "
+            f"has, and not quantized_weights (int8 codes); got stage={stage}, "
+            f"quantized_weights={quantized_weights}."
+        )
+    return dtype
 
 
 def _mean_shard(g: jax.Array, dim: int | None, stage: int) -> jax.Array:
