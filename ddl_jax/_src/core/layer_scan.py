@@ -28,6 +28,23 @@ _GATHER: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.Conte
 _SEEN: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
     "ddl_layer_seen", default=None
 )
+#: While ``ddl.fsdp`` looks for them: ``id(made) -> (made, leaf)`` for arrays made from a
+#: parameter leaf that stand for it (``stand_for``).
+_STANDS_FOR: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "ddl_layer_stands_for", default=None
+)
+
+
+def stand_for(made: Any, params: Any) -> None:
+    """Declares each leaf of ``made``, computed from the leaf of ``params`` at its place (a
+    cast: ``ddl.mixed_precision``), as that leaf, so that :func:`scanned_leaves` finds a
+    stacked leaf the loss casts before ``scan_layers``. Outside that search it does nothing."""
+    table = _STANDS_FOR.get()
+    if table is None:
+        return
+    for new, old in zip(jax.tree.leaves(made), jax.tree.leaves(params), strict=True):
+        if new is not old:
+            table[id(new)] = (new, old)  # both kept alive: their ids stay theirs
 
 
 def scan_layers(
@@ -78,8 +95,8 @@ def gathering(gather: Callable[[Any], Any]) -> Iterator[None]:
 
 def scanned_leaves(fn: Callable[[Any], Any], params: Any) -> list[int]:
     """The indices (in ``jax.tree.leaves(params)`` order) of the leaves of ``params`` that
-    ``fn(params)`` passes to :func:`scan_layers` as they are; ``fn`` is traced once,
-    abstractly, nothing runs.
+    ``fn(params)`` passes to :func:`scan_layers` as they are, or as an array declared to
+    stand for them (:func:`stand_for`); ``fn`` is traced once, abstractly, nothing runs.
 
     Args:
       fn: ``params -> anything``, e.g. the loss on a batch.
@@ -90,13 +107,21 @@ def scanned_leaves(fn: Callable[[Any], Any], params: Any) -> list[int]:
     def probe(p: Any) -> Any:
         leaves = jax.tree.leaves(p)
         seen: list[Any] = []
-        token = _SEEN.set(seen)
+        table: dict[int, tuple[Any, Any]] = {}
+        tokens = _SEEN.set(seen), _STANDS_FOR.set(table)
         try:
             out = fn(p)
         finally:
-            _SEEN.reset(token)
+            _SEEN.reset(tokens[0])
+            _STANDS_FOR.reset(tokens[1])
+
+        def source(x: Any) -> Any:
+            while id(x) in table:
+                x = table[id(x)][1]
+            return x
+
         index = {id(leaf): i for i, leaf in enumerate(leaves)}
-        found.extend(sorted({index[id(s)] for s in seen if id(s) in index}))
+        found.extend(sorted({index[id(source(s))] for s in seen if id(source(s)) in index}))
         return out
 
     jax.eval_shape(probe, params)

@@ -90,8 +90,10 @@ def cast_all_gather(x: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> jax.
     in ``dtype`` (cast before it is sent): the all-gather of PyTorch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=dtype)`` (pytorch/pytorch,
     ``torch/distributed/fsdp/_fully_shard/_fsdp_api.py``), whose unsharded parameters are
-    ``dtype``. Its transpose reduce-scatters the cotangent in ``x.dtype``, as that policy's
-    ``reduce_dtype`` left unset reduces in the parameters' original dtype. The values
+    ``dtype``. Its transpose reduce-scatters the cotangent in ``x.dtype`` (float32 at
+    least: a shard the loss cast to bfloat16 first, ``ddl.mixed_precision`` inside
+    ``scan_layers``, has its gradient summed in float32), as that policy's ``reduce_dtype``
+    left unset reduces in the parameters' original dtype. The values
     travel as unsigned integers of their width (``wire.to_bits``): XLA:CPU widens a 16-bit
     float all-gather to float32."""
     bits = lax.all_gather(wire.to_bits(x.astype(dtype)), axis, axis=dim, tiled=True)
@@ -105,8 +107,9 @@ def _cast_forward(x: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> tuple[
 def _cast_backward(
     axis: str, dim: int, dtype: jnp.dtype, like: jax.Array, cotangent: jax.Array
 ) -> tuple[jax.Array]:
-    wide = cotangent.astype(like.dtype)
-    return (lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True),)
+    wide = cotangent.astype(jnp.promote_types(like.dtype, jnp.float32))
+    summed = lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
+    return (summed.astype(like.dtype),)
 
 
 cast_all_gather.defvjp(_cast_forward, _cast_backward)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddl_jax._src.core.layer_scan import stand_for
 from ddl_jax._src.core.model_loss import AnyLoss, ModelLoss, call_loss
 from ddl_jax._src.core.strategy import check_real
 
@@ -173,6 +174,12 @@ def mixed_precision(
     ``LayerNorm`` and ``RMSNorm`` at ``dtype=None`` return bfloat16 here (their input and
     scale are cast).
 
+    Under ``ddl.fsdp`` with layers run by ``ddl.layers.scan_layers`` (gathered one at a
+    time), each cast stacked leaf stands for its shard, so the layers are still found and
+    gathered one at a time, in ``compute_dtype``; their gradient's reduce-scatter sums in
+    float32 with ``fsdp(gather_dtype=compute_dtype)`` (in ``compute_dtype`` without it),
+    and comes back rounded to ``compute_dtype`` (the cast comes before the gather).
+
     Reduction precision is the strategy's choice, independent of this one: with
     ``ddl.data_parallel`` or ``ddl.local_sgd`` pass ``reducer=ddl.compression.cast(dtype)``
     to send gradients as ``dtype`` (summed in float32); ``ddl.fsdp`` takes
@@ -234,10 +241,11 @@ def mixed_precision(
     scale = 1.0 if loss_scale is None else _check_loss_scale(loss_scale, dtype)
 
     def low(params, batch):
-        """The parameters and batch as the loss computes with them."""
-        if scale != 1.0:
-            params = _shrink_cotangent(params, scale)
-        return _cast_floating(params, dtype), _cast_floating(batch, dtype) if cast_batch else batch
+        """The parameters and batch as the loss computes with them (each cast parameter
+        standing for its leaf: ``ddl.fsdp`` finds the layers ``scan_layers`` gets)."""
+        cast = _cast_floating(params if scale == 1.0 else _shrink_cotangent(params, scale), dtype)
+        stand_for(cast, params)
+        return cast, _cast_floating(batch, dtype) if cast_batch else batch
 
     def high(out):
         """The loss output back in float32 (at least), its gradient scaled on the way in."""
