@@ -7,7 +7,9 @@ compiled step's ``memory_analysis``: its arguments (state and batch), temporarie
 its buffers (arguments, outputs and temporaries) per device, for ``data_parallel``,
 ``fsdp(stage=3, reshard_after_forward=False)`` (every parameter gathered once per step)
 and ``fsdp(stage=3)`` (each layer gathered just before its use, forward and backward), and
-the temporaries against the whole parameters' bytes; from the HLO, the all-gathers per step
+the temporaries against the whole parameters' bytes (the last also in bfloat16: the loss
+under ``ddl.mixed_precision``, the parameters gathered as bfloat16, ``gather_dtype``); from
+the HLO, the all-gathers per step
 (each buffer of a combined op counted) and the step's collectives priced on TPU v4 ICI by
 ``ddl.sim``. (XLA:CPU's buffer assignment may
 place a temporary in an output buffer not yet written: the sum of all buffers bounds what
@@ -89,6 +91,13 @@ def main() -> None:
                 loss, optax.adam(1e-3), mesh, stage=3, reshard_after_forward=False
             ),
             "fsdp stage 3, layer by layer": ddl.fsdp(loss, optax.adam(1e-3), mesh, stage=3),
+            "fsdp stage 3, layer by layer, bfloat16": ddl.fsdp(
+                ddl.mixed_precision(loss, jnp.bfloat16),
+                optax.adam(1e-3),
+                mesh,
+                stage=3,
+                gather_dtype=jnp.bfloat16,
+            ),
         }
         for name, strategy in strategies.items():
             state = strategy.init(params)
