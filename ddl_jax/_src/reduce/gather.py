@@ -1,5 +1,5 @@
 """FSDP's parameter gathers in fewer bytes: ZeRO++'s qwZ (int8 codes), and a cast
-(bfloat16, PyTorch FSDP's ``MixedPrecision(param_dtype=...)`` gather).
+(bfloat16: PyTorch FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` gather).
 
 Quantised: ZeRO++'s qwZ, an int8 all-gather of FSDP's parameter shards.
 
@@ -93,9 +93,9 @@ def cast_all_gather(x: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> jax.
     ``dtype``. Its transpose reduce-scatters the cotangent in ``x.dtype`` (float32 at
     least: a shard the loss cast to bfloat16 first, ``ddl.mixed_precision`` inside
     ``scan_layers``, has its gradient summed in float32), as that policy's ``reduce_dtype``
-    left unset reduces in the parameters' original dtype. The values
-    travel as unsigned integers of their width (``wire.to_bits``): XLA:CPU widens a 16-bit
-    float all-gather to float32."""
+    left unset reduces in the parameters' original dtype. The values travel as unsigned
+    integers of their width (``wire.to_bits``): XLA:CPU widens a 16-bit float all-gather
+    to float32."""
     bits = lax.all_gather(wire.to_bits(x.astype(dtype)), axis, axis=dim, tiled=True)
     return wire.from_bits(bits, dtype)
 
