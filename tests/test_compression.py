@@ -550,6 +550,11 @@ def test_power_sgd_refuses_a_tree_without_a_matrix():
         (lambda: sign(padding=None), "sign: padding must be 'deepspeed' or 'none', got None"),
         (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),
         (lambda: cast(jnp.float64), "dtype must be a floating dtype of at most 4 bytes"),
+        (lambda: cast(jnp.float8_e4m3fn), "cast: dtype float8_e4m3fn is 8 bits: .*0.002.*qsgd"),
+        (
+            lambda: ddl.compression.scatter_cast(jnp.float8_e5m2),
+            "scatter_cast: dtype float8_e5m2 is 8 bits: .*scatter_qsgd",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(build, match):

@@ -45,6 +45,19 @@ class CastState(NamedTuple):
     compression_ratio: jax.Array
 
 
+def check_not_float8(name: str, dtype: jnp.dtype, instead: str) -> None:
+    """The casts refuse float8 (and narrower): unscaled, a gradient's entries flush to zero
+    (e4m3fn's smallest subnormal is 2**-9, about 0.002; e5m2's 2**-16)."""
+    if dtype.itemsize < 2:
+        info = jnp.finfo(dtype)
+        tiny = float(info.smallest_subnormal)
+        raise ValueError(
+            f"{name}: dtype {dtype} is {info.bits} bits: cast unscaled, a gradient's entries below "
+            f"{tiny:.2g} (its smallest subnormal) flush to zero; send 8 bits with a scale per "
+            f"bucket instead: {instead}."
+        )
+
+
 def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTransformation:
     """Averages gradients sent as ``dtype`` (bf16 / fp16) and accumulated in float32.
 
@@ -61,9 +74,9 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
       Micikevicius et al., "Mixed precision training", ICLR 2018, arXiv:1710.03740.
 
     Args:
-      dtype: floating dtype on the wire, at most 4 bytes (``jnp.bfloat16``,
-        ``jnp.float16``, which overflows to inf past 65504: there is no loss scaling here;
-        ``jnp.float32`` is the uncompressed mean).
+      dtype: floating dtype on the wire, 2 or 4 bytes (``jnp.bfloat16``, ``jnp.float16``,
+        which overflows to inf past 65504: there is no loss scaling here; ``jnp.float32``
+        is the uncompressed mean). float8 is refused: unscaled, gradients flush to zero.
       axis: the mesh axis the workers live on.
 
     Returns:
@@ -94,6 +107,8 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
             f"cast: dtype must be a floating dtype of at most 4 bytes (bfloat16, float16, "
             f"float32), got {dtype}."
         )
+    check_not_float8("cast", dtype, "ddl.compression.qsgd(127) (or 4 bits a block with "
+                     "ddl.compression.cast_e3m0())")  # fmt: skip
 
     def init(params) -> CastState:
         del params

@@ -24,7 +24,7 @@ from ddl_jax._src.core.reducer import ScatterReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import check_axis_name, dequantise, quantise
+from ddl_jax._src.reduce.quantise import check_axis_name, check_not_float8, dequantise, quantise
 
 
 class ScatterState(NamedTuple):
@@ -65,7 +65,8 @@ def scatter_cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> ScatterRed
     backends, CPU among them). ``bfloat16`` halves the bytes of a float32 reduce-scatter.
 
     Args:
-      dtype: floating dtype on the wire, at most 4 bytes.
+      dtype: floating dtype on the wire, 2 or 4 bytes (float8 is refused: unscaled,
+        gradients flush to zero).
       axis: the mesh axis the workers live on.
     """
     check_axis_name("scatter_cast", axis)
@@ -75,6 +76,7 @@ def scatter_cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> ScatterRed
             f"scatter_cast: dtype must be a floating dtype of at most 4 bytes (bfloat16, "
             f"float16, float32), got {dtype}."
         )
+    check_not_float8("scatter_cast", dtype, "ddl.compression.scatter_qsgd(127)")
 
     def update(chunks, state, params=None):
         del params
