@@ -45,17 +45,27 @@ class CastState(NamedTuple):
     compression_ratio: jax.Array
 
 
-def check_not_float8(name: str, dtype: jnp.dtype, instead: str) -> None:
-    """The casts refuse float8 (and narrower): unscaled, a gradient's entries flush to zero
-    (e4m3fn's smallest subnormal is 2**-9, about 0.002; e5m2's 2**-16)."""
+def check_wire_dtype(name: str, dtype: Any, instead: str) -> jnp.dtype:
+    """``dtype`` as a cast sends it: floating, 2 or 4 bytes. float8 (and narrower) is
+    refused: unscaled, a gradient's entries flush to zero (e4m3fn's smallest subnormal is
+    2**-9, about 0.002; e5m2's 2**-16); ``instead`` names a scaled reducer."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as err:
+        raise TypeError(f"{name}: dtype must be a floating dtype, got {dtype!r}.") from err
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
+        raise ValueError(
+            f"{name}: dtype must be a floating dtype of at most 4 bytes (bfloat16, float16, "
+            f"float32), got {dtype}."
+        )
     if dtype.itemsize < 2:
         info = jnp.finfo(dtype)
-        tiny = float(info.smallest_subnormal)
         raise ValueError(
-            f"{name}: dtype {dtype} is {info.bits} bits: cast unscaled, a gradient's entries below "
-            f"{tiny:.2g} (its smallest subnormal) flush to zero; send 8 bits with a scale per "
-            f"bucket instead: {instead}."
+            f"{name}: dtype {dtype} is {info.bits} bits: cast unscaled, a gradient's entries "
+            f"below {float(info.smallest_subnormal):.2g} (its smallest subnormal) flush to "
+            f"zero; send 8 bits with a scale per bucket instead: {instead}."
         )
+    return dtype
 
 
 def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTransformation:
@@ -98,17 +108,8 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
       [1. 1. 1.]
     """
     check_axis_name("cast", axis)
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError as err:
-        raise TypeError(f"cast: dtype must be a floating dtype, got {dtype!r}.") from err
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
-        raise ValueError(
-            f"cast: dtype must be a floating dtype of at most 4 bytes (bfloat16, float16, "
-            f"float32), got {dtype}."
-        )
-    check_not_float8("cast", dtype, "ddl.compression.qsgd(127) (or 4 bits a block with "
-                     "ddl.compression.cast_e3m0())")  # fmt: skip
+    dtype = check_wire_dtype("cast", dtype, "ddl.compression.qsgd(127) (or 4 bits a block "
+                             "with ddl.compression.cast_e3m0())")  # fmt: skip
 
     def init(params) -> CastState:
         del params

@@ -24,7 +24,7 @@ from ddl_jax._src.core.reducer import ScatterReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import check_axis_name, check_not_float8, dequantise, quantise
+from ddl_jax._src.reduce.quantise import check_axis_name, check_wire_dtype, dequantise, quantise
 
 
 class ScatterState(NamedTuple):
@@ -70,13 +70,7 @@ def scatter_cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> ScatterRed
       axis: the mesh axis the workers live on.
     """
     check_axis_name("scatter_cast", axis)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
-        raise ValueError(
-            f"scatter_cast: dtype must be a floating dtype of at most 4 bytes (bfloat16, "
-            f"float16, float32), got {dtype}."
-        )
-    check_not_float8("scatter_cast", dtype, "ddl.compression.scatter_qsgd(127)")
+    dtype = check_wire_dtype("scatter_cast", dtype, "ddl.compression.scatter_qsgd(127)")
 
     def update(chunks, state, params=None):
         del params

@@ -64,46 +64,30 @@ def _like(new: Any, old: Any) -> Any:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _grow_cotangent(loss: jax.Array, scale: float) -> jax.Array:
-    """``loss``, whose gradient reaches the computation below it ``scale`` times larger."""
-    return loss
+def _scale_cotangent(tree: Any, factor: float) -> Any:
+    """``tree``, whose gradient is multiplied by ``factor`` on its way back (a power of two:
+    exact)."""
+    return tree
 
 
-def _grow_fwd(loss, scale):
-    return loss, None
+def _scale_fwd(tree, factor):
+    return tree, None
 
 
-def _grow_bwd(scale, _, cotangent):
-    return (cotangent * scale,)
-
-
-_grow_cotangent.defvjp(_grow_fwd, _grow_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _shrink_cotangent(params: Any, scale: float) -> Any:
-    """``params``, whose gradient is divided by ``scale`` (in the parameters' dtype)."""
-    return params
-
-
-def _shrink_fwd(params, scale):
-    return params, None
-
-
-def _shrink_bwd(scale, _, cotangents):
+def _scale_bwd(factor, _, cotangents):
     # integer leaves' cotangents are float0 and stay as they are
-    return (jax.tree.map(lambda g: g / scale if _is_floating(g) else g, cotangents),)
+    return (jax.tree.map(lambda g: g * factor if _is_floating(g) else g, cotangents),)
 
 
-_shrink_cotangent.defvjp(_shrink_fwd, _shrink_bwd)
+_scale_cotangent.defvjp(_scale_fwd, _scale_bwd)
 
 
 def _scaled(out: Any, scale: float) -> Any:
     """The loss output ``out`` (the loss, or ``(loss, aux)``) with its loss scaled on the way
     back."""
     if isinstance(out, tuple | list) and len(out) == 2:
-        return type(out)((_grow_cotangent(out[0], scale), out[1]))
-    return _grow_cotangent(out, scale)
+        return type(out)((_scale_cotangent(out[0], scale), out[1]))
+    return _scale_cotangent(out, scale)
 
 
 def _check_loss_scale(loss_scale: Any, dtype: jnp.dtype) -> float:
@@ -243,7 +227,8 @@ def mixed_precision(
     def low(params, batch):
         """The parameters and batch as the loss computes with them (each cast parameter
         standing for its leaf: ``ddl.fsdp`` finds the layers ``scan_layers`` gets)."""
-        cast = _cast_floating(params if scale == 1.0 else _shrink_cotangent(params, scale), dtype)
+        scaled = params if scale == 1.0 else _scale_cotangent(params, 1 / scale)
+        cast = _cast_floating(scaled, dtype)
         stand_for(cast, params)
         return cast, _cast_floating(batch, dtype) if cast_batch else batch
 
