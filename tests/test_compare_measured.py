@@ -407,14 +407,37 @@ def test_a_strategy_whose_measured_run_fails_leaves_the_others_measured(
     assert "| local:4 | failed: measure: rank 1 of `train` was killed" in report.markdown(results)
 
 
+@pytest.mark.parametrize(
+    ("pairs", "two_way"),
+    [
+        (((0, 1), (1, 0)), True),  # a ring of 2
+        (((0, 1), (1, 0), (2, 3), (3, 2)), True),  # NoLoCo's pairs
+        (((0, 1), (1, 2), (2, 3), (3, 0)), False),  # a ring of 4
+        (((0, 1),), False),
+        (((0, 0), (1, 1)), False),  # each device its own
+    ],
+)
+def test_a_permute_exchanges_both_ways_where_two_devices_send_to_each_other(pairs, two_way):
+    from ddl_jax import sim
+    from ddl_jax.compare import run
+
+    permute = sim.CollectiveOp("collective-permute", 8, 3, 2, (8.0,) * 4, 1, "", groups=pairs)
+    both = sim.CollectiveOp("all-reduce", 8, 1, 4, (12.0,) * 4, 6, "", groups=((0, 1, 2, 3),))
+    assert run.two_way(permute) is two_way and not run.two_way(both)
+    terms = run._terms((permute, both), "")
+    assert terms["busy_bytes"] == 3 * 8 + 12
+    assert terms["exchanged_bytes"] == (3 * 8 if two_way else 0)
+
+
 def test_saved_runs_are_priced_again_as_they_were_measured(tmp_path, monkeypatch):
     """``reprice`` recomputes, from a results.json's own sweep, probe and timings, what
     ``measure`` wrote: the same numbers while the model is the same, and a faster probe
     gives less compute to every strategy."""
     from ddl_jax import sim
+    from ddl_jax.compare.report import markdown
     from ddl_jax.compare.run import run_compare
 
-    settings = {"strategies": "sync,local:4", "steps": 8, "eval_every": 4, "target": 0.3,
+    settings = {"strategies": "sync,local:4,ring", "steps": 8, "eval_every": 4, "target": 0.3,
                 "devices": 2, "out": str(tmp_path)}  # fmt: skip
     results = run_compare(make_config(settings))
     truth = sim.Network(bandwidth=1e8, latency=60e-6, overhead=20e-6)
@@ -425,7 +448,7 @@ def test_saved_runs_are_priced_again_as_they_were_measured(tmp_path, monkeypatch
              for c, o, b in shapes]  # fmt: skip
     probe = {"seconds": 2e-3, "flops": 1e6, "bytes": 1e5, "rounds": 2, "calls": 2, "ops": 1,
              "op_buffers": 1, "busy_bytes": 4.0}  # fmt: skip
-    timings = {"sync": 0.5, "local:4": 0.25}
+    timings = {"sync": 0.5, "local:4": 0.25, "ring": 0.5}
 
     def run_worker(cluster, args, timeout):
         if args[0] == "sweep":
@@ -444,6 +467,17 @@ def test_saved_runs_are_priced_again_as_they_were_measured(tmp_path, monkeypatch
         assert priced["measured"].keys() == run["measured"].keys()
         for key in ("seconds", "error", "calibrated_seconds", "calibrated_error"):
             assert priced["measured"][key] == pytest.approx(run["measured"][key], rel=1e-12)
+    # a ring of 2 exchanges its chunks both ways: priced also with them sent in turn
+    sync, local, ring = results["runs"]
+    assert sync["comm_exchanged_bytes_per_step"] == local["comm_exchanged_bytes_per_event"] == 0
+    assert "in_turn_error" not in sync["measured"] | local["measured"]
+    exchanged = ring["comm_exchanged_bytes_per_step"]
+    assert 0.9 * ring["comm_busy_bytes_per_step"] < exchanged <= ring["comm_busy_bytes_per_step"]
+    m = ring["measured"]
+    in_turn = m["calibrated_seconds"] + ring["steps_to_target"] * exchanged / fitted.bandwidth
+    assert m["in_turn_seconds"] == pytest.approx(in_turn)
+    assert m["in_turn_error"] == pytest.approx(in_turn / m["seconds"] - 1)
+    assert f"{m['calibrated_error']:+.0%}, in turn {m['in_turn_error']:+.0%} |" in markdown(results)
     assert again["measured"]["compute_scale"] == pytest.approx(results["measured"]["compute_scale"])
     results["measured"]["probe"]["seconds"] = 1e-3  # the same steps, half the compute
     faster = measured.reprice(results)

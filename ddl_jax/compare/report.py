@@ -177,8 +177,17 @@ def _measured(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {r['strategy']} | {x['steps']} | {_seconds(x['seconds'])} | {x['metric']:.4g} | "
             f"{_seconds(x['simulated_seconds'])} | {x['error']:+.0%} | "
-            f"{_seconds(x['calibrated_seconds'])} | {x['calibrated_error']:+.0%} |"
+            f"{_seconds(x['calibrated_seconds'])} | {x['calibrated_error']:+.0%}"
+            + (f", in turn {x['in_turn_error']:+.0%} |" if "in_turn_error" in x else " |")
         )
+    if any("in_turn_error" in r.get("measured", {}) for r in results["runs"]):
+        lines += [
+            "",
+            "In turn: the strategy's permutes exchange both ways between two processes, "
+            "priced as sent both ways at once and, after the comma, in turn: XLA:CPU's gloo "
+            "sent such an exchange between 2 processes at 0.5 to 1 times the rate both ways "
+            "at once, by what crossed the link before it (`benchmarks/gloo_permutes.py`).",
+        ]
     return lines
 
 
@@ -216,6 +225,14 @@ def time_to_target(
     if run.get("fetches_to_target") is not None:  # a parameter server's fetches
         total += run["fetches_to_target"] * seconds("fetch")
     return total
+
+
+def exchanged_bytes_to_target(run: dict[str, Any]) -> float:
+    """The bytes ``run``'s busiest device sends until the target in permutes that exchange
+    both ways between two devices (``run.two_way``; 0 in a results.json from before
+    they were counted)."""
+    per = lambda name: run.get(f"comm_exchanged_bytes_per_{name}", 0.0)  # noqa: E731
+    return run["steps_to_target"] * per("step") + run["events_to_target"] * per("event")
 
 
 def crossovers(results: dict[str, Any]) -> list[tuple[str, str]]:

@@ -149,7 +149,7 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
 
 #: The alpha-beta terms of a step's collectives (``_terms``), each kept per step and per
 #: event in a run's record (``comm_<term>_per_step``, ``comm_<term>_per_event``).
-TERMS = ("rounds", "calls", "ops", "op_buffers", "busy_bytes")
+TERMS = ("rounds", "calls", "ops", "op_buffers", "busy_bytes", "exchanged_bytes")
 
 
 def _terms(ops: Any, branch: str) -> dict[str, float]:
@@ -157,7 +157,9 @@ def _terms(ops: Any, branch: str) -> dict[str, float]:
     priced at the latency), collectives (``ops``, at the overhead) and the busiest
     device's bytes (at the bandwidth), so that their seconds on any network are
     ``ops * overhead + rounds * latency + busy_bytes / bandwidth``; ``calls`` and
-    ``op_buffers`` count a combined op's buffers apart, as XLA:CPU's gloo sends them."""
+    ``op_buffers`` count a combined op's buffers apart, as XLA:CPU's gloo sends them;
+    ``exchanged_bytes``, the part of ``busy_bytes`` in permutes that exchange both ways
+    between two devices (``two_way``), priced at the bandwidth both ways at once."""
     mine = [op for op in ops if op.branch == branch]
     return {
         "rounds": float(sum(op.count * op.rounds for op in mine)),
@@ -165,7 +167,16 @@ def _terms(ops: Any, branch: str) -> dict[str, float]:
         "ops": float(sum(op.count for op in mine)),
         "op_buffers": float(sum(op.count * op.buffers for op in mine)),
         "busy_bytes": float(sum(op.count * max(op.sent) for op in mine)),
+        "exchanged_bytes": float(sum(op.count * max(op.sent) for op in mine if two_way(op))),
     }
+
+
+def two_way(op: Any) -> bool:
+    """Whether ``op`` is a permute in which two devices send to each other (a ring of 2,
+    NoLoCo's pairs). Between 2 processes XLA:CPU's gloo sent such an exchange in turn,
+    at 0.5 to 1 times the all-reduces' rate (``benchmarks/gloo_permutes.py``)."""
+    pairs = {(s, t) for s, t in op.groups if s != t} if op.kind == "collective-permute" else set()
+    return any((t, s) in pairs for s, t in pairs)
 
 
 def _curves(
@@ -218,7 +229,7 @@ def _server_comm(param_bytes: int, workers: int, network: sim.Network) -> dict[s
     server sends them back at a fetch, and its link carries one message after another."""
     seconds = network.overhead + network.latency + param_bytes / network.bandwidth
     message = {"rounds": 1.0, "calls": 1.0, "ops": 1.0, "op_buffers": 1.0,
-               "busy_bytes": float(param_bytes)}  # fmt: skip
+               "busy_bytes": float(param_bytes), "exchanged_bytes": 0.0}  # fmt: skip
     return {
         "bytes": 0.0,
         "seconds": 0.0,
