@@ -361,7 +361,10 @@ def _compare_parser(sub: Any) -> None:
     )
     p.add_argument("--eval-every", help="steps between evaluations (default steps / 20)")
     p.add_argument("--out", help="output directory (default compare-results)")
-    p.add_argument("--tensorboard", help="directory for TensorBoard logs, a run per strategy")
+    p.add_argument(
+        "--tensorboard",
+        help="directory for TensorBoard logs, a run per strategy (replaced when run again)",
+    )
     p.add_argument(
         "--measure",
         action="store_const",

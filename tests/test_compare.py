@@ -594,6 +594,19 @@ def test_async_is_priced_as_a_parameter_server_and_times_reprice_on_any_network(
         assert list((tensorboard / name).glob("events.out.tfevents.*")), name
 
 
+def test_a_tensorboard_folder_used_again_holds_one_run_a_strategy(tmp_path):
+    """A compare run again into the same --tensorboard replaces its strategies' event files
+    (TensorBoard drew both runs' curves as one run); other runs in the folder stay."""
+    tensorboard = tmp_path / "tb"
+    theirs = tensorboard / "their_run" / "events.out.tfevents.1.host"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"")
+    for _ in range(2):
+        _run(tmp_path, "--strategies", "sync", "--steps", "2", "--tensorboard", str(tensorboard))
+    assert len(list((tensorboard / "sync").glob("events.out.tfevents.*"))) == 1
+    assert theirs.exists()
+
+
 def test_async_with_a_staleness_rule_scales_the_servers_step(tmp_path):
     """64 workers: pushes about 63 updates stale (softsync(4)'s groups about 16). Plain
     async and softsync with Adam do not learn; with Zhang et al.'s lr / tau

@@ -49,8 +49,9 @@ class Config:
         (``None``: the workload's default).
       eval_every: steps between evaluations (``None``: about 20 per run).
       out: directory of ``results.json``, ``results.md`` and the figures.
-      tensorboard: a directory for TensorBoard event files, one run per strategy
-        (``None``: none).
+      tensorboard: a directory for TensorBoard event files, one run per strategy, in
+        ``<tensorboard>/<strategy>`` (a run again replaces its event files there; other
+        files stay) (``None``: none).
       measure: also run each strategy as ``devices`` real processes (one device each)
         and time it to the target, next to its simulated time (``measured``).
       emulate: the processes' network, ``"RATE[,DELAY]"`` (``"100mbit"``,
