@@ -143,9 +143,9 @@ def _calibrated(
 ) -> dict[str, float]:
     """``run``'s calibrated time to target (the fitted network, its compute scaled) and its
     error against the measured ``seconds``; where its permutes exchange both ways between
-    two devices, also priced with those bytes sent in turn (``in_turn_*``): XLA:CPU's gloo
-    sent them so between 2 processes, at 0.5 to 1 times the rate both ways at once that
-    the model prices, and that range brackets the measured time."""
+    two devices, also priced with those bytes sent in turn (``in_turn_*``), as XLA:CPU's
+    gloo sent them between 2 processes after some traffic and both ways at once after
+    other (``run.two_way``)."""
     scaled = {**run, "compute_seconds_to_target": run["compute_seconds_to_target"] * scale}
     calibrated = compare_report.time_to_target(
         scaled, fitted.bandwidth, fitted.latency, overhead=fitted.overhead, per_buffer=per_buffer
