@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches, worker_shards
+from conftest import assert_trees_equal_to_rounding, make_batches, worker_shards
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -147,9 +147,10 @@ def test_complete_graph_agrees_only_when_nothing_is_dropped(mlp, capsys):
             )
 
 
-def test_nothing_lost_is_bitwise_the_reliable_path(mlp):
+def test_nothing_lost_is_the_reliable_path(mlp):
     """drop > 0 that loses no message takes the masked path; it computes what the reliable
-    path computes, bit for bit (and drop = churn = 0 is the reliable path itself)."""
+    path computes, to the rounding of a sum in another order (the two compiled apart), and
+    drop = churn = 0 is the reliable path itself, bit for bit."""
     loss_fn, params = mlp
     mesh, batches = ddl.make_mesh(data=8), make_batches(2, 32)
     results = []
@@ -161,8 +162,9 @@ def test_nothing_lost_is_bitwise_the_reliable_path(mlp):
             assert np.asarray(present).all() and np.asarray(arrives).sum() == 64
             state, _ = step(state, batch)
         results.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
-    for other in results[1:]:
-        chex.assert_trees_all_equal(results[0], other)
+    chex.assert_trees_all_equal(results[0], results[1])
+    for other in results[2:]:
+        assert_trees_equal_to_rounding(results[0], other)
 
 
 def test_masks_are_seeded_by_key_and_step_and_resume(mlp):
