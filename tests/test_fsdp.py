@@ -154,9 +154,14 @@ def in_shard_map(reducer, chunks, flush=0, repeat=0):
         c = {"w": c[0]}
         state = reducer.init(c)
         total, state = reducer.update(c, state)
-        for again in [jax.tree.map(jnp.zeros_like, c)] * flush + [c] * repeat:
-            out, state = reducer.update(again, state)
-            total = jax.tree.map(jnp.add, total, out)
+        # The later calls in a loop, not unrolled: one compiled update, not up to 16.
+        for again, times in ((jax.tree.map(jnp.zeros_like, c), flush), (c, repeat)):
+
+            def call(_, carry, again=again):
+                out, state = reducer.update(again, carry[1])
+                return jax.tree.map(jnp.add, carry[0], out), state
+
+            total, state = jax.lax.fori_loop(0, times, call, (total, state))
         return total["w"][None]
 
     program = jax.shard_map(worker, mesh=mesh, in_specs=P("data"), out_specs=P("data"))

@@ -116,18 +116,25 @@ def test_defaults_follow_the_authors_outer_step_on_fixed_matchings(mlp, monkeypa
     assert np.linalg.norm(flat - flat.mean(0), axis=1).mean() > 1e-3  # pairs, not all, agree
 
 
+DRAWN_PERIOD = 3
+
+
+def drawn_noloco(loss_fn, n):
+    """The noloco of the drawn-matching tests: at n = 8 its step is one compiled program
+    (noloco's slowest to compile), shared through the compile cache."""
+    outer = optax.sgd(0.5, momentum=0.3)
+    mesh = ddl.make_mesh(data=n)
+    return ddl.noloco(loss_fn, optax.sgd(LR), mesh, period=DRAWN_PERIOD, outer_optimizer=outer)
+
+
 @pytest.mark.parametrize("n", [8, 3])
 def test_drawn_matchings_follow_the_authors_outer_step(mlp, n):
     """Unpatched: the matchings noloco draws, read back by draw_pairing, fed to the
     reference; a non-default outer optimizer of the same form. Odd n (which the authors'
     code rejects): the worker left alone is a group of one."""
     loss_fn, params = mlp
-    period = 3
     batches = make_batches(6, 8 * n)
-    outer = optax.sgd(0.5, momentum=0.3)
-    strategy = ddl.noloco(
-        loss_fn, optax.sgd(LR), ddl.make_mesh(data=n), period=period, outer_optimizer=outer
-    )
+    strategy = drawn_noloco(loss_fn, n)
     state, step = strategy.init(params), jax.jit(strategy.step)
     key = np.asarray(state.model.key)
     for batch in batches:
@@ -137,7 +144,7 @@ def test_drawn_matchings_follow_the_authors_outer_step(mlp, n):
         peer = [int(p) for p in draw_pairing(key, t, n)]
         return [(i, p) if i < p else (i,) for i, p in enumerate(peer) if i <= p]
 
-    expected = reference(loss_fn, params, batches, n, period, groups_at, 0.5, 0.3)
+    expected = reference(loss_fn, params, batches, n, DRAWN_PERIOD, groups_at, 0.5, 0.3)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, state.params), expected, atol=2e-5)
 
 
@@ -162,14 +169,16 @@ def test_matchings_are_uniform_over_perfect_matchings(n):
 
 def test_one_matching_on_every_worker(mlp):
     """Every worker takes the same draw: after one outer step from equal weights with
-    anchor pull, paired workers hold equal weights and the pairs are a perfect matching."""
+    anchor pull, paired workers hold equal weights and the pairs are a perfect matching.
+    (The drawn-matching test's strategy: its compiled step serves both.)"""
     loss_fn, params = mlp
     n = 8
-    strategy = ddl.noloco(loss_fn, optax.sgd(LR), ddl.make_mesh(data=n), period=1)
-    state = strategy.init(params)
+    strategy = drawn_noloco(loss_fn, n)
+    state, step = strategy.init(params), jax.jit(strategy.step)
     key = np.asarray(state.model.key)
-    state, _ = jax.jit(strategy.step)(state, make_batches(1, 8 * n)[0])
-    peer = [int(p) for p in draw_pairing(key, 0, n)]
+    for batch in make_batches(DRAWN_PERIOD, 8 * n):  # workers apart until the outer step
+        state, _ = step(state, batch)
+    peer = [int(p) for p in draw_pairing(key, DRAWN_PERIOD - 1, n)]
     assert sorted(peer) == list(range(n)) and all(peer[peer[i]] == i != peer[i] for i in range(n))
     for x in jax.tree.leaves(state.params):
         np.testing.assert_allclose(np.asarray(x), np.asarray(x)[peer], atol=1e-6)
