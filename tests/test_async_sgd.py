@@ -339,8 +339,9 @@ def test_ssp_cached_reads_are_staler_than_fresh_ones(mlp, random_times_run):
 
 
 def test_same_seed_same_trajectory_other_seed_another(mlp, random_times_run):
-    first, again = random_times_run(mlp, ssp(2), 5), random_times_run(mlp, ssp(2), 5)
-    other = random_times_run(mlp, ssp(2), 6)
+    # ssp(1): the step the test above compiled, run from other seeds
+    first, again = random_times_run(mlp, ssp(1), 5), random_times_run(mlp, ssp(1), 5)
+    other = random_times_run(mlp, ssp(1), 6)
     assert first == again
     assert [h["wall_clock"] for h in first] != [h["wall_clock"] for h in other]
 

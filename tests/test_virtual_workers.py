@@ -143,9 +143,17 @@ def _async(case, optimizer=None, **kwargs):
     return build
 
 
-def _run(devices, build, pair=mlp_pair, steps=6):
+@functools.cache
+def _built(devices, build, pair):
+    """``build`` on ``devices`` for ``pair``, made once: the runs of one strategy and the
+    bytes read from its step share one traced and compiled program (JAX caches them by
+    the step function, and ``jax.jit`` with the same arguments finds them)."""
     loss_fn, params = pair()
-    strategy = build(loss_fn, _mesh(devices))
+    return build(loss_fn, _mesh(devices)), params
+
+
+def _run(devices, build, pair=mlp_pair, steps=6):
+    strategy, params = _built(devices, build, pair)
     state, history = train_steps(strategy, params, make_batches(steps, 32, seed=3))
     return strategy.params(state), history
 
@@ -169,27 +177,30 @@ def _one_each(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_async_sgd_with_several_workers_a_device_is_the_run_of_one_each(case):
-    for devices in (4, 2):
-        got = _run(devices, _async(case))
-        _check_same(got, _one_each(case))
-        assert max(h["pushes"] for h in got[1]) > 1  # events happened, several a step
+    # four a device; two a device (the same code: a device's k rows, any k > 1) runs under
+    # the sharded server in test_a_sharded_server_is_the_replicated_one
+    got = _run(2, _async(case))
+    _check_same(got, _one_each(case))
+    assert max(h["pushes"] for h in got[1]) > 1  # events happened, several a step
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_sharded_server_is_the_replicated_one(case):
     expected = _one_each(case)
-    for devices in (W, 2):  # one worker a device, and four
+    for devices in (W, 4):  # one worker a device, and two
         _check_same(_run(devices, _async(case, server="sharded")), expected)
 
 
 def test_a_sharded_server_with_adam_momentum_and_model_state_is_the_replicated_one():
-    # Adam and momentum keep their state per shard, as on the whole model
-    for optimizer in (optax.adam(1e-2), optax.sgd(0.1, momentum=0.9)):
-        build = _async("softsync_2", optimizer)
-        _check_same(_run(2, _async("softsync_2", optimizer, server="sharded")), _run(W, build))
-    # the model state (batch norm) stays replicated and travels with the pushes (SGD: see
+    # Adam keeps its state per shard, as on the whole model
+    adam = optax.adam(1e-2)
+    sharded, build = _async("softsync_2", adam, server="sharded"), _async("softsync_2", adam)
+    _check_same(_run(2, sharded), _run(W, build))
+    # so does momentum, here in the runs that show the model state (batch norm) staying
+    # replicated and travelling with the pushes (not Adam: see
     # test_model_state_and_dropout_keys_travel_as_with_one_worker_a_device)
-    sharded, build = _async("softsync_2", server="sharded"), _async("softsync_2")
+    sgd = optax.sgd(0.1, momentum=0.9)
+    sharded, build = _async("softsync_2", sgd, server="sharded"), _async("softsync_2", sgd)
     _check_same(_run(2, sharded, pair=bn_dropout_pair), _run(W, build, pair=bn_dropout_pair))
 
 
@@ -232,10 +243,11 @@ def test_synchronous_strategies_with_several_workers_a_device_are_the_run_of_one
 
 
 def _collectives(devices, build):
-    loss_fn, params = mlp_pair()
-    strategy = build(loss_fn, _mesh(devices))
+    strategy, params = _built(devices, build, mlp_pair)
     batch = make_batches(1, 32, seed=3)[0]
-    stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
+    # jitted as train_steps jits it: the program the test above runs, compiled once
+    step = jax.jit(strategy.step, donate_argnums=0)
+    stats = ddl.comm_stats(step, strategy.init(params), batch)
     return ddl.sim.per_worker(stats, W // devices)
 
 
@@ -293,21 +305,19 @@ def test_several_workers_a_device_compile_once_and_resume_bitwise(name, tmp_path
     builds = {"async": _async("async"), "async_sharded": _async("async", server="sharded")}
     build = builds.get(name) or SYNCHRONOUS[name]
     loss_fn, params = bn_dropout_pair()  # the model state and the keys resume too
-    strategy = build(loss_fn, _mesh(2))
-    batches = make_batches(6, 32, seed=3)
-    whole, _ = ddl.fit(strategy, params, batches, steps=6, progress=False)
-    args = {"checkpoint_dir": tmp_path, "progress": False}
-    ddl.fit(strategy, params, batches, steps=3, checkpoint_every=3, **args)
-    resumed, _ = ddl.fit(strategy, params, batches, steps=6, **args)
-    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
-        np.testing.assert_array_equal(a, b)
-    traces = []
+    strategy, traces = build(loss_fn, _mesh(2)), []
 
-    def counted(state, batch):
+    def step(state, batch):  # the strategy's step, counting fit's traces of it
         traces.append(1)
         return strategy.step(state, batch)
 
-    step, state = jax.jit(counted), strategy.init(params)
-    for batch in batches:
-        state, _ = step(state, batch)
-    assert len(traces) == 1
+    counted = strategy._replace(step=step)
+    batches = make_batches(6, 32, seed=3)
+    whole, _ = ddl.fit(counted, params, batches, steps=6, progress=False)
+    assert len(traces) == 1  # six steps from the initial state, one program
+    args = {"checkpoint_dir": tmp_path, "progress": False}
+    ddl.fit(counted, params, batches, steps=3, checkpoint_every=3, **args)
+    resumed, _ = ddl.fit(counted, params, batches, steps=6, **args)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(traces) == 1  # and the same program from the restored state
