@@ -667,9 +667,10 @@ def run_compare(config: Config, workload: Workload | None = None) -> dict[str, A
     for stale in set((Path(config.out) / "logs").glob("*.jsonl")) - ours:  # an earlier run's
         if _is_strategy_log(stale):  # a file of the user's stays
             stale.unlink()
-    for spec in config.strategies if config.tensorboard is not None else ():
-        for stale in Path(_tensorboard_dir(config, spec)).glob("events.out.tfevents.*"):
-            stale.unlink()  # an earlier run's curves of this strategy, drawn over its own
+    if config.tensorboard is not None:  # an earlier run's curves, drawn over this run's
+        for spec in config.strategies:
+            for stale in Path(_tensorboard_dir(config, spec)).glob("events.out.tfevents.*"):
+                stale.unlink()
     asynchronous = any(FAMILIES[s.family].asynchronous for s in config.strategies)
     gradient_s = _gradient_seconds(workload, mesh, config) if asynchronous else 0.0
     started = time.perf_counter()
