@@ -22,9 +22,12 @@ from collections.abc import Iterator
 import numpy as np
 
 #: A rank is named a straggler when its host seconds per step (mean) exceed every other
-#: rank's by this factor and by ``STRAGGLER_MIN_SECONDS``: a clear margin, not noise.
+#: rank's by this factor, by ``STRAGGLER_MIN_SECONDS``, and by ``STRAGGLER_STEP_SHARE`` of
+#: the step (the median of the ranks' median steps): a clear margin that costs the others a
+#: share of each step, not a loaded machine's noise.
 STRAGGLER_RATIO = 2.0
 STRAGGLER_MIN_SECONDS = 1e-3
+STRAGGLER_STEP_SHARE = 0.1
 
 
 class StepClock:
@@ -97,7 +100,8 @@ def straggler_lines(ranks: np.ndarray) -> list[str]:
     rank, host, waited = int(ranks[slowest, 0]), ranks[slowest, 1], ranks[slowest, 4]
     others = np.delete(ranks, slowest, axis=0)
     busiest = max(others[:, 1], default=0.0)
-    if host > STRAGGLER_RATIO * busiest and host - busiest >= STRAGGLER_MIN_SECONDS:
+    margin = max(STRAGGLER_MIN_SECONDS, STRAGGLER_STEP_SHARE * float(np.median(ranks[:, 5])))
+    if host > STRAGGLER_RATIO * busiest and host - busiest >= margin:
         lines.append(
             f"fit: rank {rank} is the straggler: its host takes {_ms(host)} a step (mean: its "
             f"loader, callbacks, logging; anything but waiting on results), the others' at most "
@@ -109,7 +113,8 @@ def straggler_lines(ranks: np.ndarray) -> list[str]:
         lines.append(
             f"fit: no rank stands out: the busiest host, rank {rank}'s, takes {_ms(host)} a "
             f"step (mean), the others' at most {_ms(busiest)} (a straggler's would exceed "
-            f"theirs {STRAGGLER_RATIO:g}x and by at least {_ms(STRAGGLER_MIN_SECONDS)}). A "
+            f"theirs {STRAGGLER_RATIO:g}x and by at least {_ms(margin)}, the larger of "
+            f"{_ms(STRAGGLER_MIN_SECONDS)} and {STRAGGLER_STEP_SHARE:.0%} of a step). A "
             "rank slow in its device computation (a shared core, a slower accelerator) makes "
             "every rank wait alike and is not told apart by these timings."
         )
