@@ -5,8 +5,9 @@
 Joins the processes (gloo's transport threads idled, as ``compare --measure`` does) and
 times, per size in bytes a device, the median of 9 calls of: an all-reduce, a permute
 round the ring (between 2 processes: both ways), one from process 0 to 1 alone, the ring
-all-reduce of ``ddl.collectives`` (its permutes), and that ring after an all-reduce of the
-same bytes. Process 0 prints one JSON line: ``{size: {kind: seconds}}``.
+all-reduce of ``ddl.collectives`` (its permutes), that ring after an all-reduce of the
+same bytes, and the permute round the ring entered by process 0 20 ms after the others
+(timed from its entry). Process 0 prints one JSON line: ``{size: {kind: seconds}}``.
 """
 
 import json
@@ -35,20 +36,36 @@ KINDS = {
         jax.lax.psum(a, "data"), "data"
     ),
 }
+LATE = 0.02  # seconds process 0 enters the last kind's permute after the others
+
+
+def compiled(collective):
+    # the ring's sum agrees across devices but is typed varying
+    body = lambda a: collective(a) * 0.5  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                 check_vma=False))  # fmt: skip
+
+
+def sharded(size):
+    local = np.ones((1, size // 4), np.float32)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+
+
+barrier, flag = compiled(KINDS["all-reduce"]), sharded(4)
 results = {}
 for size in map(int, sizes.split(",")):
-    local = np.ones((1, size // 4), np.float32)
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+    x = sharded(size)
     results[size] = {}
-    for kind, collective in KINDS.items():
-        # the ring's sum agrees across devices but is typed varying
-        body = lambda a, c=collective: c(a) * 0.5  # noqa: E731
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                                   check_vma=False))  # fmt: skip
+    for kind, collective in [*KINDS.items(), ("permute round the ring, process 0 late", None)]:
+        late = collective is None
+        fn = compiled(KINDS["permute round the ring"] if late else collective)
         jax.block_until_ready(fn(x))
         times = []
         for _ in range(9):
-            tick = time.perf_counter()
+            if late:  # the processes leave a scalar all-reduce together; process 0 waits
+                jax.block_until_ready(barrier(flag))
+                time.sleep(LATE if rank == 0 else 0.0)
+            tick = time.perf_counter()  # process 0's clock: from its own entry
             jax.block_until_ready(fn(x))
             times.append(time.perf_counter() - tick)
         results[size][kind] = statistics.median(times)

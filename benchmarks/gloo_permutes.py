@@ -6,15 +6,26 @@
 N processes, each in its own network namespace behind a ``tc`` token bucket of RATE (as
 ``ddl-jax compare --emulate`` makes them), time per size (bytes a device): an all-reduce,
 a permute round the ring (between 2 processes: both ways between them), a permute from
-process 0 to 1 alone, ``ddl.collectives.ring_allreduce`` (permutes) and that ring after an
-all-reduce of the same bytes, the median of 9 calls each. Prints each one's milliseconds
-and the rate its busiest device sent at (an all-reduce's device sends 2 (N - 1) / N of the
-size). Between 2 processes the permute both ways took twice the one-way time (2 cores, 100
-Mb/s, 256 kB: 44 ms against 22, the all-reduce 23), and so did the ring all-reduce (43.8
-ms); after the all-reduce, the ring took 33 ms more (104 kB: 9 ms more, the all-reduce's
-time): the transport sends an exchange's two directions in turn or at once by what
-crossed the link before it. ``compare --measure`` prices such exchanges both ways at once
-and in turn (``in_turn_error``).
+process 0 to 1 alone, ``ddl.collectives.ring_allreduce`` (permutes), that ring after an
+all-reduce of the same bytes, and the permute round the ring with process 0 entering 20
+ms after the others (timed from its entry), the median of 9 calls each. Prints each one's
+milliseconds and the rate its busiest device sent at (an all-reduce's device sends
+2 (N - 1) / N of the size).
+
+Between 2 processes (2 cores, 100 Mb/s, 256 kB) the permute both ways took twice the
+one-way time (44 ms against 22, the all-reduce 23), and so did the ring all-reduce and
+the permute process 0 entered late; after the all-reduce, the 104 kB ring took the
+all-reduce's own time more (9 ms): both ways at once. Why, from the sources: XLA:CPU's
+gloo permute posts its send before its receive (openxla/xla,
+``xla/backends/cpu/collectives/gloo_communicator.cc``, ``CollectivePermute``), and gloo's
+TCP pair sends data only once the peer has said it is ready to receive, that notice going
+out through the same queue as the data (pytorch/gloo, ``gloo/transport/tcp/pair.cc``:
+``send``, ``recv``, ``handleRemotePendingRecv``). A process entering after its peer's notice
+has arrived sends its whole payload at once, its own notice queued behind it, so the peer
+sends only then: the two directions in turn. They go at once only when both processes
+enter within a notice's trip of each other, as on leaving an all-reduce of the same bytes.
+``compare --measure`` prices such exchanges both ways at once and in turn
+(``in_turn_error``).
 """
 
 import argparse

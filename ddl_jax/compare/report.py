@@ -185,8 +185,8 @@ def _measured(results: dict[str, Any]) -> list[str]:
             "",
             "In turn: the strategy's permutes exchange both ways between two processes, "
             "priced as sent both ways at once and, after the comma, in turn: XLA:CPU's gloo "
-            "sent such an exchange between 2 processes at 0.5 to 1 times the rate both ways "
-            "at once, by what crossed the link before it (`benchmarks/gloo_permutes.py`).",
+            "sends such an exchange between 2 processes in turn, unless both enter it within "
+            "a notice's trip of each other (`benchmarks/gloo_permutes.py`).",
         ]
     return lines
 
