@@ -3,7 +3,8 @@
     python benchmarks/_permutes_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID SIZES
 
 Joins the processes (gloo's transport threads idled, as ``compare --measure`` does) and
-times, per size in bytes a device, the median of 9 calls of: an all-reduce, a permute
+times, per size in bytes a device, the median of 9 calls of: an all-reduce, an all-gather,
+a reduce-scatter, a permute
 round the ring (between 2 processes: both ways), one from process 0 to 1 alone, the ring
 all-reduce of ``ddl.collectives`` (its permutes), that ring after an all-reduce of the
 same bytes, and the permute round the ring entered by process 0 20 ms after the others
@@ -16,6 +17,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,8 +29,18 @@ ddl.launch.initialize(coordinator, n, rank, initialization_timeout=60)
 ddl.launch.idle_gloo_threads()
 mesh = ddl.make_mesh(data=n)
 RING = [(i, (i + 1) % n) for i in range(n)]
+
+
+def reduce_scatter(a):  # the first columns a multiple of n, scattered, tiled back
+    part = jax.lax.psum_scatter(a[:, : a.shape[1] // n * n], "data", scatter_dimension=1,
+                                tiled=True)  # fmt: skip
+    return jnp.resize(part, a.shape)
+
+
 KINDS = {
     "all-reduce": lambda a: jax.lax.psum(a, "data"),
+    "all-gather": lambda a: jax.lax.all_gather(a, "data", axis=1, tiled=True)[:, : a.shape[1]],
+    "reduce-scatter": reduce_scatter,
     "permute round the ring": lambda a: jax.lax.ppermute(a, "data", RING),
     "permute one way (0 to 1)": lambda a: jax.lax.ppermute(a, "data", [(0, 1)]),
     "ring all-reduce": lambda a: ddl.collectives.ring_allreduce(a, "data"),

@@ -1,16 +1,17 @@
-"""XLA:CPU's gloo collectives on an emulated link: a permute against an all-reduce.
+"""XLA:CPU's gloo collectives on an emulated link: permutes against an all-reduce.
 
     sudo python benchmarks/gloo_permutes.py [--processes 2] [--rate 100mbit]
         [--sizes 52244,262144,1048576]
 
 N processes, each in its own network namespace behind a ``tc`` token bucket of RATE (as
 ``ddl-jax compare --emulate`` makes them), time per size (bytes a device): an all-reduce,
-a permute round the ring (between 2 processes: both ways between them), a permute from
-process 0 to 1 alone, ``ddl.collectives.ring_allreduce`` (permutes), that ring after an
-all-reduce of the same bytes, and the permute round the ring with process 0 entering 20
-ms after the others (timed from its entry), the median of 9 calls each. Prints each one's
-milliseconds and the rate its busiest device sent at (an all-reduce's device sends
-2 (N - 1) / N of the size).
+an all-gather and a reduce-scatter of that size a device, a permute round the ring
+(between 2 processes: both ways between them), a permute from process 0 to 1 alone,
+``ddl.collectives.ring_allreduce`` (permutes), that ring after an all-reduce of the same
+bytes, and the permute round the ring with process 0 entering 20 ms after the others
+(timed from its entry), the median of 9 calls each. Prints each one's milliseconds and
+the rate its busiest device sent at (an all-reduce's device sends 2 (N - 1) / N of the
+size, an all-gather's N - 1 times it, a reduce-scatter's (N - 1) / N).
 
 Between 2 processes (2 cores, 100 Mb/s, 256 kB) the permute both ways took twice the
 one-way time (44 ms against 22, the all-reduce 23), and so did the ring all-reduce and
@@ -76,8 +77,9 @@ def main() -> None:
     for size in sizes:
         cells = []
         for kind, seconds in results[str(size)].items():
-            all_reduces = kind.count("all-reduce")  # each sends 2 (N - 1) / N of the size
-            sent = size * 2 * (n - 1) / n * all_reduces if all_reduces else size
+            sent = size * {"all-gather": n - 1, "reduce-scatter": (n - 1) / n}.get(kind, 1)
+            if all_reduces := kind.count("all-reduce"):  # each sends 2 (N - 1) / N of the size
+                sent = size * 2 * (n - 1) / n * all_reduces
             cells.append(f"{seconds * 1e3:.2f} ({sent / seconds / 1e6:.1f})")
         print(f"| {size} | " + " | ".join(cells) + " |")
 
