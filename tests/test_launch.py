@@ -186,9 +186,14 @@ def test_ranks_failing_together_are_all_named_in_the_order_they_exit(tmp_path, c
     path = script(
         tmp_path,
         f"""
-        import os, signal, time
+        import os, pathlib, signal, time
         rank = int(os.environ["DDL_JAX_PROCESS_ID"])
-        time.sleep(max({time.time() + 1.5} + 0.15 * rank - time.time(), 0))
+        first = pathlib.Path({str(tmp_path / "first")!r})
+        if rank == 0:
+            first.touch()  # however late each rank starts, rank 1 dies 0.15 s after rank 0
+        while rank == 1 and not first.exists():
+            time.sleep(0.01)
+        time.sleep(0.15 * rank)
         os.kill(os.getpid(), [signal.SIGABRT, signal.SIGKILL][rank] if rank < 2 else 0)
         time.sleep(60)
         """,
