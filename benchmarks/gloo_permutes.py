@@ -23,8 +23,9 @@ TCP pair sends data only once the peer has said it is ready to receive, that not
 out through the same queue as the data (pytorch/gloo, ``gloo/transport/tcp/pair.cc``:
 ``send``, ``recv``, ``handleRemotePendingRecv``). A process entering after its peer's notice
 has arrived sends its whole payload at once, its own notice queued behind it, so the peer
-sends only then: the two directions in turn. They go at once only when both processes
-enter within a notice's trip of each other, as on leaving an all-reduce of the same bytes.
+sends only then: the two directions in turn. They go at once when the second process
+enters before it has taken in the first's notice, as on leaving an all-reduce of the same
+bytes together.
 ``compare --measure`` prices such exchanges both ways at once and in turn
 (``in_turn_error``).
 """

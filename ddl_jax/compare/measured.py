@@ -144,8 +144,8 @@ def _calibrated(
     """``run``'s calibrated time to target (the fitted network, its compute scaled) and its
     error against the measured ``seconds``; where its permutes exchange both ways between
     two devices, also priced with those bytes sent in turn (``in_turn_*``), as XLA:CPU's
-    gloo sends them between 2 processes unless both enter the exchange together
-    (``run.two_way``)."""
+    gloo sends them between 2 processes when the second to enter has already taken in its
+    peer's ready notice (``run.two_way``)."""
     scaled = {**run, "compute_seconds_to_target": run["compute_seconds_to_target"] * scale}
     calibrated = compare_report.time_to_target(
         scaled, fitted.bandwidth, fitted.latency, overhead=fitted.overhead, per_buffer=per_buffer

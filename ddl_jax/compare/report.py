@@ -185,8 +185,9 @@ def _measured(results: dict[str, Any]) -> list[str]:
             "",
             "In turn: the strategy's permutes exchange both ways between two processes, "
             "priced as sent both ways at once and, after the comma, in turn: XLA:CPU's gloo "
-            "sends such an exchange between 2 processes in turn, unless both enter it within "
-            "a notice's trip of each other (`benchmarks/gloo_permutes.py`).",
+            "sends such an exchange between 2 processes in turn when the process entering "
+            "second has already taken in its peer's notice that it is ready to receive, "
+            "else at once (`benchmarks/gloo_permutes.py`).",
         ]
     return lines
 

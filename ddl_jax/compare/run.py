@@ -173,8 +173,9 @@ def _terms(ops: Any, branch: str) -> dict[str, float]:
 
 def two_way(op: Any) -> bool:
     """Whether ``op`` is a permute in which two devices send to each other (a ring of 2,
-    NoLoCo's pairs). Between 2 processes XLA:CPU's gloo sends such an exchange in turn, unless
-    both enter it within a notice's trip of each other (``benchmarks/gloo_permutes.py``)."""
+    NoLoCo's pairs). Between 2 processes XLA:CPU's gloo sends such an exchange in turn when the
+    process entering second has already taken in its peer's ready notice, else at once
+    (``benchmarks/gloo_permutes.py``)."""
     pairs = {(s, t) for s, t in op.groups if s != t} if op.kind == "collective-permute" else set()
     return any((t, s) in pairs for s, t in pairs)
 
