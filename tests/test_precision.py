@@ -264,6 +264,7 @@ def test_an_overflowing_scaled_step_is_skipped_by_fit():
         ({"compute_dtype": "not a dtype"}, TypeError, "compute_dtype must be a floating"),
         ({"compute_dtype": None}, TypeError, "compute_dtype must be a floating dtype"),
         ({"compute_dtype": jnp.float8_e4m3fn}, ValueError, "float8 needs per-tensor scaling"),
+        ({"compute_dtype": jnp.float64}, ValueError, "float64 needs jax_enable_x64"),
         ({"cast_batch": "yes"}, TypeError, "cast_batch must be a bool"),
         ({"loss_scale": 0}, ValueError, "loss_scale must be a finite real number > 0"),
         ({"loss_scale": "8"}, ValueError, "loss_scale must be a finite real number"),

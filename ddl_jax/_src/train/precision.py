@@ -119,6 +119,12 @@ def _check_dtype(compute_dtype: Any) -> jnp.dtype:
             f"mixed_precision: compute_dtype must be {valid}, got {dtype}: float8 needs "
             "per-tensor scaling, which this wrapper does not do."
         )
+    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:  # JAX would compute in float32
+        raise ValueError(
+            f"mixed_precision: compute_dtype {dtype} needs jax_enable_x64 (e.g. "
+            "jax.config.update('jax_enable_x64', True) before any array is made); without "
+            "it JAX computes in float32."
+        )
     return dtype
 
 
