@@ -7,18 +7,22 @@ times, per size in bytes a device, the median of 9 calls of: an all-reduce, an a
 a reduce-scatter, a permute
 round the ring (between 2 processes: both ways), one from process 0 to 1 alone, the ring
 all-reduce of ``ddl.collectives`` (its permutes), that ring after an all-reduce of the
-same bytes, and the permute round the ring entered by process 0 20 ms after the others
-(timed from its entry). Process 0 prints one JSON line: ``{size: {kind: seconds}}``.
+same bytes, the permute round the ring entered by process 0 20 ms after the others (timed
+from its entry), and the same bytes sent both ways between processes 0 and 1 over a plain
+TCP socket on the same link. Process 0 prints one JSON line: ``{size: {kind: seconds}}``.
 """
 
 import json
+import socket
 import statistics
 import sys
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,7 +67,33 @@ def sharded(size):
     return jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
 
 
+def connected_pair():
+    """A TCP connection between processes 0 and 1 over the same link (``None`` elsewhere)."""
+    server = socket.create_server((socket.gethostbyname(socket.gethostname()), 0))
+    port = int(multihost_utils.broadcast_one_to_all(np.int32(server.getsockname()[1])))
+    if rank > 1:
+        return None
+    if rank == 0:
+        peer = server.accept()[0]
+    else:
+        peer = socket.create_connection((coordinator.rsplit(":", 1)[0], port))
+    peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return peer
+
+
+def exchange(peer, size):
+    """Sends ``size`` bytes to the peer while receiving its ``size``, as a permute both
+    ways would, but over a plain socket."""
+    sender = threading.Thread(target=peer.sendall, args=(bytes(size),))
+    sender.start()
+    got = 0
+    while got < size:
+        got += len(peer.recv(min(size - got, 1 << 20)))
+    sender.join()
+
+
 barrier, flag = compiled(KINDS["all-reduce"]), sharded(4)
+peer = connected_pair()
 results = {}
 for size in map(int, sizes.split(",")):
     x = sharded(size)
@@ -81,5 +111,13 @@ for size in map(int, sizes.split(",")):
             jax.block_until_ready(fn(x))
             times.append(time.perf_counter() - tick)
         results[size][kind] = statistics.median(times)
+    times = []
+    for _ in range(9):
+        jax.block_until_ready(barrier(flag))
+        tick = time.perf_counter()
+        if peer is not None:
+            exchange(peer, size)
+        times.append(time.perf_counter() - tick)
+    results[size]["sockets both ways (0 and 1, no gloo)"] = statistics.median(times)
 if rank == 0:
     print(json.dumps(results), flush=True)

@@ -8,8 +8,9 @@ N processes, each in its own network namespace behind a ``tc`` token bucket of R
 an all-gather and a reduce-scatter of that size a device, a permute round the ring
 (between 2 processes: both ways between them), a permute from process 0 to 1 alone,
 ``ddl.collectives.ring_allreduce`` (permutes), that ring after an all-reduce of the same
-bytes, and the permute round the ring with process 0 entering 20 ms after the others
-(timed from its entry), the median of 9 calls each. Prints each one's milliseconds and
+bytes, the permute round the ring with process 0 entering 20 ms after the others (timed
+from its entry), and the same bytes both ways between processes 0 and 1 over a plain TCP
+socket (no gloo), the median of 9 calls each. Prints each one's milliseconds and
 the rate its busiest device sent at (an all-reduce's device sends 2 (N - 1) / N of the
 size, an all-gather's N - 1 times it, a reduce-scatter's (N - 1) / N).
 
