@@ -4,12 +4,12 @@
 
 Joins the processes (gloo's transport threads idled, as ``compare --measure`` does) and
 times, per size in bytes a device, the median of 9 calls of: an all-reduce, an all-gather,
-a reduce-scatter, a permute
-round the ring (between 2 processes: both ways), one from process 0 to 1 alone, the ring
-all-reduce of ``ddl.collectives`` (its permutes), that ring after an all-reduce of the
-same bytes, the permute round the ring entered by process 0 20 ms after the others (timed
-from its entry), and the same bytes sent both ways between processes 0 and 1 over a plain
-TCP socket on the same link. Process 0 prints one JSON line: ``{size: {kind: seconds}}``.
+a reduce-scatter, a permute round the ring (between 2 processes: both ways), one from
+process 0 to 1 alone, the ring all-reduce of ``ddl.collectives`` (its permutes), that ring
+after an all-reduce of the same bytes, the permute round the ring entered by process 0 20
+ms after the others (timed from its entry), and the same bytes sent both ways between
+processes 0 and 1 over a plain TCP socket on the same link. Process 0 prints one JSON
+line: ``{size: {kind: seconds}}``.
 """
 
 import json

@@ -10,9 +10,9 @@ an all-gather and a reduce-scatter of that size a device, a permute round the ri
 ``ddl.collectives.ring_allreduce`` (permutes), that ring after an all-reduce of the same
 bytes, the permute round the ring with process 0 entering 20 ms after the others (timed
 from its entry), and the same bytes both ways between processes 0 and 1 over a plain TCP
-socket (no gloo), the median of 9 calls each. Prints each one's milliseconds and
-the rate its busiest device sent at (an all-reduce's device sends 2 (N - 1) / N of the
-size, an all-gather's N - 1 times it, a reduce-scatter's (N - 1) / N).
+socket (no gloo), the median of 9 calls each. Prints each one's milliseconds and the rate
+its busiest device sent at (an all-reduce's device sends 2 (N - 1) / N of the size, an
+all-gather's N - 1 times it, a reduce-scatter's (N - 1) / N).
 
 Between 2 processes (2 cores, 100 Mb/s, 256 kB) the permute both ways took twice the
 one-way time (44 ms against 22, the all-reduce 23), and so did the ring all-reduce and
@@ -26,8 +26,7 @@ out through the same queue as the data (pytorch/gloo, ``gloo/transport/tcp/pair.
 has arrived sends its whole payload at once, its own notice queued behind it, so the peer
 sends only then: the two directions in turn. They go at once when the second process
 enters before it has taken in the first's notice, as on leaving an all-reduce of the same
-bytes together.
-``compare --measure`` prices such exchanges both ways at once and in turn
+bytes together. ``compare --measure`` prices such exchanges both ways at once and in turn
 (``in_turn_error``).
 """
 
