@@ -118,6 +118,12 @@ def test_straggler_lines_name_a_rank_only_by_a_clear_margin():
             f"fit: no rank stands out: the busiest host, rank 0's, takes {hosts[0] * 1e3:.1f}"
         )
         assert "is not told apart by these timings" in lines[-1]
+    # Its host 2x the others' and a step's tenth more, but the others did not wait for it.
+    lines = straggler_lines(
+        np.array([[0, 0.004, 0.01, 0, 0.010, 0.02], [1, 0.001, 0.01, 0, 0.0105, 0.02]])
+    )
+    assert lines[-1].startswith("fit: no rank stands out: the busiest host, rank 0's, takes 4.0")
+    assert "and the others would wait that much longer than it" in lines[-1]
 
 
 def test_the_step_clock_counts_waits_apart_from_the_host_and_skips_the_first_step():

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 import numpy as np
 
 #: A rank is named a straggler when its host seconds per step (mean) exceed every other
-#: rank's by this factor, by ``STRAGGLER_MIN_SECONDS``, and by ``STRAGGLER_STEP_SHARE`` of
-#: the step (the median of the ranks' median steps): a clear margin that costs the others a
-#: share of each step, not a loaded machine's noise.
+#: rank's by this factor and by a margin, the larger of ``STRAGGLER_MIN_SECONDS`` and
+#: ``STRAGGLER_STEP_SHARE`` of the step (the median of the ranks' median steps), and every
+#: other rank waited for results that margin longer than it did: a clear margin that costs
+#: the others a share of each step, not a loaded machine's noise.
 STRAGGLER_RATIO = 2.0
 STRAGGLER_MIN_SECONDS = 1e-3
 STRAGGLER_STEP_SHARE = 0.1
@@ -99,23 +100,24 @@ def straggler_lines(ranks: np.ndarray) -> list[str]:
     slowest = int(np.argmax(ranks[:, 1]))
     rank, host, waited = int(ranks[slowest, 0]), ranks[slowest, 1], ranks[slowest, 4]
     others = np.delete(ranks, slowest, axis=0)
-    busiest = max(others[:, 1], default=0.0)
+    busiest, least_waited = max(others[:, 1], default=0.0), min(others[:, 4], default=0.0)
     margin = max(STRAGGLER_MIN_SECONDS, STRAGGLER_STEP_SHARE * float(np.median(ranks[:, 5])))
-    if host > STRAGGLER_RATIO * busiest and host - busiest >= margin:
+    waited_for = least_waited - waited >= margin
+    if host > STRAGGLER_RATIO * busiest and host - busiest >= margin and waited_for:
         lines.append(
             f"fit: rank {rank} is the straggler: its host takes {_ms(host)} a step (mean: its "
             f"loader, callbacks, logging; anything but waiting on results), the others' at most "
             f"{_ms(busiest)}. The others wait for it inside each step's collectives: they "
-            f"waited {_ms(min(others[:, 4], default=0.0))} a step or more for results, it "
-            f"waited {_ms(waited)}."
+            f"waited {_ms(least_waited)} a step or more for results, it waited {_ms(waited)}."
         )
     else:
         lines.append(
             f"fit: no rank stands out: the busiest host, rank {rank}'s, takes {_ms(host)} a "
             f"step (mean), the others' at most {_ms(busiest)} (a straggler's would exceed "
             f"theirs {STRAGGLER_RATIO:g}x and by at least {_ms(margin)}, the larger of "
-            f"{_ms(STRAGGLER_MIN_SECONDS)} and {STRAGGLER_STEP_SHARE:.0%} of a step). A "
-            "rank slow in its device computation (a shared core, a slower accelerator) makes "
-            "every rank wait alike and is not told apart by these timings."
+            f"{_ms(STRAGGLER_MIN_SECONDS)} and {STRAGGLER_STEP_SHARE:.0%} of a step, and the "
+            "others would wait that much longer than it). A rank slow in its device "
+            "computation (a shared core, a slower accelerator) makes every rank wait alike and "
+            "is not told apart by these timings."
         )
     return lines
