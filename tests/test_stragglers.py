@@ -104,15 +104,16 @@ def test_straggler_lines_name_a_rank_only_by_a_clear_margin():
     assert slow[2].startswith("fit: rank 1 is the straggler: its host takes 31.0 ms a step")
     assert "the others' at most 0.4 ms." in slow[2]
     assert "they waited 30.0 ms a step or more for results, it waited 1.0 ms." in slow[2]
-    # 2x but under 1 ms apart; 1 ms apart but under 2x; 2x and 1 ms apart but under a tenth
-    # of the step (a loaded machine's noise, seen in CI): no straggler.
+    # The other rank waiting 10 ms longer, host times 2x but under 1 ms apart; 1 ms apart but
+    # under 2x; 2x and 1 ms apart but under a tenth of the step (a loaded machine's noise,
+    # seen in CI): no straggler.
     for hosts, step in (
         ((0.0009, 0.0003), 0.01),
         ((0.004, 0.0025), 0.01),
         ((0.0017, 0.0006), 0.022),
     ):
         lines = straggler_lines(
-            np.array([[0, hosts[0], 0.01, 0, 0, step], [1, hosts[1], 0, 0, 0, step]])
+            np.array([[0, hosts[0], 0.01, 0, 0, step], [1, hosts[1], 0, 0, 0.01, step]])
         )
         assert lines[-1].startswith(
             f"fit: no rank stands out: the busiest host, rank 0's, takes {hosts[0] * 1e3:.1f}"
