@@ -378,6 +378,11 @@ def _compare_parser(sub: Any) -> None:
         "network namespace behind a tc limit (Linux, root; the delay needs tc netem)",
     )
     p.add_argument(
+        "--launches",
+        help="with --measure: launches of the processes timing the probe and each strategy, "
+        ">= 1, the median kept (default 3)",
+    )
+    p.add_argument(
         "--islands",
         help="islands of stacked strategies (outer/inner, e.g. diloco:16/fsdp:3), >= 2 "
         "(default 2): --network links them",
@@ -408,6 +413,7 @@ _COMPARE_FLAGS = (
     "tensorboard",
     "measure",
     "emulate",
+    "launches",
     "islands",
     "inner_network",
     "workers",

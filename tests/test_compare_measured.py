@@ -53,6 +53,12 @@ def test_emulate_implies_measure_and_both_refuse_what_processes_cannot_run():
         make_config({"measure": False, "emulate": "1gbit"})
     with pytest.raises(CompareError, match="measure must be true or false"):
         make_config({"measure": "yes"})
+    assert make_config({"measure": True}).launches == 3
+    assert make_config({"emulate": "1gbit", "launches": "1"}).launches == 1
+    with pytest.raises(CompareError, match="launches must be an integer >= 1, got 0"):
+        make_config({"measure": True, "launches": 0})
+    with pytest.raises(CompareError, match="launches times measured processes: give it with"):
+        make_config({"launches": 2})
 
 
 def test_emulate_without_root_says_what_to_do_before_anything_trains(tmp_path, capsys, monkeypatch):
@@ -68,10 +74,12 @@ def test_emulate_without_root_says_what_to_do_before_anything_trains(tmp_path, c
 
 def _compare(out, *args, timeout=420):
     """``ddl-jax compare`` as a process of its own (its measured runs start more), in a
-    process group killed whole on a timeout; returns results.json."""
+    process group killed whole on a timeout; returns results.json. One launch of the
+    processes a timing unless ``args`` give ``--launches``."""
+    launches = () if "--launches" in args else ("--launches", "1")
     cmd = [sys.executable, "-m", "ddl_jax.cli", "compare", "--devices", "2", "--out", str(out),
            "--workload", "digits-mlp", "--steps", "40", "--eval-every", "4", "--target", "0.8",
-           *args]  # fmt: skip
+           *launches, *args]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -102,6 +110,9 @@ def _check_measured(results, stdout):
         at = run["eval_steps"].index(got["steps"])
         assert got["metric"] == pytest.approx(run["eval_values"][at], abs=2 / 360)
         assert got["seconds"] > 0 and sorted(got["repeats"])[1] == got["seconds"]  # the median
+        launches = results["config"]["launches"]
+        assert len(got["launch_seconds"]) == len(m["probe"]["launch_seconds"]) == launches
+        assert got["seconds"] == sorted(got["launch_seconds"])[launches // 2]
         for key in ("error", "calibrated_error"):
             simulated = got["simulated_seconds" if key == "error" else "calibrated_seconds"]
             assert got[key] == pytest.approx(simulated / got["seconds"] - 1)
@@ -126,7 +137,9 @@ def test_more_processes_than_cores_are_warned_of():
 
 
 def test_measured_processes_train_what_the_simulator_priced(tmp_path):
-    results, stdout = _compare(tmp_path, "--strategies", "sync,local:4,async", "--measure")
+    results, stdout = _compare(
+        tmp_path, "--strategies", "sync,local:4,async", "--measure", "--launches", "2"
+    )
     _check_measured(
         {**results, "runs": [r for r in results["runs"] if r["strategy"] != "async"]}, stdout
     )
@@ -405,6 +418,47 @@ def test_a_strategy_whose_measured_run_fails_leaves_the_others_measured(
     assert local["measured"] == {"failed": "measure: rank 1 of `train` was killed by signal 9: "}
     assert "[2/2] local:4: measured run failed: measure: rank 1" in capsys.readouterr().err
     assert "| local:4 | failed: measure: rank 1 of `train` was killed" in report.markdown(results)
+
+
+def test_the_probe_and_each_strategy_are_timed_in_several_launches_the_median_kept(
+    tmp_path, monkeypatch
+):
+    """A launch of the processes keeps its speed across its runs, but launches differ (on 2
+    cores one probe launch took 0.74 ms a step, another 0.99): the probe and each strategy
+    run in ``launches`` launches (3 by default) and the median launch's time is kept, every
+    launch's recorded."""
+    from ddl_jax.compare import report
+    from ddl_jax.compare.run import run_compare
+
+    settings = {"strategies": "sync,local:4", "steps": 8, "eval_every": 4, "target": 0.3,
+                "devices": 2, "out": str(tmp_path)}  # fmt: skip
+    results = run_compare(make_config(settings))
+    speeds = iter([1.3, 0.7, 1.0] * 3)  # each launch's speed, in turn
+    launched = []
+
+    def run_worker(cluster, args, timeout):
+        launched.append(args[0] if args[0] != "train" else args[2])
+        if args[0] == "sweep":
+            return {"samples": []}
+        speed = next(speeds)
+        if args[0] == "compute":
+            return {"seconds": 1e-3 * speed}
+        return {"seconds": 0.5 * speed, "repeats": [0.5 * speed], "metric": speed}
+
+    monkeypatch.setattr(processes, "run_worker", run_worker)
+    monkeypatch.setattr(measured, "fit_network", lambda samples, per_buffer: measured._nominal(
+        make_config({"devices": 2})))  # fmt: skip
+    monkeypatch.setattr(measured, "_compute_scale", lambda *args: 1.0)
+    measured.measure(results, make_config({**settings, "measure": True}))
+    assert launched == ["sweep", *["compute"] * 3, *["sync"] * 3, *["local:4"] * 3]
+    m = results["measured"]
+    assert m["probe"]["seconds"] == 1e-3
+    assert m["probe"]["launch_seconds"] == pytest.approx([1.3e-3, 7e-4, 1e-3])
+    for run in results["runs"]:
+        got = run["measured"]
+        assert got["seconds"] == 0.5 and got["metric"] == 1.0 and got["repeats"] == [0.5]
+        assert got["launch_seconds"] == pytest.approx([0.65, 0.35, 0.5])
+    assert "the median of 3 launches, 0.7 ms to 1.3 ms" in report.markdown(results)
 
 
 @pytest.mark.parametrize(

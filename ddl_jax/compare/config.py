@@ -57,6 +57,9 @@ class Config:
       emulate: the processes' network, ``"RATE[,DELAY]"`` (``"100mbit"``,
         ``"1gbit,2ms"``): each in its own network namespace behind a ``tc`` limit (Linux,
         root; implies ``measure``). ``None``: the loopback interface.
+      launches: with ``measure``, the launches of the processes that time the calibration's
+        probe step and each strategy, the median launch's time kept (a launch keeps its
+        speed across its runs, launches differ).
       islands: islands of a stacked spec (``diloco:16/fsdp:3``): its mesh is ``islands x
         devices / islands``, and ``network`` links the islands.
       inner_network: a key of ``NETWORKS``: the network inside an island.
@@ -83,6 +86,7 @@ class Config:
     tensorboard: str | None = None
     measure: bool = False
     emulate: str | None = None
+    launches: int = 3
     islands: int = 2
     inner_network: str = "ici"
     workers: int | None = None
@@ -246,6 +250,10 @@ def _measure(v: dict[str, Any], checked: dict[str, Any]) -> None:
         if not v["measure"] and "emulate" in checked:
             raise CompareError("emulate runs real processes: it cannot go with measure=false.")
         checked["measure"] = checked.get("measure", False) or v["measure"]
+    if "launches" in v:
+        checked["launches"] = _integer("launches", v["launches"], 1)
+        if not checked.get("measure"):
+            raise CompareError("launches times measured processes: give it with measure.")
     if checked.get("measure") and checked.get("straggler", 1.0) != 1.0:
         raise CompareError(
             "measure times real processes, which have no simulated straggler: drop straggler "

@@ -27,6 +27,18 @@ def _seconds(s: float | None) -> str:
     return f"{1e3 * s:.3g} ms"
 
 
+def _launches(measured: dict[str, Any]) -> str:
+    """``, the median of N launches, A to B`` where ``measured`` was timed in several
+    launches of the processes (``launch_seconds``)."""
+    launches = measured.get("launch_seconds", [])
+    if len(launches) < 2:
+        return ""
+    return (
+        f", the median of {len(launches)} launches, {_seconds(min(launches))} to "
+        f"{_seconds(max(launches))}"
+    )
+
+
 def _network(results: dict[str, Any]) -> str:
     net = results["workload"]["network"]
     return (
@@ -159,8 +171,9 @@ def _measured(results: dict[str, Any]) -> list[str]:
         f"per message and {1e6 * fitted['overhead']:.3g} us per collective"
         f"{' (per buffer)' if m['per_buffer_latency'] else ''}; compute x "
         f"{m['compute_scale']:.3g} (a probe step timed across the processes, "
-        f"{_seconds(m['probe']['seconds'])}: each worker's gradient and update, only the "
-        "loss averaged). Error: simulated / measured - 1.",
+        f"{_seconds(m['probe']['seconds'])}{_launches(m['probe'])}: each worker's gradient "
+        "and update, only the loss averaged). Measured: the median launch of the processes "
+        "where several ran. Error: simulated / measured - 1.",
         "",
         f"| strategy | steps | measured | {results['workload']['metric']} after | simulated, "
         "nominal | error | simulated, calibrated | error |",
