@@ -52,7 +52,8 @@ def _launched(
     cluster: processes.Cluster, args: list[str], launches: int
 ) -> tuple[dict, list[float]]:
     """The worker ``args`` run in ``launches`` launches of the processes: the result of the
-    launch whose ``seconds`` is the median, and every launch's ``seconds`` in turn.
+    launch whose ``seconds`` is the median (of an even count, the slower middle one), and
+    every launch's ``seconds`` in turn.
 
     A launch keeps its speed across its runs, but launches differ: 2 processes on 2 cores,
     the CNN's probe step took 0.74 to 1.06 ms in ten launches, each the median of 5 or 15
