@@ -69,12 +69,15 @@ def sharded(size):
 
 def connected_pair():
     """A TCP connection between processes 0 and 1 over the same link (``None`` elsewhere)."""
-    server = socket.create_server((socket.gethostbyname(socket.gethostname()), 0))
-    port = int(multihost_utils.broadcast_one_to_all(np.int32(server.getsockname()[1])))
+    if rank == 0:
+        server = socket.create_server((socket.gethostbyname(socket.gethostname()), 0))
+    mine = server.getsockname()[1] if rank == 0 else 0
+    port = int(multihost_utils.broadcast_one_to_all(np.int32(mine)))
     if rank > 1:
         return None
     if rank == 0:
         peer = server.accept()[0]
+        server.close()
     else:
         peer = socket.create_connection((coordinator.rsplit(":", 1)[0], port))
     peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
