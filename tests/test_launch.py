@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import chex
@@ -249,15 +250,23 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
+@pytest.mark.parametrize(
+    ("failure", "code", "printed"),
+    [
+        ('raise RuntimeError("boom on rank 1")', 1, "[rank 1] RuntimeError: boom on rank 1"),
+        ("sys.exit(3)", 3, None),
+        ('sys.exit("bad data on rank 1")', 1, "[rank 1] bad data on rank 1"),
+    ],
+)
+def test_a_rank_that_fails_ends_at_once_and_is_named(tmp_path, failure, code, printed):
     """Its peer waits in a collective for it; it must not wait at JAX's shutdown barrier
-    for that peer (300 s), so the launcher names it and stops the peer."""
+    for that peer (300 s), so the launcher names it, with its code, and stops the peer."""
     path = script(
         tmp_path,
-        """
+        f"""
         from ddl_jax._src.train import launch
         launch.initialize()
-        import jax, numpy as np
+        import sys, jax, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         import ddl_jax as ddl
 
@@ -267,7 +276,7 @@ def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
         total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
         for step in range(10_000):
             if step == 3 and jax.process_index() == 1:
-                raise RuntimeError("boom on rank 1")
+                {failure}
             total(x).block_until_ready()
         """,
     )
@@ -280,11 +289,41 @@ def test_a_rank_that_raises_ends_at_once_and_is_named(tmp_path):
     finally:  # a hang stops here, its ranks with it
         launcher.terminate()
         launcher.wait()
-    assert launcher.returncode == 1, (out, err)
-    assert "[rank 1] RuntimeError: boom on rank 1" in out
+    assert launcher.returncode == code, (out, err)
+    if printed is not None:
+        assert printed in out, out
     # rank 0's collective then fails too, and may be reaped first: both are named
-    assert "rank 1 failed with exit code 1" in err.splitlines()[0], err
+    assert f"rank 1 failed with exit code {code}" in err.splitlines()[0], err
     assert time.monotonic() - tick < 60
+
+
+def test_a_failed_exit_is_noted_in_the_main_thread_only(monkeypatch):
+    """``sys.exit`` in another thread ends that thread only (Python's rule): it must not
+    end the process with its code; a later successful exit clears a failure noted."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    handlers = []
+    monkeypatch.setattr(launch.atexit, "register", handlers.append)
+    ended = []
+    monkeypatch.setattr(launch, "_end", ended.append)
+    launch._end_failures_at_once()
+    (end_a_failed_exit,) = handlers
+
+    def exit_in_a_thread():
+        with pytest.raises(SystemExit):  # uncaught, it would end the thread only
+            sys.exit(4)
+
+    thread = threading.Thread(target=exit_in_a_thread)
+    thread.start()
+    thread.join()
+    end_a_failed_exit()
+    assert ended == []
+    for status, expected in [(5, [5]), ("a message", [1]), (None, []), (True, [1])]:
+        with pytest.raises(SystemExit):
+            sys.exit(status)
+        end_a_failed_exit()
+        assert ended == expected, status
+        ended.clear()
 
 
 @pytest.mark.parametrize(

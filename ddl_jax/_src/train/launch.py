@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -161,29 +163,60 @@ def initialize(
         raise
     if tunings.cluster():
         gloo_threads.start_idling()
-    _exit_on_uncaught_exceptions()
+    _end_failures_at_once()
     return True
 
 
-def _exit_on_uncaught_exceptions() -> None:
-    """Makes an uncaught exception end this process once it is printed (exit code 1).
+def _end_failures_at_once() -> None:
+    """Makes a failure end this process at once: an uncaught exception once it is printed
+    (exit code 1, 130 for Ctrl-C), and ``sys.exit(code)`` with a failure code once the exit
+    handlers registered after this call have run (that code).
 
     Python's exit would run JAX's shutdown, whose barrier waits for every process, up to
     300 s; a peer waiting in a collective for this one never gets there. Ended at once,
     the process is seen dead: ``ddl-jax launch`` names it and stops the others, and
     without the launcher the peers' collectives fail. ``finally`` blocks have run by then
-    (``fit`` has finished its last checkpoint save).
+    (``fit`` has finished its last checkpoint save). A successful exit (``sys.exit()``,
+    ``sys.exit(0)``, the script's end) still waits at the barrier for the others, as JAX
+    needs. ``sys.exit`` in the main thread is what is seen: Python tells its exit handlers
+    no exit code, so ``sys.exit`` is wrapped to note it (a ``SystemExit`` raised by hand, or
+    one caught and the script run on, is not told apart from what it was noted as).
     """
-    previous = sys.excepthook
+    previous_hook = sys.excepthook
+    previous_exit = sys.exit
+    failure: list[int] = []  # the code of the last sys.exit in the main thread, if a failure
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(kind, value, tb)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+        previous_hook(kind, value, tb)
+        _end(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    def exit_noting_failure(status: object = None) -> NoReturn:
+        if threading.current_thread() is threading.main_thread():
+            failure[:] = [code] if (code := _exit_code(status)) else []
+        previous_exit(status)
+
+    def end_a_failed_exit() -> None:
+        if failure:
+            _end(failure[0])
 
     sys.excepthook = hook
+    sys.exit = exit_noting_failure
+    atexit.register(end_a_failed_exit)  # runs before JAX's shutdown, registered earlier
+
+
+def _exit_code(status: object) -> int:
+    """The exit status Python gives ``sys.exit(status)``: 0 for ``None``, an integer as
+    it is, 1 for anything else (a message, printed)."""
+    if status is None:
+        return 0
+    return int(status) if isinstance(status, int) else 1
+
+
+def _end(code: int) -> NoReturn:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def idle_gloo_threads() -> None:
