@@ -137,7 +137,10 @@ def initialize(
         local_device_count = check_int("local_device_count", local_device_count, minimum=1)
         jax.config.update("jax_num_cpu_devices", local_device_count)
     initialization_timeout = check_int("initialization_timeout", initialization_timeout, minimum=1)
-    kwargs: dict[str, Any] = {"initialization_timeout": initialization_timeout}
+    kwargs: dict[str, Any] = {
+        "initialization_timeout": initialization_timeout,
+        "shutdown_timeout_seconds": SHUTDOWN_TIMEOUT_S,
+    }
     if heartbeat_timeout_seconds is not None:
         kwargs["heartbeat_timeout_seconds"] = check_int(
             "heartbeat_timeout_seconds", heartbeat_timeout_seconds, minimum=1
@@ -195,13 +198,46 @@ def _end_failures_at_once() -> None:
             failure[:] = [code] if (code := _exit_code(status)) else []
         previous_exit(status)
 
-    def end_a_failed_exit() -> None:
+    def at_exit() -> None:
         if failure:
             _end(failure[0])
+        _note_the_wait_at_shutdown(jax.process_index(), *SHUTDOWN_NOTES_S)
 
     sys.excepthook = hook
     sys.exit = exit_noting_failure
-    atexit.register(end_a_failed_exit)  # runs before JAX's shutdown, registered earlier
+    atexit.register(at_exit)  # runs before JAX's shutdown, registered earlier
+
+
+#: Seconds a finished process waits at JAX's shutdown barrier before it says so, then
+#: between its notes.
+SHUTDOWN_NOTES_S = (30.0, 60.0)
+#: JAX's shutdown barrier gives up after this many seconds (JAX's default).
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def _note_the_wait_at_shutdown(process: int, first: float, every: float) -> None:
+    """Says on stderr, after ``first`` seconds and then every ``every``, that this finished
+    process still waits at JAX's shutdown barrier for the others: a wait that can look
+    like a hang, and is one when a peer waits in a collective for this process (a process
+    that ran fewer steps than the others), until JAX gives up at its shutdown timeout."""
+
+    def note() -> None:
+        waited = first
+        time.sleep(first)
+        while True:
+            print(
+                f"launch: process {process} finished and has waited {waited:g} s at JAX's "
+                f"shutdown barrier for the other processes (JAX gives up after "
+                f"{SHUTDOWN_TIMEOUT_S} s); one "
+                "that waits in a collective for this process never comes: every process "
+                "must run the same steps.",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(every)
+            waited += every
+
+    threading.Thread(target=note, name="ddl-jax-shutdown-note", daemon=True).start()
 
 
 def _exit_code(status: object) -> int:
