@@ -342,7 +342,7 @@ def test_a_rank_that_finishes_early_says_it_waits_at_jax_shutdown(tmp_path):
         launcher.terminate()
         launcher.communicate(timeout=30)
     assert lines[-1].startswith(
-        "[rank 1] launch: process 1 finished and has waited 0.5 s at JAX's shutdown barrier"
+        "[rank 1] launch: this process finished and has waited 0.5 s at JAX's shutdown"
     ), lines
     assert "every process must run the same steps" in lines[-1]
 

@@ -201,7 +201,7 @@ def _end_failures_at_once() -> None:
     def at_exit() -> None:
         if failure:
             _end(failure[0])
-        _note_the_wait_at_shutdown(jax.process_index(), *SHUTDOWN_NOTES_S)
+        _note_the_wait_at_shutdown(*SHUTDOWN_NOTES_S)
 
     sys.excepthook = hook
     sys.exit = exit_noting_failure
@@ -215,7 +215,7 @@ SHUTDOWN_NOTES_S = (30.0, 60.0)
 SHUTDOWN_TIMEOUT_S = 300
 
 
-def _note_the_wait_at_shutdown(process: int, first: float, every: float) -> None:
+def _note_the_wait_at_shutdown(first: float, every: float) -> None:
     """Says on stderr, after ``first`` seconds and then every ``every``, that this finished
     process still waits at JAX's shutdown barrier for the others: a wait that can look
     like a hang, and is one when a peer waits in a collective for this process (a process
@@ -226,11 +226,10 @@ def _note_the_wait_at_shutdown(process: int, first: float, every: float) -> None
         time.sleep(first)
         while True:
             print(
-                f"launch: process {process} finished and has waited {waited:g} s at JAX's "
-                f"shutdown barrier for the other processes (JAX gives up after "
-                f"{SHUTDOWN_TIMEOUT_S} s); one "
-                "that waits in a collective for this process never comes: every process "
-                "must run the same steps.",
+                f"launch: this process finished and has waited {waited:g} s at JAX's "
+                "shutdown barrier for the other processes (JAX gives up after "
+                f"{SHUTDOWN_TIMEOUT_S} s); one that waits in a collective for this process "
+                "never comes: every process must run the same steps.",
                 file=sys.stderr,
                 flush=True,
             )
