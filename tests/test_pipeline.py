@@ -353,13 +353,83 @@ def test_exact_schedules_equal_single_device_training(schedule, k, n, m, costs):
 # --- DDG ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("k", "m_"), [(2, 2), (3, 2), (4, 1)])
+def test_ddg_runs_the_authors_forward_locked_delays(k, m_):
+    """The default DDG against Huo et al.'s code, split by split (slowbull/DDG)."""
+    stages, params = split_mlp(k, widths=[12, 16, 8, 8, 8, 5][: k + 2] if k > 1 else None)
+    batches = make_batches(3, 8, seed=1)
+    mesh = ddl.make_mesh(data=1, stage=k)
+    ddg = {"schedule": "ddg", "example_batch": batches[0]}
+    strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m_, **ddg)
+    got, metrics = train(strategy, params, batches)
+    expected, losses = jax.jit(lambda p, b: ddg_as_its_authors_run_it(stages, 0.1, p, b, m_))(
+        params, batches
+    )
+    chex.assert_trees_all_close(got, expected, atol=1e-5)
+    # the last stage takes each micro-batch's loss in the tick it is forwarded
+    np.testing.assert_allclose(metrics["loss"], np.mean(losses[-m_:]), rtol=1e-5)
+
+
+def ddg_as_its_authors_run_it(stages, lr, params, batches, m_):
+    """Huo et al.'s DDG as their code runs it (slowbull/DDG: ``main.py``'s ``train_start``,
+    ``train_n`` and ``train_end``, one process a split; ``models/resnet_ddg.py``'s
+    ``CifarResNetDDG``), with SGD (``lr``: one learning rate, or one per split), iteration
+    by iteration in Python.
+
+    Split k waits ``delay = K-1-k`` iterations before its first backward. In iteration t it
+    forwards micro-batch t with its current weights (split 0 from the data, split k from
+    split k-1's output of the same iteration) and keeps the input; the last split then
+    backpropagates its loss, updates and sends the error at its input back. Split k < K-1,
+    once its delay has passed, backpropagates its oldest kept micro-batch, t - delay, along
+    the error split k+1 sent in iteration t-1, updates, and sends the error at its input.
+    Where the authors' backward runs the graph its forward kept, this re-runs the split from
+    the kept input with its current weights (as ``pipeline`` does). Returns the weights and
+    the last split's loss of each micro-batch.
+    """
+    k_ = len(stages)
+    lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * k_
+    micro = [
+        {key: v[i * len(v) // m_ : (i + 1) * len(v) // m_] for key, v in b.items()}
+        for b in batches
+        for i in range(m_)
+    ]
+    params = [jax.tree.map(jnp.asarray, p) for p in params]
+    kept = [{} for _ in stages]  # split k's kept inputs, by micro-batch
+    sent = {}  # (split, micro-batch) -> the error at that split's output
+    losses = []
+    for t in range(len(micro)):
+        x = micro[t]
+        for k, (apply, _) in enumerate(stages):  # the forward, split by split
+            kept[k][t] = x
+            if k < k_ - 1:
+                x = apply(params[k], x)
+        errors = {}
+        for k in range(k_):  # then every split's backward, on what it had
+            j = t - (k_ - 1 - k)
+            if j < 0:
+                continue
+
+            def run(p, x, k=k, j=j):
+                y = stages[k][0](p, x)
+                return xent(y, micro[j]) if k == k_ - 1 else y
+
+            y, vjp = jax.vjp(run, params[k], kept[k].pop(j))
+            grad_p, grad_x = vjp(jnp.ones_like(y) if k == k_ - 1 else sent[k, j])
+            if k == k_ - 1:
+                losses.append(y)
+            errors[k - 1, j] = grad_x
+            params[k] = jax.tree.map(lambda w, g, k=k: w - lrs[k] * g, params[k], grad_p)
+        sent = errors
+    return params, jnp.stack(losses)
+
+
 @pytest.mark.parametrize("k", [2, 3])
-def test_ddg_follows_the_delayed_gradient_rule(k):
+def test_ddg_pipelined_follows_its_delayed_gradient_rule(k):
     stages, params = split_mlp(k, widths=[12, 16, 8, 8, 5][: k + 2] if k > 1 else None)
     batches = make_batches(3, 8, seed=1)
     m_ = 2
     mesh = ddl.make_mesh(data=1, stage=k)
-    ddg = {"schedule": "ddg", "example_batch": batches[0]}
+    ddg = {"schedule": "ddg", "example_batch": batches[0], "ddg_forward": "pipelined"}
     strategy = pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=m_, **ddg)
     got, _ = train(strategy, params, batches)
     expected = jax.jit(lambda p, b: ddg_step_by_step(stages, 0.1, p, b, m_))(params, batches)
@@ -367,7 +437,7 @@ def test_ddg_follows_the_delayed_gradient_rule(k):
 
 
 def ddg_step_by_step(stages, lr, params, batches, m_):
-    """Huo et al.'s rule as written in ``pipeline``'s docstring, tick by tick in Python.
+    """DDG with the forward pipelined (``ddg_forward="pipelined"``), tick by tick in Python.
 
     At global tick t stage k forwards micro-batch t-k with its weights before the tick, and
     updates with the gradient of micro-batch j = t-2(K-1)+k: stage k re-run from its stored
@@ -408,31 +478,51 @@ def ddg_step_by_step(stages, lr, params, batches, m_):
     return params
 
 
-def test_pipelines_pass_each_stage_its_delay_as_staleness():
+@pytest.mark.parametrize(
+    ("forward", "delay", "reference"),
+    [("locked", 1, ddg_as_its_authors_run_it), ("pipelined", 2, ddg_step_by_step)],
+)
+def test_pipelines_pass_each_stage_its_delay_as_staleness(forward, delay, reference):
     """The optimizer receives each stage's gradient delay as the optax extra argument
-    ``staleness``: 2(K-1-k) under DDG, 0 under GPipe. With ``ddl.scale_by_staleness()``
-    DDG's stage k steps at lr / max(2(K-1-k), 1); a scale of 1 is plain training, bit for
-    bit."""
-    k_ = 2
-    stages, params = split_mlp(k_)
+    ``staleness``: K-1-k under DDG (2(K-1-k) with the forward pipelined), 0 under GPipe.
+    With ``ddl.scale_by_staleness()`` DDG's stage k steps at lr / max(delay, 1); a scale of
+    1 is plain training, bit for bit."""
+    k_ = 3
+    stages, params = split_mlp(k_, widths=[12, 16, 8, 8, 5])
     batches = make_batches(3, 8, seed=1)
     mesh = ddl.make_mesh(data=1, stage=k_)
     sgd = optax.sgd(0.1)
 
     def run(optimizer, schedule="ddg"):
-        ddg = {"schedule": "ddg", "example_batch": batches[0]} if schedule == "ddg" else {}
-        strategy = pipeline(stages, xent, optimizer, mesh, microbatches=2, **ddg)
+        ddg = {"schedule": "ddg", "example_batch": batches[0], "ddg_forward": forward}
+        strategy = pipeline(
+            stages, xent, optimizer, mesh, microbatches=2, **(ddg if schedule == "ddg" else {})
+        )
         return train(strategy, params, batches)[0]
 
     scaled = run(optax.chain(sgd, ddl.scale_by_staleness()))
-    lrs = [0.1 / max(2 * (k_ - 1 - k), 1) for k in range(k_)]  # 0.05, 0.1
-    expected = jax.jit(lambda p, b: ddg_step_by_step(stages, lrs, p, b, 2))(params, batches)
+    lrs = [0.1 / max(delay * (k_ - 1 - k), 1) for k in range(k_)]
+    expected = jax.jit(lambda p, b: reference(stages, lrs, p, b, 2))(params, batches)
+    if forward == "locked":
+        expected = expected[0]  # and the losses
     chex.assert_trees_all_close(scaled, expected, atol=1e-5)
     one = ddl.scale_by_staleness(lambda tau: jnp.ones_like(tau))
     chex.assert_trees_all_equal(run(optax.chain(sgd, one)), run(sgd))
     # GPipe's gradients are exact (tau = 0): the inverse rule's scale is 1.
     unscaled = run(optax.chain(sgd, ddl.scale_by_staleness()), "gpipe")
     chex.assert_trees_all_equal(unscaled, run(sgd, "gpipe"))
+
+
+def test_ddg_forward_is_checked():
+    stages, _ = split_mlp(2)
+    mesh, batch = ddl.make_mesh(data=1, stage=2), make_batches(1, 8)[0]
+    ddg = {"schedule": "ddg", "example_batch": batch}
+    with pytest.raises(ValueError, match=r"ddg_forward='ahead' is not known; valid: \['locked', "):
+        pipeline(stages, xent, optax.sgd(0.1), mesh, microbatches=2, **ddg, ddg_forward="ahead")
+    with pytest.raises(ValueError, match="chooses how 'ddg' forwards; schedule='1f1b' has no"):
+        pipeline(
+            stages, xent, optax.sgd(0.1), mesh, microbatches=2, schedule="1f1b", ddg_forward="ahead"
+        )
 
 
 def test_ddg_on_data_by_stage_mesh_averages_each_tick_over_data_workers():
@@ -923,9 +1013,9 @@ def test_dropout_masks_differ_across_stages_micro_batches_and_workers(schedule, 
     seen, checked = set(), 0
     for k, t, w, j in itertools.product(range(2), range(steps), range(n), range(m)):
         row = 4 * t + m * w + j  # worker w's micro-batch j of step t
-        if schedule == "ddg":  # tick 2 * steps - 1 backpropagated up to 2 * steps - 3 + k
+        if schedule == "ddg":  # tick 2 * steps - 1 backpropagated up to 2 * steps - 2 + k
             step, stage_key = t * m + j, jax.random.fold_in(step_key(base, t * m + j, w), k)
-            if step > 2 * steps - 3 + k:
+            if step > 2 * steps - 2 + k:
                 assert not np.asarray(got[k]["params"]["w"])[row].any()
                 continue
         else:

@@ -49,6 +49,7 @@ from ddl_jax._src.strategies.pipeline.stages import (
     flop_costs,
 )
 from ddl_jax._src.strategies.pipeline.types import (
+    DDG_FORWARDS,
     DDGState,
     Metrics,
     PipelineConfig,
@@ -76,6 +77,7 @@ def _setup(
     example_batch: Any,
     reducer: optax.GradientTransformation | None,
     tick_costs: str | Costs,
+    ddg_forward: str | None = None,
 ) -> tuple[Kit, PipelineConfig]:
     """What both builders share: the checked arguments, the kit and the config."""
     if isinstance(loss_fn, ModelLoss):
@@ -107,6 +109,12 @@ def _setup(
     state_dtype = jnp.result_type(*state_dtypes) if state_dtypes else jnp.dtype(jnp.float32)
     # A reducer that needs the stages' trees (power_sgd) refuses their flat vectors itself.
     jax.eval_shape(kit.reducer.init, jax.ShapeDtypeStruct((param_len,), param_dtype))
+    if ddg_forward is not None and schedule != "ddg":
+        raise ValueError(
+            f"ddg_forward= chooses how 'ddg' forwards; schedule={schedule!r} has no delay."
+        )
+    if ddg_forward is not None and ddg_forward not in DDG_FORWARDS:
+        raise ValueError(f"ddg_forward={ddg_forward!r} is not known; valid: {list(DDG_FORWARDS)}.")
     if schedule == "ddg" and tick_costs != "flops":
         raise ValueError("tick_costs= groups the ticks of 'gpipe' and '1f1b'; 'ddg' has none.")
     if isinstance(tick_costs, str):
@@ -138,6 +146,7 @@ def _setup(
         m=m_,
         example=None,
         transposes_weight_gradients=kit.transposes_weight_gradients,
+        ddg_forward=ddg_forward or DDG_FORWARDS[0],
     )
     if example_batch is not None:
         st.check_batch(example_batch, cfg.divisor, why=cfg.why)
@@ -342,6 +351,7 @@ def pipeline(
     example_batch: Any = None,
     reducer: optax.GradientTransformation | None = None,
     tick_costs: str | Costs = "flops",
+    ddg_forward: str | None = None,
 ) -> st.Strategy:
     """Pipeline model parallelism over the ``stage`` mesh axis (and data parallelism over ``data``).
 
@@ -464,7 +474,16 @@ def pipeline(
     [(4, 8), (8, 4)]
     """
     kit, cfg = _setup(
-        stages, loss_fn, optimizer, mesh, microbatches, schedule, example_batch, reducer, tick_costs
+        stages,
+        loss_fn,
+        optimizer,
+        mesh,
+        microbatches,
+        schedule,
+        example_batch,
+        reducer,
+        tick_costs,
+        ddg_forward,
     )
     if schedule == "ddg":
         return _ddg_pipeline(kit, cfg)

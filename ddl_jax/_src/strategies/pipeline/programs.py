@@ -489,8 +489,12 @@ def ddg_step(
     Each tick's forward updates the stage's model state (the last stage's backward, of the
     same micro-batch); the delayed backward re-runs the stage from the current state.
     Micro-batch j (its global index: the tick stage 0 forwards it) draws its stage's key
-    from ``worker_key(model, w, step=j)``: in DDG every tick is an update.
+    from ``worker_key(model, w, step=j)``: in DDG every tick is an update. Locked
+    (``cfg.ddg_forward``), a tick's micro-batch crosses every stage within the tick (K - 1
+    sends, stage h forwarding at the h-th); pipelined, one stage further a tick.
     """
+    if cfg.ddg_forward == "locked" and cfg.k > 1:
+        return _locked_ddg_step(cfg, fns, state, batch)
     k_, m_, slots = cfg.k, cfg.m, cfg.ddg_slots
     k, w = lax.axis_index(STAGE), lax.axis_index(DATA)
     both = (DATA, STAGE)
@@ -543,7 +547,7 @@ def ddg_step(
         # Micro-batch j_f has reached stage k (the last stage's j_b is j_f).
         s = jnp.where(j_f >= 0, new_s, s)
         valid = j_b >= 0
-        new = cfg.update(p, opt_state, reducer_state, grad_p, staleness=2 * (last - k))
+        new = cfg.update(p, opt_state, reducer_state, grad_p, staleness=cfg.ddg_delay(k))
         p, opt_state, reducer_state = jax.tree.map(
             lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
         )
@@ -554,6 +558,20 @@ def ddg_step(
         loss_sum, count = loss_sum + jnp.where(counted, loss, 0.0), count + counted
         return (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), None
 
+    return _run_ticks(cfg, state, tick, inputs, inbox, sequence)
+
+
+def _run_ticks(
+    cfg: PipelineConfig,
+    state: DDGState,
+    tick: Callable[[tuple, jax.Array], tuple[tuple, None]],
+    inputs: jax.Array,
+    inbox: jax.Array,
+    sequence: Any,
+) -> tuple[DDGState, Metrics]:
+    """DDG's M ticks (``tick`` over the carry ``(params, opt_state, reducer_state, model
+    state, inputs, inbox, loss sum, count)``) and the state they leave."""
+    both = (DATA, STAGE)
     s = local_model_state(cfg, state.model)
     carry = (
         state.params[0],
@@ -562,11 +580,12 @@ def ddg_step(
         *vary((s, inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
     )
     (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), _ = lax.scan(
-        tick, carry, jnp.arange(m_)
+        tick, carry, jnp.arange(cfg.m)
     )
     loss = lax.psum(loss_sum, STAGE) / jnp.maximum(lax.psum(count, STAGE), 1)
     history = inbox_out = inputs_out = ()
-    if k_ > 1:
+    if cfg.k > 1:
+        past = cfg.ddg_depth * cfg.m
         inputs_out, inbox_out = inputs[None, None], inbox[None, None]
         history = jax.tree.map(lambda s: s[s.shape[0] - past :][None], sequence)
     new = DDGState(
@@ -576,7 +595,75 @@ def ddg_step(
         inputs_out,
         inbox_out,
         history,
-        state.tick + m_,
+        state.tick + cfg.m,
         merged_model(cfg, state.model, s),
     )
     return new, {"loss": lax.pmean(loss, DATA)}
+
+
+def _locked_ddg_step(
+    cfg: PipelineConfig, fns: Stages, state: DDGState, batch: Any
+) -> tuple[DDGState, Metrics]:
+    """:func:`ddg_step` with the forward locked (K > 1), as Huo et al.'s code runs it
+    (slowbull/DDG, ``main.py``: ``train_start``, ``train_n``, ``train_end``; the delays in
+    ``models/resnet_ddg.py``): on tick t every stage forwards micro-batch t, stage h at the
+    h-th of the K - 1 sends that carry it through the stages, then stage k backpropagates
+    micro-batch ``t - (K-1-k)`` along the error stage k + 1 sent on tick t - 1 (the last
+    stage its own loss of micro-batch t) and updates."""
+    k_, m_, slots = cfg.k, cfg.m, cfg.ddg_slots
+    k, w = lax.axis_index(STAGE), lax.axis_index(DATA)
+    both = (DATA, STAGE)
+    last = k_ - 1
+    current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
+    sequence = jax.tree.map(lambda h, c: jnp.concatenate([h[0], c]), state.history, current)
+    past = cfg.ddg_depth * m_  # micro-batches of earlier steps at the front of ``sequence``
+    zeros_a = jnp.zeros((fns.width,), fns.dtype)
+
+    def forward_at(h: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+        def run(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
+            return vary(fns.forward[h](p, s, x, micro, key), both)
+
+        return run
+
+    def idle(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
+        return vary((zeros_a, s), both)
+
+    def backward_of(i: int) -> Callable[..., tuple[jax.Array, ...]]:
+        def run(p: jax.Array, s: jax.Array, x: jax.Array, ct: jax.Array, *micro: Any) -> Any:
+            grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x, ct, *micro, 1.0)
+            return vary((grad_x, grad_p, loss.astype(jnp.float32), s_b), both)
+
+        return run
+
+    backwards = [backward_of(i) for i in range(k_)]
+
+    def key(j: jax.Array) -> jax.Array:
+        return stage_key(cfg, worker_key(state.model, w, jnp.maximum(j, 0)), k, None)
+
+    def tick(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
+        p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count = carry
+        g = state.tick + i
+        j_b = g - cfg.ddg_delay(k)
+        mb_f = _index(sequence, past + i)
+        mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
+        p_v, x = vary(p, (DATA,)), vary(zeros_a, both)
+        for h in range(last):  # stage h forwards micro-batch g; stage h + 1 receives it
+            out, s = lax.cond(k == h, forward_at(h), idle, p_v, s, x, mb_f, key(g))
+            x = jnp.where(k == h + 1, lax.ppermute(out, STAGE, [(h, h + 1)]), x)
+        inputs = _store(inputs, g % slots, x, True)
+        grad_x, grad_p, loss, s_b = lax.switch(
+            k, backwards, p_v, s, inputs[j_b % slots], inbox, mb_b, key(j_b)
+        )
+        s = jnp.where(k == last, s_b, s)  # the last stage's forward is its backward's
+        valid = j_b >= 0
+        new = cfg.update(p, opt_state, reducer_state, grad_p, staleness=cfg.ddg_delay(k))
+        p, opt_state, reducer_state = jax.tree.map(
+            lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
+        )
+        inbox = _shift(grad_x, k_, -1)
+        counted = valid & (k == last)
+        loss_sum, count = loss_sum + jnp.where(counted, loss, 0.0), count + counted
+        return (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), None
+
+    inputs, inbox = state.inputs[0, 0], state.inbox[0, 0]
+    return _run_ticks(cfg, state, tick, inputs, inbox, sequence)

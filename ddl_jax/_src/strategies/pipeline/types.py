@@ -18,6 +18,8 @@ from ddl_jax._src.core.model_loss import ModelLoss, ModelVars
 #: A stage's apply: ``(params, x) -> y``, or a ``ModelLoss`` whose
 #: ``fn(params, model_state, x, key) -> (y, new_model_state)`` (a stateful stage).
 StageFn = Callable[[Any, Any], Any] | ModelLoss
+#: How ``"ddg"`` forwards: the first is Huo et al.'s and the default.
+DDG_FORWARDS = ("locked", "pipelined")
 Metrics = dict[str, jax.Array]
 
 
@@ -42,6 +44,8 @@ class PipelineConfig(NamedTuple):
       example: the abstract ``example_batch`` (``jax.ShapeDtypeStruct`` leaves), or ``None``.
       transposes_weight_gradients: whether the backward computes its weight gradients
         from explicit transposes, for XLA:CPU (``cpu_products.applies``).
+      ddg_forward: under ``"ddg"``, ``"locked"`` (every stage forwards a tick's
+        micro-batch within the tick) or ``"pipelined"`` (one stage further a tick).
     """
 
     applies: tuple[StageFn, ...]
@@ -59,6 +63,7 @@ class PipelineConfig(NamedTuple):
     m: int
     example: Any
     transposes_weight_gradients: bool
+    ddg_forward: str = DDG_FORWARDS[0]
 
     @property
     def divisor(self) -> int:
@@ -69,16 +74,22 @@ class PipelineConfig(NamedTuple):
     def why(self) -> str:
         return f"{self.n} data workers x microbatches={self.m}"
 
+    def ddg_delay(self, k: Any) -> Any:
+        """Ticks by which DDG's stage ``k`` backpropagates behind the micro-batch it
+        forwards, its gradient's delay: ``K-1-k`` with the forward locked, ``2(K-1-k)``
+        pipelined."""
+        return (self.k - 1 - k) * (1 if self.ddg_forward == "locked" else 2)
+
     @property
     def ddg_slots(self) -> int:
-        """Stage inputs a DDG stage keeps: ``2K-1`` (its forward leads its backward by up to
-        ``2(K-1)`` ticks)."""
-        return 2 * self.k - 1
+        """Stage inputs a DDG stage keeps: its longest delay and one (``K`` locked,
+        ``2K-1`` pipelined)."""
+        return self.ddg_delay(0) + 1
 
     @property
     def ddg_depth(self) -> int:
-        """Earlier steps whose micro-batches DDG still needs: ``ceil(2(K-1)/M)``."""
-        return math.ceil(2 * (self.k - 1) / self.m)
+        """Earlier steps whose micro-batches DDG still needs: ``ceil(delay of stage 0 / M)``."""
+        return math.ceil(self.ddg_delay(0) / self.m)
 
     @property
     def seed_stage(self) -> Callable[..., Any] | ModelLoss:
@@ -150,11 +161,12 @@ class DDGState(NamedTuple):
 
     Attributes:
       params, opt_state, reducer_state: as in ``PipelineState``.
-      inputs: ``[N, K, 2K-1, A]``, the stage inputs each stage keeps for its delayed
-        backward (slot ``micro-batch mod 2K-1``), ``P("data", "stage")``; ``()`` for K=1.
+      inputs: ``[N, K, S, A]``, the stage inputs each stage keeps for its delayed
+        backward (slot ``micro-batch mod S``; S = ``PipelineConfig.ddg_slots``),
+        ``P("data", "stage")``; ``()`` for K=1.
       inbox: ``[N, K, A]``, the error gradient each stage received on the last tick,
         ``P("data", "stage")``; ``()`` for K=1.
-      history: the last ``ceil(2(K-1)/M)`` steps' micro-batches, leaves
+      history: the last ``PipelineConfig.ddg_depth`` steps' micro-batches, leaves
         ``[N, H*M, b, ...]``, ``P("data")``: the first stage's inputs for its delayed
         backward and the labels of the micro-batches still in flight; ``()`` for K=1.
       tick: ``int32`` scalar, ticks run so far (``P()``).
