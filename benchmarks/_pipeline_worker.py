@@ -88,6 +88,12 @@ modes = {
         microbatches=config["microbatches"], schedule="1f1b", tick_costs="unit"
     ),
     "ddg": dict(microbatches=config["microbatches"], schedule="ddg", example_batch=local),
+    "ddg, forward pipelined": dict(
+        microbatches=config["microbatches"],
+        schedule="ddg",
+        example_batch=local,
+        ddg_forward="pipelined",
+    ),
 }
 runs = {}
 for name, kwargs in modes.items():

@@ -6,10 +6,11 @@ batches from the same initial weights in five modes:
 
 * ``gpipe``: the exact gradient of each global batch, one update per step;
 * ``micro``: DDG's updates without the delay (one stage: backprop on each micro-batch);
-* ``ddg``: M delayed-gradient updates per step, stage k's gradient ``2(K-1-k)`` ticks old;
+* ``ddg``: M delayed-gradient updates per step, stage k's gradient ``K-1-k`` ticks old
+  (the authors' forward-locked DDG; ``--ddg-forward pipelined``: ``2(K-1-k)``);
 * ``ddg+inverse`` and ``ddg+exp``: DDG with ``optax.chain(optimizer,
   ddl.scale_by_staleness(rule))``. The pipeline passes each stage's delay
-  ``tau = 2(K-1-k)`` to the optimizer as the extra argument ``staleness``, so stage k's
+  ``tau`` to the optimizer as the extra argument ``staleness``, so stage k's
   step is scaled by ``1 / max(tau, 1)`` or ``exp(-decay tau)``: smaller learning rates for
   the earlier stages, the last stage's unchanged.
 
@@ -99,6 +100,7 @@ def run(
         microbatches=args.microbatches,
         schedule="gpipe" if mode == "gpipe" else "ddg",
         example_batch=batches[0],
+        **({} if mode == "gpipe" else {"ddg_forward": args.ddg_forward}),
     )
     step = jax.jit(strategy.step, donate_argnums=0)
 
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--adam-lrs", type=float, nargs="*", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--decay", type=float, default=0.5, help="the exp rule's decay")
+    parser.add_argument("--ddg-forward", default="locked", choices=["locked", "pipelined"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=128, help="global batch")
     parser.add_argument("--microbatches", type=int, default=4, help="M")
@@ -175,7 +178,9 @@ def main() -> None:
         f"GPipe: one exact update per step. DDG: {m_} updates of {args.batch // m_} per "
         f"step. No delay: DDG's updates in one stage (backprop on the same micro-batches). "
         f"+ inverse / exp: optax.chain(optimizer, ddl.scale_by_staleness(rule)), stage k's "
-        f"step scaled by 1 / max(tau, 1) or exp(-{args.decay:g} tau), tau = 2(K-1-k).\n"
+        f"step scaled by 1 / max(tau, 1) or exp(-{args.decay:g} tau), tau = "
+        f"{'K-1-k' if args.ddg_forward == 'locked' else '2(K-1-k)'} (DDG's forward "
+        f"{args.ddg_forward}).\n"
     )
     print("| K | optimizer | lr | " + " | ".join(MODES[m] for m in args.modes) + " |")
     print("|---|---|---|" + "---|" * len(args.modes))

@@ -371,19 +371,24 @@ def pipeline(
       costlier than a forward it idles more than GPipe (``docs/figures.md``: 1.26x against
       GPipe's 1.41x a sequential run's samples/s, K = 2, M = 4).
     * ``"ddg"``, decoupled parallel backpropagation with delayed gradients (Huo et al. 2018,
-      arXiv:1804.10574): every tick, every stage runs one forward and one backward and updates
-      its weights, with no bubble. At global tick t stage k forwards micro-batch ``t-k`` and
-      backpropagates micro-batch ``j = t-2(K-1)+k`` with the error gradient ``delta_j`` that
-      stage k+1 sent on tick t-1 (the last stage uses its own loss at once): ``w_k <- w_k +
-      optimizer(reducer(d f_k(h_j; w_k)/d w_k . delta_j))``, recomputing the stage from its
-      stashed input ``h_j`` with its current weights. Huo et al. keep the forward pass locked,
-      so their stage k sees a gradient delayed by K-1-k iterations; here the forward is
-      pipelined too, so the delay is ``2(K-1-k)`` ticks. Each step runs M ticks, so M updates of
+      arXiv:1804.10574), as the authors' code runs it (slowbull/DDG, ``main.py``,
+      ``models/resnet_ddg.py``): every tick, every stage runs one forward and one backward and
+      updates its weights. On tick t every stage forwards micro-batch t, the activations
+      crossing the K stages within the tick (the forward stays locked: K - 1 sends, stage h
+      forwarding at the h-th), then every stage at once backpropagates micro-batch ``j =
+      t-(K-1-k)`` with the error gradient ``delta_j`` that stage k+1 sent on tick t-1 (the
+      last stage its own loss of micro-batch t): ``w_k <- w_k + optimizer(reducer(d f_k(h_j;
+      w_k)/d w_k . delta_j))``, so stage k's gradient is ``K-1-k`` ticks old. The backward
+      re-runs the stage from its stashed input ``h_j`` with its current weights (the
+      authors' backpropagates through the graph its forward kept). ``ddg_forward=
+      "pipelined"`` pipelines the forward as well, stage k forwarding micro-batch ``t-k`` and
+      backpropagating ``t-2(K-1)+k``: one stage further a tick, no chain of sends within
+      one, but a delay of ``2(K-1-k)`` ticks. Each step runs M ticks, so M updates of
       micro-batch size; the pipeline stays full across steps. A learning-rate schedule counts
-      those updates, M a step, and stage k's first comes at tick ``2(K-1)-k``: after T ticks its
-      count is ``T-2(K-1)+k``, the earlier stages' behind the last one's. The delay narrows
-      the stable learning rates; ``ddl.scale_by_staleness`` (below) widens them
-      (``docs/figures.md``).
+      those updates, M a step, and stage k's first comes at the tick of its delay: after T
+      ticks its count is ``T`` minus that delay, the earlier stages' behind the last one's.
+      The delay narrows the stable learning rates; ``ddl.scale_by_staleness`` (below) widens
+      them (``docs/figures.md``).
 
     Model state and randomness (stateful stages: ``pipeline_stages`` of modules with BatchNorm or
     Dropout; see ``docs/design.md``, section 2): stage k's model state lives with its stage
@@ -417,8 +422,8 @@ def pipeline(
     the stages' trees is refused). ``ddl.compression.power_sgd`` would find no matrices, so it
     is refused (``ValueError``).
     The optimizer also receives optax's extra argument ``staleness``, stage k's gradient delay
-    (``2(K-1-k)`` under DDG, 0 otherwise), so ``optax.chain(optimizer, ddl.scale_by_staleness())``
-    gives DDG's earlier stages ``lr / max(2(K-1-k), 1)``.
+    (``K-1-k`` under DDG, ``2(K-1-k)`` pipelined, 0 otherwise), so ``optax.chain(optimizer,
+    ddl.scale_by_staleness())`` gives DDG's earlier stages ``lr / max(delay, 1)``.
 
     ``ddl.comm_stats`` of a step: a tick's activation and error-gradient sends run only where
     some stage sends, inside ``lax.cond``, so they are under ``branches`` (bytes when the
@@ -448,14 +453,16 @@ def pipeline(
       tick_costs: for ``"gpipe"`` and ``"1f1b"``, stage costs that group lock-step ticks (a cheap
         stage runs several operations beside a costly one; the same gradients): ``"flops"`` (XLA's
         counts per micro-batch), ``"unit"`` (one operation a tick), or K ``(forward, backward)``.
+      ddg_forward: for ``"ddg"``, ``"locked"`` (the default, the authors') or ``"pipelined"``
+        (above).
 
     Returns:
       A ``Strategy``: ``init(variables)`` takes the K stages' variables (a sequence: a
       parameter pytree per plain stage, ``{"params": ..., "batch_stats": ...}`` per
       stateful one), ``params(state)`` returns them as a list in the same layout. Metrics:
       ``loss``, the mean loss of the micro-batches whose loss was computed in this step
-      (under ``"ddg"``, 0 on the first steps, while no micro-batch has reached the last
-      stage yet: ``floor((K - 1) / M)`` of them, which ``ddl.fit`` logs as 0).
+      (under ``"ddg"`` pipelined, 0 on the first steps, while no micro-batch has reached the
+      last stage yet: ``floor((K - 1) / M)`` of them, which ``ddl.fit`` logs as 0).
 
     Example (an autoencoder of two linear stages on a 2 x 2 mesh):
 

@@ -298,11 +298,14 @@ def make_schedule(
     * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): after K-1-k
       warm-up forwards stage k alternates one forward and one backward; exact gradients;
       a stage holds at most K micro-batches' inputs (:func:`peak_stash`).
-    * ``ddg`` (Huo et al. 2018, arXiv:1804.10574): at every tick every stage runs one
+    * ``ddg`` (Huo et al. 2018, arXiv:1804.10574) with its forward pipelined
+      (``ddl.pipeline(ddg_forward="pipelined")``): at every tick every stage runs one
       forward and one (delayed) backward: at global tick t stage k forwards micro-batch
       ``t - k`` and backpropagates micro-batch ``t - 2(K-1) + k``. The pipeline stays full
       from one step to the next, so these indices may point into earlier steps (negative
-      values before the first step mean "nothing yet").
+      values before the first step mean "nothing yet"). The default, forward-locked DDG
+      has no such table: within each tick its forwards run stage after stage (K - 1 sends)
+      before every stage's backward, so a tick lasts K forwards and a backward.
 
     Args:
       stages: K >= 1.
