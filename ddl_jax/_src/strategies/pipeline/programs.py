@@ -486,19 +486,25 @@ def ddg_step(
 ) -> tuple[DDGState, Metrics]:
     """M DDG ticks on one device; each ends with this stage's (delayed-gradient) update.
 
+    Locked (``cfg.ddg_forward``, K > 1), as Huo et al.'s code runs it (slowbull/DDG,
+    ``main.py``: ``train_start``, ``train_n``, ``train_end``; the delays in
+    ``models/resnet_ddg.py``): on tick t every stage forwards micro-batch t, stage h at the
+    h-th of the K - 1 sends that carry it through the stages, then stage k backpropagates
+    micro-batch ``t - (K-1-k)`` along the error stage k + 1 sent on tick t - 1 (the last
+    stage its own loss of micro-batch t) and updates. Pipelined, stage k forwards
+    micro-batch ``t - k`` from what stage k - 1 sent on tick t - 1, one stage further a tick,
+    and backpropagates ``t - 2(K-1) + k``.
+
     Each tick's forward updates the stage's model state (the last stage's backward, of the
     same micro-batch); the delayed backward re-runs the stage from the current state.
     Micro-batch j (its global index: the tick stage 0 forwards it) draws its stage's key
-    from ``worker_key(model, w, step=j)``: in DDG every tick is an update. Locked
-    (``cfg.ddg_forward``), a tick's micro-batch crosses every stage within the tick (K - 1
-    sends, stage h forwarding at the h-th); pipelined, one stage further a tick.
+    from ``worker_key(model, w, step=j)``: in DDG every tick is an update.
     """
-    if cfg.ddg_forward == "locked" and cfg.k > 1:
-        return _locked_ddg_step(cfg, fns, state, batch)
     k_, m_, slots = cfg.k, cfg.m, cfg.ddg_slots
     k, w = lax.axis_index(STAGE), lax.axis_index(DATA)
     both = (DATA, STAGE)
     last = k_ - 1
+    locked = cfg.ddg_forward == "locked" and k_ > 1
     current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
     if k_ > 1:
         inputs, inbox = state.inputs[0, 0], state.inbox[0, 0]
@@ -511,9 +517,14 @@ def ddg_step(
     Out = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
     def stage_tick(i: int) -> Callable[..., Out]:
+        """Stage i's tick: its forward (pipelined only) and its delayed backward."""
+
         def run(p: jax.Array, s: jax.Array, x_f: Any, x_b: Any, ct: Any, *micro: Any) -> Out:
             mb_f, mb_b, key_f, key_b = micro
-            out_act, s_f = fns.forward[i](p, s, x_f, mb_f, key_f) if i < last else (zeros_a, s)
+            if i < last and not locked:
+                out_act, s_f = fns.forward[i](p, s, x_f, mb_f, key_f)
+            else:
+                out_act, s_f = zeros_a, s
             grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x_b, ct, mb_b, key_b, 1.0)
             s = s_b if i == last else s_f
             return vary((out_act, grad_x, grad_p, loss.astype(jnp.float32), s), both)
@@ -522,19 +533,36 @@ def ddg_step(
 
     branches = [stage_tick(i) for i in range(k_)]
 
+    def forward_at(h: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+        def run(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
+            return vary(fns.forward[h](p, s, x, micro, key), both)
+
+        return run
+
+    def idle(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
+        return vary((zeros_a, s), both)
+
     def key(j: jax.Array) -> jax.Array:
         return stage_key(cfg, worker_key(state.model, w, jnp.maximum(j, 0)), k, None)
 
     def tick(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
         p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count = carry
         g = state.tick + i
-        j_f, j_b = g - k, g - 2 * last + k
+        j_f = g if locked else g - k
+        j_b = j_f - cfg.ddg_delay(k)
         mb_f = _index(sequence, past + i)
         mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
+        p_v = vary(p, (DATA,))
+        if locked:  # micro-batch g crosses the stages; stage h + 1 keeps what h sent
+            x = vary(zeros_a, both)
+            for h in range(last):
+                out, s = lax.cond(k == h, forward_at(h), idle, p_v, s, x, mb_f, key(g))
+                x = jnp.where(k == h + 1, lax.ppermute(out, STAGE, [(h, h + 1)]), x)
+            inputs = _store(inputs, g % slots, x, True)
         out_act, grad_x, grad_p, loss, new_s = lax.switch(
             k,
             branches,
-            vary(p, (DATA,)),
+            p_v,
             s,
             inputs[j_f % slots],
             inputs[j_b % slots],
@@ -552,26 +580,13 @@ def ddg_step(
             lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
         )
         if k_ > 1:
-            inputs = _store(inputs, (g - k + 1) % slots, _shift(out_act, k_, 1), True)
+            if not locked:
+                inputs = _store(inputs, (g - k + 1) % slots, _shift(out_act, k_, 1), True)
             inbox = _shift(grad_x, k_, -1)
         counted = valid & (k == last)
         loss_sum, count = loss_sum + jnp.where(counted, loss, 0.0), count + counted
         return (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), None
 
-    return _run_ticks(cfg, state, tick, inputs, inbox, sequence)
-
-
-def _run_ticks(
-    cfg: PipelineConfig,
-    state: DDGState,
-    tick: Callable[[tuple, jax.Array], tuple[tuple, None]],
-    inputs: jax.Array,
-    inbox: jax.Array,
-    sequence: Any,
-) -> tuple[DDGState, Metrics]:
-    """DDG's M ticks (``tick`` over the carry ``(params, opt_state, reducer_state, model
-    state, inputs, inbox, loss sum, count)``) and the state they leave."""
-    both = (DATA, STAGE)
     s = local_model_state(cfg, state.model)
     carry = (
         state.params[0],
@@ -580,12 +595,11 @@ def _run_ticks(
         *vary((s, inputs, inbox, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), both),
     )
     (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), _ = lax.scan(
-        tick, carry, jnp.arange(cfg.m)
+        tick, carry, jnp.arange(m_)
     )
     loss = lax.psum(loss_sum, STAGE) / jnp.maximum(lax.psum(count, STAGE), 1)
     history = inbox_out = inputs_out = ()
-    if cfg.k > 1:
-        past = cfg.ddg_depth * cfg.m
+    if k_ > 1:
         inputs_out, inbox_out = inputs[None, None], inbox[None, None]
         history = jax.tree.map(lambda s: s[s.shape[0] - past :][None], sequence)
     new = DDGState(
@@ -595,75 +609,7 @@ def _run_ticks(
         inputs_out,
         inbox_out,
         history,
-        state.tick + cfg.m,
+        state.tick + m_,
         merged_model(cfg, state.model, s),
     )
     return new, {"loss": lax.pmean(loss, DATA)}
-
-
-def _locked_ddg_step(
-    cfg: PipelineConfig, fns: Stages, state: DDGState, batch: Any
-) -> tuple[DDGState, Metrics]:
-    """:func:`ddg_step` with the forward locked (K > 1), as Huo et al.'s code runs it
-    (slowbull/DDG, ``main.py``: ``train_start``, ``train_n``, ``train_end``; the delays in
-    ``models/resnet_ddg.py``): on tick t every stage forwards micro-batch t, stage h at the
-    h-th of the K - 1 sends that carry it through the stages, then stage k backpropagates
-    micro-batch ``t - (K-1-k)`` along the error stage k + 1 sent on tick t - 1 (the last
-    stage its own loss of micro-batch t) and updates."""
-    k_, m_, slots = cfg.k, cfg.m, cfg.ddg_slots
-    k, w = lax.axis_index(STAGE), lax.axis_index(DATA)
-    both = (DATA, STAGE)
-    last = k_ - 1
-    current = jax.tree.map(lambda x: x.reshape(m_, -1, *x.shape[1:]), batch)
-    sequence = jax.tree.map(lambda h, c: jnp.concatenate([h[0], c]), state.history, current)
-    past = cfg.ddg_depth * m_  # micro-batches of earlier steps at the front of ``sequence``
-    zeros_a = jnp.zeros((fns.width,), fns.dtype)
-
-    def forward_at(h: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
-        def run(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
-            return vary(fns.forward[h](p, s, x, micro, key), both)
-
-        return run
-
-    def idle(p: jax.Array, s: jax.Array, x: jax.Array, micro: Any, key: Any) -> Any:
-        return vary((zeros_a, s), both)
-
-    def backward_of(i: int) -> Callable[..., tuple[jax.Array, ...]]:
-        def run(p: jax.Array, s: jax.Array, x: jax.Array, ct: jax.Array, *micro: Any) -> Any:
-            grad_p, grad_x, loss, s_b = fns.backward[i](p, s, x, ct, *micro, 1.0)
-            return vary((grad_x, grad_p, loss.astype(jnp.float32), s_b), both)
-
-        return run
-
-    backwards = [backward_of(i) for i in range(k_)]
-
-    def key(j: jax.Array) -> jax.Array:
-        return stage_key(cfg, worker_key(state.model, w, jnp.maximum(j, 0)), k, None)
-
-    def tick(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
-        p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count = carry
-        g = state.tick + i
-        j_b = g - cfg.ddg_delay(k)
-        mb_f = _index(sequence, past + i)
-        mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
-        p_v, x = vary(p, (DATA,)), vary(zeros_a, both)
-        for h in range(last):  # stage h forwards micro-batch g; stage h + 1 receives it
-            out, s = lax.cond(k == h, forward_at(h), idle, p_v, s, x, mb_f, key(g))
-            x = jnp.where(k == h + 1, lax.ppermute(out, STAGE, [(h, h + 1)]), x)
-        inputs = _store(inputs, g % slots, x, True)
-        grad_x, grad_p, loss, s_b = lax.switch(
-            k, backwards, p_v, s, inputs[j_b % slots], inbox, mb_b, key(j_b)
-        )
-        s = jnp.where(k == last, s_b, s)  # the last stage's forward is its backward's
-        valid = j_b >= 0
-        new = cfg.update(p, opt_state, reducer_state, grad_p, staleness=cfg.ddg_delay(k))
-        p, opt_state, reducer_state = jax.tree.map(
-            lambda a, b: jnp.where(valid, a, b), new, (p, opt_state, reducer_state)
-        )
-        inbox = _shift(grad_x, k_, -1)
-        counted = valid & (k == last)
-        loss_sum, count = loss_sum + jnp.where(counted, loss, 0.0), count + counted
-        return (p, opt_state, reducer_state, s, inputs, inbox, loss_sum, count), None
-
-    inputs, inbox = state.inputs[0, 0], state.inbox[0, 0]
-    return _run_ticks(cfg, state, tick, inputs, inbox, sequence)
