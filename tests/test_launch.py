@@ -250,6 +250,31 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def rank_1_ends_in_the_collectives(tmp_path, ending: str, setting: str = "") -> str:
+    """A script of two ranks summing in a loop until rank 1 runs ``ending`` at step 3,
+    its peer then waiting in a collective for it; ``setting`` runs after ``initialize``."""
+    return script(
+        tmp_path,
+        f"""
+        from ddl_jax._src.train import launch
+        launch.initialize()
+        {setting}
+        import sys, jax, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import ddl_jax as ddl
+
+        mesh = ddl.make_mesh()
+        rows = np.ones(jax.local_device_count(), np.float32)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rows)
+        total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
+        for step in range(10_000):
+            if step == 3 and jax.process_index() == 1:
+                {ending}
+            total(x).block_until_ready()
+        """,
+    )
+
+
 @pytest.mark.parametrize(
     ("failure", "code", "printed"),
     [
@@ -261,25 +286,7 @@ def test_a_terminated_launcher_leaves_no_rank_behind(tmp_path):
 def test_a_rank_that_fails_ends_at_once_and_is_named(tmp_path, failure, code, printed):
     """Its peer waits in a collective for it; it must not wait at JAX's shutdown barrier
     for that peer (300 s), so the launcher names it, with its code, and stops the peer."""
-    path = script(
-        tmp_path,
-        f"""
-        from ddl_jax._src.train import launch
-        launch.initialize()
-        import sys, jax, numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import ddl_jax as ddl
-
-        mesh = ddl.make_mesh()
-        rows = np.ones(jax.local_device_count(), np.float32)
-        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rows)
-        total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
-        for step in range(10_000):
-            if step == 3 and jax.process_index() == 1:
-                {failure}
-            total(x).block_until_ready()
-        """,
-    )
+    path = rank_1_ends_in_the_collectives(tmp_path, failure)
     cmd = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--grace", "1"]
     tick = time.monotonic()
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
@@ -301,25 +308,8 @@ def test_a_rank_that_fails_ends_at_once_and_is_named(tmp_path, failure, code, pr
 def test_a_rank_that_finishes_early_says_it_waits_at_jax_shutdown(tmp_path):
     """A rank that ends with success while its peer waits in a collective for it waits at
     JAX's shutdown barrier (300 s): it must say so, and why, not look hung."""
-    path = script(
-        tmp_path,
-        """
-        from ddl_jax._src.train import launch
-        launch.initialize()
-        launch.SHUTDOWN_NOTES_S = (0.5, 60.0)
-        import sys, jax, numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        import ddl_jax as ddl
-
-        mesh = ddl.make_mesh()
-        rows = np.ones(jax.local_device_count(), np.float32)
-        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rows)
-        total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
-        for step in range(10_000):
-            if step == 3 and jax.process_index() == 1:
-                sys.exit(0)
-            total(x).block_until_ready()
-        """,
+    path = rank_1_ends_in_the_collectives(
+        tmp_path, "sys.exit(0)", "launch.SHUTDOWN_NOTES_S = (0.5, 60.0)"
     )
     cmd = [sys.executable, "-m", "ddl_jax.cli", "launch", "-n", "2", "--grace", "1"]
     launcher = subprocess.Popen(

@@ -370,6 +370,15 @@ def test_ddg_runs_the_authors_forward_locked_delays(k, m_):
     np.testing.assert_allclose(metrics["loss"], np.mean(losses[-m_:]), rtol=1e-5)
 
 
+def micro_batches(batches, m_):
+    """Each batch's M micro-batches, in order: the order a pipeline runs them."""
+    return [
+        {key: v[i * len(v) // m_ : (i + 1) * len(v) // m_] for key, v in b.items()}
+        for b in batches
+        for i in range(m_)
+    ]
+
+
 def ddg_as_its_authors_run_it(stages, lr, params, batches, m_):
     """Huo et al.'s DDG as their code runs it (slowbull/DDG: ``main.py``'s ``train_start``,
     ``train_n`` and ``train_end``, one process a split; ``models/resnet_ddg.py``'s
@@ -388,12 +397,7 @@ def ddg_as_its_authors_run_it(stages, lr, params, batches, m_):
     """
     k_ = len(stages)
     lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * k_
-    micro = [
-        {key: v[i * len(v) // m_ : (i + 1) * len(v) // m_] for key, v in b.items()}
-        for b in batches
-        for i in range(m_)
-    ]
-    params = [jax.tree.map(jnp.asarray, p) for p in params]
+    micro, params = micro_batches(batches, m_), [jax.tree.map(jnp.asarray, p) for p in params]
     kept = [{} for _ in stages]  # split k's kept inputs, by micro-batch
     sent = {}  # (split, micro-batch) -> the error at that split's output
     losses = []
@@ -447,12 +451,7 @@ def ddg_step_by_step(stages, lr, params, batches, m_):
     """
     k_ = len(stages)
     lrs = list(lr) if isinstance(lr, list | tuple) else [lr] * k_
-    micro = [
-        {key: v[i * len(v) // m_ : (i + 1) * len(v) // m_] for key, v in b.items()}
-        for b in batches
-        for i in range(m_)
-    ]
-    params = [jax.tree.map(jnp.asarray, p) for p in params]
+    micro, params = micro_batches(batches, m_), [jax.tree.map(jnp.asarray, p) for p in params]
     inputs, deltas = {}, {}  # (stage, micro-batch) -> stage input / error at its output
     for t in range(len(micro)):
         outputs, new_deltas = {}, {}
