@@ -380,7 +380,7 @@ def pipeline(
       last stage its own loss of micro-batch t): ``w_k <- w_k + optimizer(reducer(d f_k(h_j;
       w_k)/d w_k . delta_j))``, so stage k's gradient is ``K-1-k`` ticks old. The backward
       re-runs the stage from its stashed input ``h_j`` with its current weights (the
-      authors' backpropagates through the graph its forward kept). ``ddg_forward=
+      authors' code backpropagates through the graph its forward kept). ``ddg_forward=
       "pipelined"`` pipelines the forward as well, stage k forwarding micro-batch ``t-k`` and
       backpropagating ``t-2(K-1)+k``: one stage further a tick, no chain of sends within
       one, but a delay of ``2(K-1-k)`` ticks. Each step runs M ticks, so M updates of
