@@ -350,14 +350,19 @@ def test_a_failed_exit_is_noted_in_the_main_thread_only(monkeypatch):
     launch._end_failures_at_once()
     (end_a_failed_exit,) = handlers
 
+    raised = []
+
     def exit_in_a_thread():
-        with pytest.raises(SystemExit):  # uncaught, it would end the thread only
+        try:
             sys.exit(4)
+        except SystemExit as e:  # uncaught, it would end the thread only
+            raised.append(e.code)
 
     thread = threading.Thread(target=exit_in_a_thread)
     thread.start()
     thread.join()
     end_a_failed_exit()
+    assert raised == [4]
     assert ended == []
     for status, expected in [(5, [5]), ("a message", [1]), (None, []), (True, [1])]:
         with pytest.raises(SystemExit):

@@ -554,9 +554,9 @@ def ddg_step(
         mb_b = _index(sequence, jnp.maximum(j_b - state.tick + past, 0))
         p_v = vary(p, (DATA,))
         if locked:  # micro-batch g crosses the stages; stage h + 1 keeps what h sent
-            x = vary(zeros_a, both)
+            x, key_g = vary(zeros_a, both), key(g)
             for h in range(last):
-                out, s = lax.cond(k == h, forward_at(h), idle, p_v, s, x, mb_f, key(g))
+                out, s = lax.cond(k == h, forward_at(h), idle, p_v, s, x, mb_f, key_g)
                 x = jnp.where(k == h + 1, lax.ppermute(out, STAGE, [(h, h + 1)]), x)
             inputs = _store(inputs, g % slots, x, True)
         out_act, grad_x, grad_p, loss, new_s = lax.switch(
