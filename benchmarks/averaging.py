@@ -2,7 +2,8 @@
 
 Eight workers, the same data order, seed and inner optimizer (Adam 3e-3; AdamW for DiLoCo)
 for ``data_parallel``, ``local_sgd`` with H = 4, 16, 64, DiLoCo with H = 16 (outer SGD
-0.7, Nesterov momentum 0.9) and gossip on a ring and an exponential graph. For each:
+0.7, Nesterov momentum 0.9) and gossip on a ring and an exponential graph (D-PSGD; on
+the ring also adapting then combining, ``order="adapt_then_combine"``). For each:
 final test accuracy of the averaged model, bytes each device sends over the whole run
 (read from the compiled step's HLO: synchronisations are a conditional branch, priced
 for the steps that take it), and that communication's time on 1 Gb/s Ethernet
@@ -34,8 +35,9 @@ def build(name, loss_fn, mesh):
     if name.startswith("diloco"):
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
         return ddl.local_sgd(loss_fn, optax.adamw(3e-3), mesh, period=16, outer_optimizer=outer), 16
-    topology = name.split(" ")[1]
-    return ddl.gossip(loss_fn, adam, mesh, topology=topology, consensus_every=0), None
+    _, topology, *order = name.split(" ")
+    order = order[0] if order else "dpsgd"
+    return ddl.gossip(loss_fn, adam, mesh, topology=topology, order=order, consensus_every=0), None
 
 
 def communication(strategy, params, batch, period, steps, network):
@@ -84,6 +86,7 @@ def main() -> None:
         "local_sgd H=64",
         "diloco H=16",
         "gossip ring",
+        "gossip ring adapt_then_combine",
         "gossip exponential",
     ]
     rows = []

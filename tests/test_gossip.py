@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import make_batches
+from conftest import make_batches, worker_shards
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,19 +78,45 @@ def test_consensus_distance_is_the_mean_distance_to_the_average(mlp):
     np.testing.assert_allclose(metrics["consensus_distance"], expected, rtol=1e-4)
 
 
-def test_complete_graph_is_data_parallel(mlp):
+def trained(strategy, params, batches):
+    state, step = strategy.init(params), jax.jit(strategy.step)
+    for batch in batches:
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+def test_complete_graph_adapting_then_combining_is_data_parallel(mlp):
     loss_fn, params = mlp
     batches, mesh = make_batches(5, 32), ddl.make_mesh(data=8)
     results = []
     for strategy in (
-        ddl.gossip(loss_fn, optax.sgd(0.1), mesh, topology="complete"),
+        ddl.gossip(loss_fn, optax.sgd(0.1), mesh, topology="complete", order="adapt_then_combine"),
         ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh),
     ):
-        state, step = strategy.init(params), jax.jit(strategy.step)
-        for batch in batches:
-            state, _ = step(state, batch)
-        results.append(strategy.params(state))
+        results.append(strategy.params(trained(strategy, params, batches)[0]))
     chex.assert_trees_all_close(*results, atol=1e-5)
+
+
+def test_dpsgd_keeps_each_workers_own_update_out_of_the_mix(mlp):
+    """D-PSGD (the default) on the complete graph from equal replicas: the mix of the models
+    before the step is the model itself, so each replica is it plus its own update, and the
+    replicas' mean is one step of synchronous SGD while they disagree."""
+    loss_fn, params = mlp
+    batch, mesh = make_batches(1, 32)[0], ddl.make_mesh(data=8)
+    sync = ddl.data_parallel(loss_fn, optax.sgd(0.1), mesh)
+    expected = sync.params(trained(sync, params, [batch])[0])
+    strategy = ddl.gossip(loss_fn, optax.sgd(0.1), mesh, topology="complete", consensus_every=1)
+    state, metrics = trained(strategy, params, [batch])
+    chex.assert_trees_all_close(strategy.params(state), expected, atol=1e-6)
+    own = [
+        jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss_fn)(params, shard))
+        for shard in worker_shards(batch, 8)
+    ]
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, state.params), jax.tree.map(lambda *r: np.stack(r), *own),
+        atol=1e-6,
+    )  # fmt: skip
+    assert float(metrics["consensus_distance"]) > 1e-3
 
 
 @pytest.mark.parametrize(("topology", "degree"), [("ring", 2), ("exponential", 3), ("torus", 3)])
@@ -132,6 +158,7 @@ def test_sends_degree_times_the_parameters_and_no_all_reduce(
         ({"mixing_weights": np.eye(3)}, r"mixing_weights must have shape \(4, 4\)"),
         ({"mixing_weights": np.full((4, 4), 0.25)}, r"mixing_weights\[0, 2\].*not a neighbour"),
         ({"consensus_every": -1}, "consensus_every must be an int >= 0"),
+        ({"order": "atc"}, r"order='atc' is not known; valid: \['dpsgd', 'adapt_then_combine'\]"),
         ({"mixing_weights": "uniform"}, "mixing_weights must be a numeric 4 x 4 array"),
     ],
 )

@@ -1,8 +1,10 @@
 """gossip with lost messages and absent workers, against a dense row-stochastic reference.
 
-The reference: every worker's SGD-with-momentum step on its shard (none when absent), then
+The reference: every worker's SGD-with-momentum update on its shard (none when absent), and
 ``W'``: the mixing matrix with each lost message's weight moved to the receiver's diagonal,
-built in numpy from the masks of ``link_masks`` (the run's key and the step).
+built in numpy from the masks of ``link_masks`` (the run's key and the step); ``W'`` mixes
+the models before the updates, each worker's own update added after (``order="dpsgd"``), or
+the updated models (``order="adapt_then_combine"``).
 """
 
 import functools
@@ -41,7 +43,7 @@ def effective_matrix(w, arrives):
     return out
 
 
-def reference_step(loss_fn, replicas, traces, batch, w, arrives, present):
+def reference_step(loss_fn, replicas, traces, batch, w, arrives, present, order):
     """One unreliable gossip step of SGD with momentum on stacked replicas, on one device."""
     n = len(w)
     grads = [
@@ -51,9 +53,13 @@ def reference_step(loss_fn, replicas, traces, batch, w, arrives, present):
     grads = jax.tree.map(lambda *g: np.stack(g), *grads)
     mask = lambda x: np.asarray(present).reshape(-1, *[1] * (x.ndim - 1))  # noqa: E731
     traces = jax.tree.map(lambda t, g: np.where(mask(t), g + MOMENTUM * t, t), traces, grads)
-    stepped = jax.tree.map(lambda p, t: p - LR * mask(p) * t, replicas, traces)
+    updates = jax.tree.map(lambda p, t: -LR * mask(p) * t, replicas, traces)
     wp = effective_matrix(w, arrives)
-    return jax.tree.map(lambda x: np.tensordot(wp, x, axes=1), stepped), traces
+    if order == "dpsgd":
+        mixed = jax.tree.map(lambda x, u: np.tensordot(wp, x, axes=1) + u, replicas, updates)
+    else:
+        mixed = jax.tree.map(lambda x, u: np.tensordot(wp, x + u, axes=1), replicas, updates)
+    return mixed, traces
 
 
 def random_start(strategy, params, mesh):
@@ -63,11 +69,12 @@ def random_start(strategy, params, mesh):
     return state._replace(params=jax.device_put(replicas, NamedSharding(mesh, P("data"))))
 
 
+@pytest.mark.parametrize("order", ["dpsgd", "adapt_then_combine"])
 @pytest.mark.parametrize(
     ("topology", "drop", "churn"),
-    [("ring", 0.3, 0.0), ("exponential", 0.2, 0.3)],
+    [("ring", 0.0, 0.0), ("ring", 0.3, 0.0), ("exponential", 0.2, 0.3)],
 )
-def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, churn):
+def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, churn, order):
     loss_fn, params = mlp
     n, mesh = 8, ddl.make_mesh(data=8)
     strategy = ddl.gossip(
@@ -75,6 +82,7 @@ def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, chu
         optax.sgd(LR, momentum=MOMENTUM),
         mesh,
         topology=topology,
+        order=order,
         drop=drop,
         churn=churn,
         consensus_every=1,
@@ -88,7 +96,9 @@ def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, chu
         arrives, present = map(np.asarray, link_masks(key, t, n, drop=drop, churn=churn))
         rows = worker_shards(batch, n)  # every replica's loss on its rows, an absent one's too
         losses = [loss_fn(jax.tree.map(lambda x, i=i: x[i], replicas), rows[i]) for i in range(n)]
-        replicas, traces = reference_step(loss_fn, replicas, traces, batch, w, arrives, present)
+        replicas, traces = reference_step(
+            loss_fn, replicas, traces, batch, w, arrives, present, order
+        )
         lost_any |= bool((edges & ~arrives & present[:, None] & present[None, :]).any())
         absent_any |= not present.all()
         state, metrics = step(state, batch)
@@ -112,20 +122,20 @@ def test_steps_equal_the_dense_row_stochastic_reference(mlp, topology, drop, chu
 
 
 def test_complete_graph_agrees_only_when_nothing_is_dropped(mlp, capsys):
-    """Complete graph, plain SGD, equal replicas: one step is synchronous SGD (the replicas
-    agree); with lost messages they disagree and their mean is no longer the mean of
-    ``theta_j + u_j``: dropped, not accumulated."""
+    """Complete graph adapting then combining, plain SGD, equal replicas: one step is
+    synchronous SGD (the replicas agree); with lost messages they disagree and their mean
+    is no longer the mean of ``theta_j + u_j``: dropped, not accumulated."""
     loss_fn, params = mlp
     n, mesh, batch = 8, ddl.make_mesh(data=8), make_batches(1, 32)[0]
     stacked = jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), params)
     zeros = jax.tree.map(np.zeros_like, stacked)
     updated, _ = reference_step(  # every message arriving: the mean of theta_j + u_j, everywhere
-        loss_fn, stacked, zeros, batch, np.full((n, n), 1 / n), np.ones((n, n), bool), [True] * n
-    )
+        loss_fn, stacked, zeros, batch, np.full((n, n), 1 / n), np.ones((n, n), bool),
+        [True] * n, "adapt_then_combine",
+    )  # fmt: skip
     for drop in (0.0, 0.3):
-        strategy = ddl.gossip(
-            loss_fn, optax.sgd(LR), mesh, topology="complete", drop=drop, consensus_every=1
-        )
+        strategy = ddl.gossip(loss_fn, optax.sgd(LR), mesh, topology="complete",
+                              order="adapt_then_combine", drop=drop, consensus_every=1)  # fmt: skip
         state = strategy.init(params)
         arrives, _ = link_masks(np.asarray(state.model.key), 0, n, drop=drop)
         state, metrics = jax.jit(strategy.step)(state, batch)
@@ -136,8 +146,9 @@ def test_complete_graph_agrees_only_when_nothing_is_dropped(mlp, capsys):
         else:
             assert distance > 1e-3 and shift > 1e-5
             expected, _ = reference_step(
-                loss_fn, stacked, zeros, batch, np.full((n, n), 1 / n), arrives, [True] * n
-            )
+                loss_fn, stacked, zeros, batch, np.full((n, n), 1 / n), arrives, [True] * n,
+                "adapt_then_combine",
+            )  # fmt: skip
             np.testing.assert_allclose(got, flat(expected), atol=1e-6)
         with capsys.disabled():
             lost = float(metrics.get("messages_dropped", 0.0))

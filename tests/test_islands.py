@@ -257,7 +257,11 @@ def test_streaming_fragments_over_islands_are_cut_from_the_whole_models_leaves()
     assert [m["fragment"] for m in history] == [m["fragment"] for m in ref_history]
 
 
-@pytest.mark.parametrize("options", [{}, {"drop": 0.3, "churn": 0.2}], ids=["reliable", "lossy"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"order": "adapt_then_combine"}, {"drop": 0.3, "churn": 0.2}],
+    ids=["reliable", "adapt_then_combine", "lossy"],
+)
 def test_gossip_over_islands_is_flat_gossip_with_one_worker_per_island(model, options):
     loss_fn, params, specs = model
     batches = make_batches(6, 32)

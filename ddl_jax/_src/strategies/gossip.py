@@ -34,6 +34,8 @@ from ddl_jax._src.reduce.allreduce import in_buckets, on_floating
 from ddl_jax._src.reduce.collectives import ppermute
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+#: When a worker's own update joins the mixing (``gossip(order=...)``).
+ORDERS = ("dpsgd", "adapt_then_combine")
 
 
 def _torus_shape(n: int) -> tuple[int, int]:
@@ -168,6 +170,7 @@ def gossip(
     inner: Strategy | None = None,
     topology: str = "ring",
     mixing_weights: Any = None,
+    order: str = "dpsgd",
     drop: float = 0.0,
     churn: float = 0.0,
     consensus_every: int | None = None,
@@ -176,14 +179,25 @@ def gossip(
     axis: str = "data",
     workers: int | None = None,
 ) -> Strategy:
-    """Decentralised gossip SGD (D-PSGD): a local step, then averaging with neighbours.
+    """Decentralised gossip SGD (D-PSGD): each worker averages the models of its neighbours
+    and adds its own update.
 
-    Every worker i takes an optimizer step on its shard, then mixes with its neighbours:
-    ``theta_i <- sum_j W_ij (theta_j + u_j)`` where ``u_j`` is worker j's update (the
-    adapt-then-combine order, so that the complete graph is exactly synchronous SGD, with
-    SGD or momentum; Adam's moments stay each worker's own, so not with Adam).
-    Model state (batch statistics) is each worker's own and mixed by the same ``W``;
-    dropout keys differ per worker and step.
+    Every worker i computes its update ``u_i`` (its optimizer's step on the gradient of its
+    shard, at its own model) and, from the same models, the average of its neighbours':
+    ``theta_i <- sum_j W_ij theta_j + u_i`` (``order="dpsgd"``, the default: Lian et al.'s
+    Algorithm 1, as Bagua, from the paper's authors, runs it: BaguaSys/bagua
+    ``bagua/torch_api/algorithms/decentralized.py`` and its op
+    ``rust/bagua-core/bagua-core-internal/src/comm_ops/
+    decentralized_full_precision_synchronous.rs``, the weights sent when the forward
+    starts, the average copied into the parameters after the backward, then the optimizer's
+    step with the gradient taken before). The average does not wait for the gradient, so a
+    runtime may overlap the two; the replicas differ by their own updates even on the
+    complete graph. ``order="adapt_then_combine"`` mixes the updated models instead,
+    ``theta_i <- sum_j W_ij (theta_j + u_j)``, so that the complete graph is exactly
+    synchronous SGD with SGD or momentum (Adam's moments stay each worker's own, so not
+    with Adam); the average then waits for the step.
+    Model state (batch statistics) is each worker's own, updated by its step and then mixed
+    by the same ``W`` in either order; dropout keys differ per worker and step.
     Models travel by ``ppermute``, one round per neighbour: each device sends
     ``degree x parameter bytes`` per step and there is no global all-reduce.
 
@@ -207,7 +221,8 @@ def gossip(
     **Islands.** ``gossip(inner=strategy, topology=...)`` makes each worker an island
     running ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on
     a mesh with an ``island`` axis), as ``ddl.local_sgd(inner=...)`` does: after every inner
-    step each device mixes its shard with its counterparts in the neighbouring islands. The
+    step each device mixes its shard with its counterparts in the neighbouring islands (by
+    ``order``: their shards before the step, its island's update added, or after it). The
     consensus distance is not measured there; with ``churn`` the loss is every island's.
 
     Args:
@@ -220,6 +235,8 @@ def gossip(
       topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
       mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
         default ``mixing_matrix(topology, N)``.
+      order: ``"dpsgd"`` (mix the models before the step, add one's own update) or
+        ``"adapt_then_combine"`` (mix the models after every worker's step); above.
       drop: probability in [0, 1) that a message is lost.
       churn: probability in [0, 1) that a worker is absent for a step.
       consensus_every: measure ``consensus_distance`` every this many steps (it costs an
@@ -258,6 +275,8 @@ def gossip(
       (0.2, 0.0)
     """
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
+    if order not in ORDERS:
+        raise ValueError(f"gossip: order={order!r} is not known; valid: {list(ORDERS)}.")
     if topology not in TOPOLOGIES:  # over islands, the rest is checked at init (N unknown)
         raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
     if inner is not None:
@@ -269,9 +288,11 @@ def gossip(
             n = mesh.shape[ISLAND]
             kit = island_kit(mesh)
             w = _weights(topology, mixing_weights, n)
-            cfg = _Config(kit, None, w, neighbour_permutations(topology, n), drop, churn, 0)
+            perms = neighbour_permutations(topology, n)
+            cfg = _Config(kit, None, w, perms, drop, churn, 0, order)
             exchange = functools.partial(_island_exchange, cfg)
-            return Exchange(lambda params: (), exchange, keeps_before=bool(churn))
+            keeps_before = bool(churn) or order == "dpsgd"
+            return Exchange(lambda params: (), exchange, keeps_before=keeps_before)
 
         return over_islands(inner, method, "gossip")
     kit = prepare(loss_fn, optimizer, mesh, axis, accumulate, has_aux, workers=workers)
@@ -290,7 +311,7 @@ def gossip(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    cfg = _Config(kit, optimizer, w, perms, drop, churn, consensus_every)
+    cfg = _Config(kit, optimizer, w, perms, drop, churn, consensus_every, order)
     return Strategy(
         kit.init(make_state, specs),
         kit.step(functools.partial(_worker_step, cfg), specs),
@@ -309,21 +330,28 @@ def _island_exchange(
     cfg: _Config, parts: Parts, before: Parts | None, outer: Any, clock: Any
 ) -> tuple[Parts, Any, dict[str, jax.Array]]:
     """One device's exchange over islands: its shard mixed with its counterparts in the
-    neighbouring islands (an absent island keeps its shard from before the step)."""
-    params, opt_state, model_state, reducer_state = parts
+    neighbouring islands, in ``cfg.order`` (an absent island keeps its shard from before
+    the step)."""
+    metrics: dict[str, jax.Array] = {}
     if not (cfg.drop or cfg.churn):
-        params, model_state = _mix((params, model_state), ISLAND, cfg.weights, cfg.perms)
-        return (params, opt_state, model_state, reducer_state), outer, {}
-    key, step = clock
-    arrives, present = link_masks(key, step, cfg.kit.n, drop=cfg.drop, churn=cfg.churn)
-    here = present[lax.axis_index(ISLAND)]
-    if before is not None:
-        parts = jax.tree.map(lambda new, old: jnp.where(here, new, old), parts, before)
+        mix = functools.partial(_mix, axis=ISLAND, weights=cfg.weights, perms=cfg.perms)
+    else:
+        key, step = clock
+        arrives, present = link_masks(key, step, cfg.kit.n, drop=cfg.drop, churn=cfg.churn)
+        here = present[lax.axis_index(ISLAND)]
+        if before is not None:
+            parts = jax.tree.map(lambda new, old: jnp.where(here, new, old), parts, before)
+        mix = functools.partial(
+            _mix_unreliable, axis=ISLAND, weights=cfg.weights, perms=cfg.perms, arrives=arrives
+        )
+        metrics = _network_metrics(cfg, arrives, present, {})
     params, opt_state, model_state, reducer_state = parts
-    params, model_state = _mix_unreliable(
-        (params, model_state), ISLAND, cfg.weights, cfg.perms, arrives
-    )
-    metrics = _network_metrics(cfg, arrives, present, {})
+    if cfg.order == "dpsgd":  # the island's update, added to the mix of the shards before
+        start = before[0]  # the parameters' shard before the step
+        updates = jax.tree.map(lambda new, old: new - old, params, start)
+        params, model_state = _mixed(cfg.order, mix, start, updates, model_state)
+    else:
+        params, model_state = mix((params, model_state))
     return (params, opt_state, model_state, reducer_state), outer, metrics
 
 
@@ -335,6 +363,7 @@ class _Config(NamedTuple):
     drop: float
     churn: float
     consensus_every: int
+    order: str
 
 
 def _worker_step(
@@ -347,32 +376,41 @@ def _worker_step(
     old_model_state = unstack(state.model.state)
     (loss, aux), grads, model_state = cfg.kit.value_and_grad(params, old_model_state, batch, key)
     updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
-    stepped = (optax.apply_updates(params, updates), model_state, new_opt_state)
     if not (cfg.drop or cfg.churn):
-        (params, model_state), opt_state = (
-            _mix(stepped[:2], axis, cfg.weights, cfg.perms),
-            stepped[2],
-        )
+        mix = functools.partial(_mix, axis=axis, weights=cfg.weights, perms=cfg.perms)
         metrics = lax.pmean({"loss": loss, **aux}, axis)
     else:
         arrives, present = link_masks(
             state.model.key, state.model.step, n, drop=cfg.drop, churn=cfg.churn
         )
-        here = present[me]
-        params, model_state, opt_state = jax.tree.map(
+        here = present[me]  # an absent worker takes no step
+        updates = jax.tree.map(lambda u: jnp.where(here, u, jnp.zeros_like(u)), updates)
+        model_state, new_opt_state = jax.tree.map(
             lambda new, old: jnp.where(here, new, old),
-            stepped,
-            (params, old_model_state, opt_state),
+            (model_state, new_opt_state),
+            (old_model_state, opt_state),
         )
-        params, model_state = _mix_unreliable(
-            (params, model_state), axis, cfg.weights, cfg.perms, arrives
+        mix = functools.partial(
+            _mix_unreliable, axis=axis, weights=cfg.weights, perms=cfg.perms, arrives=arrives
         )
         metrics = _network_metrics(cfg, arrives, present, {"loss": loss, **aux})
+    params, model_state = _mixed(cfg.order, mix, params, updates, model_state)
     distance = measured_consensus(params, state, cfg.consensus_every, axis)
     if cfg.consensus_every:
         metrics["consensus_distance"] = distance
     model = ModelVars(restack(model_state), state.model.key, state.model.step + 1)
-    return GossipState(restack(params), restack(opt_state), distance, model), metrics
+    return GossipState(restack(params), restack(new_opt_state), distance, model), metrics
+
+
+def _mixed(order: str, mix: Any, params: Any, updates: Any, model_state: Any) -> tuple[Any, Any]:
+    """The parameters and model state after one round of sends (``mix``): ``"dpsgd"``:
+    ``sum_j W_ij params_j + updates_i``; ``"adapt_then_combine"``:
+    ``sum_j W_ij (params_j + updates_j)``. The model state, after the step, is mixed in
+    both."""
+    if order == "dpsgd":
+        mixed, model_state = mix((params, model_state))
+        return optax.apply_updates(mixed, updates), model_state
+    return mix((optax.apply_updates(params, updates), model_state))
 
 
 def _network_metrics(
