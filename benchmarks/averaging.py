@@ -3,7 +3,8 @@
 Eight workers, the same data order, seed and inner optimizer (Adam 3e-3; AdamW for DiLoCo)
 for ``data_parallel``, ``local_sgd`` with H = 4, 16, 64, DiLoCo with H = 16 (outer SGD
 0.7, Nesterov momentum 0.9) and gossip on a ring and an exponential graph (D-PSGD; on
-the ring also adapting then combining, ``order="adapt_then_combine"``). For each:
+the ring also adapting then combining, ``order="adapt_then_combine"``; and one peer a
+step on the exponential graph). For each:
 final test accuracy of the averaged model, bytes each device sends over the whole run
 (read from the compiled step's HLO: synchronisations are a conditional branch, priced
 for the steps that take it), and that communication's time on 1 Gb/s Ethernet
@@ -41,11 +42,15 @@ def build(name, loss_fn, mesh):
 
 
 def communication(strategy, params, batch, period, steps, network):
-    """Bytes per device and seconds on ``network`` for ``steps`` steps, syncing every ``period``."""
+    """Bytes per device and seconds on ``network`` for ``steps`` steps, syncing every ``period``
+    (``None``: every step; a one-peer gossip's branches, one a peer, one of them a step)."""
     stats = ddl.comm_stats(jax.jit(strategy.step), strategy.init(params), batch)
     plain = ddl.sim.estimate_step_time(stats, network)
     if period is None:
-        return stats.bytes_per_device * steps, plain * steps
+        rounds = list(stats.branches)  # consensus_every=0: the branches are peers' rounds
+        sent = stats.bytes_per_device + sum(stats.branches.values()) / max(len(rounds), 1)
+        each = [ddl.sim.estimate_step_time(stats, network, branch=b) for b in rounds]
+        return sent * steps, (sum(each) / len(each) if each else plain) * steps
     syncs = steps // period
     sync_label = max(stats.branches, key=stats.branches.get)
     sync_bytes = stats.bytes_per_device + stats.branches[sync_label]
@@ -88,6 +93,7 @@ def main() -> None:
         "gossip ring",
         "gossip ring adapt_then_combine",
         "gossip exponential",
+        "gossip one_peer_exponential",
     ]
     rows = []
     for name in names:

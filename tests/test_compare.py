@@ -247,6 +247,24 @@ def test_desloc_is_charged_its_moment_averages_and_consensus_is_reported(tmp_pat
     assert "| desloc:2 |" in capsys.readouterr().out
 
 
+def test_one_peer_gossip_is_charged_one_round_a_step(tmp_path):
+    """A round with one peer sends the parameters once a step, in one of the step's
+    branches: priced every step, as much as one round of the static ring's two."""
+    runs = _run(tmp_path, "--strategies", "gossip:one_peer_exponential,gossip", "--steps", "8")
+    one, ring = runs["gossip:one_peer_exponential"], runs["gossip:ring"]
+    params = workloads.make_workload("digits-mlp", seed=0, devices=8).params
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert one["events"] == 8.0
+    assert one["comm_bytes_per_event"] == pytest.approx(model_bytes, rel=1e-9)
+    assert one["bytes_per_device_total"] == pytest.approx(
+        8 * (one["comm_bytes_per_step"] + model_bytes), rel=1e-9
+    )
+    assert ring["comm_bytes_per_step"] == pytest.approx(
+        one["comm_bytes_per_step"] + 2 * model_bytes, rel=1e-9
+    )
+    assert one["consensus_distance"] > 0
+
+
 def test_a_stacked_strategy_prices_its_islands_collectives_on_the_inner_network(tmp_path):
     """DiLoCo over FSDP on 2 islands of 4: a synchronisation sends each device's quarter of
     the model across islands (an all-reduce between 2), on --network; FSDP's collectives

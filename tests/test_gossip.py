@@ -1,5 +1,7 @@
 """gossip against a dense mixing matrix applied on one device."""
 
+import math
+
 import chex
 import jax
 import numpy as np
@@ -10,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ddl_jax as ddl
+from ddl_jax._src.strategies import gossip as ddl_gossip
 
 
 def dense_matrix(topology, n):
@@ -150,9 +153,54 @@ def test_sends_degree_times_the_parameters_and_no_all_reduce(
     assert sorted(stats.branches.values()) == sorted(expected.values())
 
 
+def authors_phone_book(rank, world_size):
+    """Rank's out-peers in the order Assran et al.'s code cycles through them, one an
+    iteration (stochastic_gradient_push, gossip_module/graph_manager.py,
+    DynamicDirectedExponentialGraph._make_graph)."""
+    group = []
+    for i in range(int(math.log(world_size - 1, 2)) + 1):
+        for peer in ((rank + 2**i) % world_size, (rank - 2**i) % world_size):
+            if peer not in group:
+                group.append(peer)
+    return group
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 12])
+def test_one_peer_exponential_cycles_the_authors_peers(n):
+    perms = ddl_gossip.neighbour_permutations("one_peer_exponential", n)
+    books = [authors_phone_book(rank, n) for rank in range(n)]
+    assert [[perm[rank] for rank in range(n)] for perm in perms] == [
+        [books[rank][k] for rank in range(n)] for k in range(len(books[0]))
+    ]
+    for t in range(2 * len(perms)):  # at step t each rank mixes 1/2 with book[t % L]
+        expected = 0.5 * np.eye(n)
+        for rank in range(n):
+            expected[books[rank][t % len(perms)], rank] += 0.5
+        w = ddl.mixing_matrix("one_peer_exponential", n, step=t)
+        np.testing.assert_array_equal(w, expected)
+
+
+def test_one_peer_exponential_sends_the_parameters_once_a_step(mlp):
+    """One branch a peer, each sending the parameters once; only the taken one runs."""
+    loss_fn, params = mlp
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+    strategy = ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=8),
+                          topology="one_peer_exponential", consensus_every=0)  # fmt: skip
+    state, batch = strategy.init(params), make_batches(1, 32)[0]
+    stats = ddl.comm_stats(jax.jit(strategy.step), state, batch)
+    assert stats.bytes_by_kind == {"all-reduce": 2 * 7 / 8 * 4}  # the loss metric
+    assert sorted(stats.branches.values()) == [param_bytes] * 5  # shifts 1, 7, 2, 6, 4
+    _, metrics = jax.jit(strategy.step)(state, batch)
+    assert float(metrics["mixing_rounds"]) == 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        (
+            {"topology": "one_peer_exponential", "mixing_weights": np.eye(4)},
+            "mixing_weights weighs a static topology's neighbours; 'one_peer_exponential'",
+        ),
         ({"topology": "star"}, r"topology='star' is not known; valid: \['ring', 'torus'"),
         ({"mixing_weights": np.ones((4, 4))}, "must be doubly stochastic"),
         ({"mixing_weights": np.eye(3)}, r"mixing_weights must have shape \(4, 4\)"),
@@ -166,3 +214,8 @@ def test_bad_arguments(mlp, kwargs, match):
     loss_fn, _ = mlp
     with pytest.raises(ValueError, match=match):
         ddl.gossip(loss_fn, optax.sgd(0.1), ddl.make_mesh(data=4), **kwargs)
+
+
+def test_a_dynamic_topologys_matrix_needs_its_step():
+    with pytest.raises(ValueError, match="changes every step; give step="):
+        ddl.mixing_matrix("one_peer_exponential", 4)

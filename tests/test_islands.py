@@ -259,14 +259,19 @@ def test_streaming_fragments_over_islands_are_cut_from_the_whole_models_leaves()
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"order": "adapt_then_combine"}, {"drop": 0.3, "churn": 0.2}],
-    ids=["reliable", "adapt_then_combine", "lossy"],
+    [
+        {},
+        {"order": "adapt_then_combine"},
+        {"drop": 0.3, "churn": 0.2},
+        {"topology": "one_peer_exponential", "drop": 0.3},
+    ],
+    ids=["reliable", "adapt_then_combine", "lossy", "one_peer"],
 )
 def test_gossip_over_islands_is_flat_gossip_with_one_worker_per_island(model, options):
     loss_fn, params, specs = model
     batches = make_batches(6, 32)
     inner = inner_strategy("fsdp3", loss_fn, optax.adam(1e-2), specs, islands=4)
-    stacked = ddl.gossip(inner=inner, topology="ring", **options)
+    stacked = ddl.gossip(inner=inner, **{"topology": "ring", **options})
     state, history = train(stacked, params, batches)
     mesh = ddl.make_mesh(data=4)
     reference = ddl.gossip(loss_fn, optax.adam(1e-2), mesh, consensus_every=0, **options)

@@ -72,8 +72,9 @@ from ddl_jax.compare.specs import (
 )
 from ddl_jax.compare.workloads import Workload
 
-#: States whose ``params`` hold one replica per worker (gossip measures its own).
-REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState)
+#: States whose ``params`` hold one replica per worker (gossip measures its own, but with
+#: a one-peer topology, built without the measurement).
+REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState, ddl.GossipState)
 
 
 def start_devices(n: int) -> list[jax.Device]:
@@ -100,10 +101,11 @@ def start_devices(n: int) -> list[jax.Device]:
 
 
 #: Metrics counting the steps' runs of a conditional collective: local SGD's (and its
-#: kin's) synchronisations, async SGD's pushes; DES-LOC's ``synchronised_<field>`` moment
-#: averages count too (Adam's moments are parameter-sized, as the synchronisation). Other
-#: branches (gossip's consensus measurement) are instrumentation and not charged.
-EVENT_METRICS = ("synchronised", "pushes")
+#: kin's) synchronisations, async SGD's pushes, one-peer gossip's rounds (a branch a peer);
+#: DES-LOC's ``synchronised_<field>`` moment averages count too (Adam's moments are
+#: parameter-sized, as the synchronisation). Other branches (gossip's consensus
+#: measurement) are instrumentation and not charged.
+EVENT_METRICS = ("synchronised", "pushes", "mixing_rounds")
 
 
 def _event_metrics(record: dict[str, Any]) -> tuple[str, ...]:
@@ -128,8 +130,8 @@ def _comm(stats: Any, network: sim.Network, event: str | None) -> dict[str, floa
     ``event`` counts: the mean over the step's communicating branches, each over its loop
     trip count. The branches of every family here run equally often or send alike (local
     SGD's synchronisation and warm-up catch-up, DES-LOC's moments: the same all-reduce;
-    Streaming DiLoCo's fragments: each once per period; NoLoCo's pairings), so the mean
-    prices the run exactly."""
+    Streaming DiLoCo's fragments: each once per period; NoLoCo's pairings; one-peer
+    gossip's peers, each once in turn), so the mean prices the run exactly."""
     plain = sim.estimate_step_time(stats, network)
     out = {"bytes": stats.bytes_per_device, "seconds": plain, **_terms(stats.ops, "")}
     out["event_bytes"] = out["event_seconds"] = 0.0

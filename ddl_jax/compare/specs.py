@@ -19,7 +19,7 @@ import ddl_jax as ddl
 from ddl_jax import Strategy, async_local, compression, sim, softsync, ssp
 
 #: The gossip topologies and ZeRO stages a spec may name (``ddl.gossip``, ``ddl.fsdp``).
-TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+TOPOLOGIES = ("ring", "torus", "exponential", "complete", "one_peer_exponential")
 STAGES = (1, 2, 3)
 
 #: Learning rate of the Adam (AdamW for DiLoCo's inner steps) every strategy uses.
@@ -351,12 +351,15 @@ def _gossip(topology: str, ctx: BuildContext) -> Strategy:
             "worker shifts merge into, fewer than it sends: use gossip:ring on 3 devices or "
             "more, or drop workers."
         )
+    # one_peer_exponential's rounds are branches, priced as its event (mixing_rounds): no
+    # consensus measurement, a branch of its own (the table's distance is the state's)
+    dynamic = topology == "one_peer_exponential"
     return ddl.gossip(
         ctx.loss_fn,
         _adam(),
         ctx.mesh,
         topology=topology,
-        consensus_every=ctx.consensus_every,
+        consensus_every=0 if dynamic else ctx.consensus_every,
         drop=ctx.drop,
         workers=ctx.workers,
     )

@@ -33,7 +33,9 @@ from ddl_jax._src.measure.consistency import (
 from ddl_jax._src.reduce.allreduce import in_buckets, on_floating
 from ddl_jax._src.reduce.collectives import ppermute
 
-TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+TOPOLOGIES = ("ring", "torus", "exponential", "complete", "one_peer_exponential")
+#: Topologies whose graph changes every step: one of their permutations a step, in turn.
+DYNAMIC = ("one_peer_exponential",)
 #: When a worker's own update joins the mixing (``gossip(order=...)``).
 ORDERS = ("dpsgd", "adapt_then_combine")
 
@@ -49,8 +51,12 @@ def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
     ``ring``: i -> i+1 and i -> i-1. ``torus``: the same along both axes of the most square
     ``rows x cols`` grid of n devices (``1 x n`` for a prime n: the ring).
     ``exponential``: i -> i + 2^k for 2^k < n (the directed exponential graph of Assran et
-    al. 2019). ``complete``: i -> i + s for every s in 1..n-1. Duplicate and self-sends
-    (small n) are dropped.
+    al. 2019). ``complete``: i -> i + s for every s in 1..n-1.
+    ``one_peer_exponential`` (dynamic: one of these a step, in turn): i -> i + 1, i - 1,
+    i + 2, i - 2, ..., i +- 2^k for 2^k <= n - 1, the peers in the order Assran et al.'s
+    code cycles through them (facebookresearch/stochastic_gradient_push,
+    ``gossip_module/graph_manager.py``, ``DynamicDirectedExponentialGraph``, one peer per
+    iteration). Duplicate and self-sends (small n) are dropped.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r} is not known; valid: {list(TOPOLOGIES)}.")
@@ -66,6 +72,9 @@ def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
             "ring": (1, -1),
             "exponential": tuple(2**k for k in range(max(n - 1, 1).bit_length()) if 2**k < n),
             "complete": tuple(range(1, n)),
+            "one_peer_exponential": tuple(
+                s for k in range(max(n - 1, 1).bit_length()) for s in (2**k, -(2**k))
+            ),
         }[topology]
         perms = [tuple((i + s) % n for i in range(n)) for s in shifts]
     unique = []
@@ -75,14 +84,23 @@ def neighbour_permutations(topology: str, n: int) -> list[tuple[int, ...]]:
     return unique
 
 
-def mixing_matrix(topology: str, n: int) -> np.ndarray:
+def mixing_matrix(topology: str, n: int, *, step: int | None = None) -> np.ndarray:
     """The default gossip mixing matrix W: ``1/(d+1)`` on self and each of the d in-neighbours.
 
     ``W[i, j]`` is the weight device i gives device j's model; W is doubly stochastic for
-    every topology here (each is regular and built from permutations).
+    every topology here (each is regular and built from permutations). A dynamic topology
+    (``one_peer_exponential``) mixes with one peer a step, 1/2 each: give the ``step``
+    (counted from 0) whose W to return.
     """
     n = check_int("mixing_matrix: n", n, minimum=1)
     perms = neighbour_permutations(topology, n)
+    if topology in DYNAMIC:
+        if step is None:
+            raise ValueError(
+                f"mixing_matrix: the {topology!r} topology changes every step; give step=."
+            )
+        step = check_int("mixing_matrix: step", step, minimum=0)
+        perms = perms[step % len(perms) :][:1]
     w = np.eye(n) / (len(perms) + 1)
     for perm in perms:
         for src, dst in enumerate(perm):
@@ -216,7 +234,10 @@ def gossip(
     References:
       Lian et al., "Can decentralized algorithms outperform centralized algorithms?",
       NeurIPS 2017, arXiv:1705.09056. Assran et al., "Stochastic gradient push",
-      ICML 2019, arXiv:1811.10792 (exponential graph).
+      ICML 2019, arXiv:1811.10792 (the exponential graphs; with
+      ``"one_peer_exponential"`` and ``order="adapt_then_combine"`` this is their SGP
+      without overlap: on a graph whose every node hears from one peer, push-sum's weights
+      stay 1).
 
     **Islands.** ``gossip(inner=strategy, topology=...)`` makes each worker an island
     running ``strategy`` (``ddl.data_parallel``, ``ddl.fsdp`` or ``ddl.tensor_parallel`` on
@@ -232,9 +253,13 @@ def gossip(
       mesh: a mesh with axis ``axis``; not with ``inner``.
       inner: an island's strategy (Islands, above), instead of ``loss_fn``, ``optimizer``
         and ``mesh``.
-      topology: ``"ring"``, ``"torus"``, ``"exponential"`` or ``"complete"``.
+      topology: ``"ring"``, ``"torus"``, ``"exponential"``, ``"complete"`` (every
+        neighbour every step) or ``"one_peer_exponential"`` (one peer a step, in turn, 1/2
+        each: Assran et al.'s time-varying exponential graph; a device sends the
+        parameters once a step, against ``log2 N`` times on ``"exponential"``);
+        ``neighbour_permutations`` lists each one's sends.
       mixing_weights: N x N doubly-stochastic W supported on the topology's edges;
-        default ``mixing_matrix(topology, N)``.
+        default ``mixing_matrix(topology, N)``; not with ``"one_peer_exponential"``.
       order: ``"dpsgd"`` (mix the models before the step, add one's own update) or
         ``"adapt_then_combine"`` (mix the models after every worker's step); above.
       drop: probability in [0, 1) that a message is lost.
@@ -259,7 +284,9 @@ def gossip(
       measured (after the mixing of a step t with ``t % consensus_every == 0``), with
       ``drop`` ``messages_dropped`` (the fraction of this step's messages between present
       workers that were lost), with ``churn`` ``workers_present`` (their number this
-      step). ``params(state)`` is the mean of the replicas.
+      step), with ``"one_peer_exponential"`` ``mixing_rounds`` (1.0: the step's round with
+      its one peer, which runs in a branch of the step's program, one branch a peer).
+      ``params(state)`` is the mean of the replicas.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -287,9 +314,8 @@ def gossip(
         def method(mesh: Any, params: Any) -> Exchange:
             n = mesh.shape[ISLAND]
             kit = island_kit(mesh)
-            w = _weights(topology, mixing_weights, n)
-            perms = neighbour_permutations(topology, n)
-            cfg = _Config(kit, None, w, perms, drop, churn, 0, order)
+            phases = _phases(topology, mixing_weights, n)
+            cfg = _Config(kit, None, phases, drop, churn, 0, order)
             exchange = functools.partial(_island_exchange, cfg)
             keeps_before = bool(churn) or order == "dpsgd"
             return Exchange(lambda params: (), exchange, keeps_before=keeps_before)
@@ -299,8 +325,7 @@ def gossip(
     consensus_every = 10 if consensus_every is None else consensus_every
     consensus_every = check_int("consensus_every", consensus_every, minimum=0)
     n = kit.n
-    perms = neighbour_permutations(topology, n)
-    w = _weights(topology, mixing_weights, n)
+    phases = _phases(topology, mixing_weights, n)
     specs = GossipState(P(axis), P(axis), P(), ModelVars(P(axis), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> GossipState:
@@ -311,7 +336,7 @@ def gossip(
             model=model._replace(state=kit.stack(model.state)),
         )
 
-    cfg = _Config(kit, optimizer, w, perms, drop, churn, consensus_every, order)
+    cfg = _Config(kit, optimizer, phases, drop, churn, consensus_every, order)
     return Strategy(
         kit.init(make_state, specs),
         kit.step(functools.partial(_worker_step, cfg), specs),
@@ -319,11 +344,48 @@ def gossip(
     )
 
 
-def _weights(topology: str, mixing_weights: Any, n: int) -> np.ndarray:
-    """The mixing matrix: the topology's, or the user's checked against it."""
-    if mixing_weights is None:
-        return mixing_matrix(topology, n)
-    return _check_mixing(mixing_weights, topology, n)
+def _phases(topology: str, mixing_weights: Any, n: int) -> tuple[Phase, ...]:
+    """The mixing of each step in turn: one phase for a static topology (its W, the
+    topology's or the user's checked against it, over all its permutations); one a
+    permutation for a dynamic one."""
+    perms = neighbour_permutations(topology, n)
+    if topology not in DYNAMIC:
+        if mixing_weights is None:
+            return (Phase(mixing_matrix(topology, n), perms),)
+        return (Phase(_check_mixing(mixing_weights, topology, n), perms),)
+    if mixing_weights is not None:
+        raise ValueError(
+            f"mixing_weights weighs a static topology's neighbours; {topology!r} mixes with "
+            "one peer a step, 1/2 each: drop mixing_weights, or give a static topology."
+        )
+    if not perms:  # one worker
+        return (Phase(np.eye(n), []),)
+    return tuple(Phase(mixing_matrix(topology, n, step=k), [perm]) for k, perm in enumerate(perms))
+
+
+class Phase(NamedTuple):
+    """One step's mixing: ``weights`` (W) over the permutations ``perms``."""
+
+    weights: np.ndarray
+    perms: list[tuple[int, ...]]
+
+
+def _mixer(cfg: _Config, axis: str, step: Any, arrives: jax.Array | None = None) -> Any:
+    """``y -> sum_j W_ij y_j`` on device i for this ``step``'s phase (with ``arrives``,
+    ``W'``: each lost message's weight moved to the diagonal); over several phases, one
+    branch of a ``lax.switch`` each."""
+
+    def phase(weights: np.ndarray, perms: list[tuple[int, ...]]) -> Any:
+        if arrives is None:
+            return functools.partial(_mix, axis=axis, weights=weights, perms=perms)
+        return functools.partial(
+            _mix_unreliable, axis=axis, weights=weights, perms=perms, arrives=arrives
+        )
+
+    branches = [phase(*one) for one in cfg.phases]
+    if len(branches) == 1:
+        return branches[0]
+    return lambda y: lax.switch(step % len(branches), branches, y)
 
 
 def _island_exchange(
@@ -332,19 +394,17 @@ def _island_exchange(
     """One device's exchange over islands: its shard mixed with its counterparts in the
     neighbouring islands, in ``cfg.order`` (an absent island keeps its shard from before
     the step)."""
-    metrics: dict[str, jax.Array] = {}
+    key, step = clock
+    metrics = _phase_metrics(cfg, {})
     if not (cfg.drop or cfg.churn):
-        mix = functools.partial(_mix, axis=ISLAND, weights=cfg.weights, perms=cfg.perms)
+        mix = _mixer(cfg, ISLAND, step)
     else:
-        key, step = clock
         arrives, present = link_masks(key, step, cfg.kit.n, drop=cfg.drop, churn=cfg.churn)
         here = present[lax.axis_index(ISLAND)]
         if before is not None:
             parts = jax.tree.map(lambda new, old: jnp.where(here, new, old), parts, before)
-        mix = functools.partial(
-            _mix_unreliable, axis=ISLAND, weights=cfg.weights, perms=cfg.perms, arrives=arrives
-        )
-        metrics = _network_metrics(cfg, arrives, present, {})
+        mix = _mixer(cfg, ISLAND, step, arrives)
+        metrics = _network_metrics(cfg, step, arrives, present, metrics)
     params, opt_state, model_state, reducer_state = parts
     if cfg.order == "dpsgd":  # the island's update, added to the mix of the shards before
         start = before[0]  # the parameters' shard before the step
@@ -358,8 +418,7 @@ def _island_exchange(
 class _Config(NamedTuple):
     kit: Kit
     optimizer: optax.GradientTransformation
-    weights: np.ndarray
-    perms: list[tuple[int, ...]]
+    phases: tuple[Phase, ...]
     drop: float
     churn: float
     consensus_every: int
@@ -376,13 +435,12 @@ def _worker_step(
     old_model_state = unstack(state.model.state)
     (loss, aux), grads, model_state = cfg.kit.value_and_grad(params, old_model_state, batch, key)
     updates, new_opt_state = cfg.optimizer.update(grads, opt_state, params)
+    step = state.model.step
     if not (cfg.drop or cfg.churn):
-        mix = functools.partial(_mix, axis=axis, weights=cfg.weights, perms=cfg.perms)
-        metrics = lax.pmean({"loss": loss, **aux}, axis)
+        mix = _mixer(cfg, axis, step)
+        metrics = _phase_metrics(cfg, lax.pmean({"loss": loss, **aux}, axis))
     else:
-        arrives, present = link_masks(
-            state.model.key, state.model.step, n, drop=cfg.drop, churn=cfg.churn
-        )
+        arrives, present = link_masks(state.model.key, step, n, drop=cfg.drop, churn=cfg.churn)
         here = present[me]  # an absent worker takes no step
         updates = jax.tree.map(lambda u: jnp.where(here, u, jnp.zeros_like(u)), updates)
         model_state, new_opt_state = jax.tree.map(
@@ -390,10 +448,9 @@ def _worker_step(
             (model_state, new_opt_state),
             (old_model_state, opt_state),
         )
-        mix = functools.partial(
-            _mix_unreliable, axis=axis, weights=cfg.weights, perms=cfg.perms, arrives=arrives
-        )
-        metrics = _network_metrics(cfg, arrives, present, {"loss": loss, **aux})
+        mix = _mixer(cfg, axis, step, arrives)
+        values = _phase_metrics(cfg, {"loss": loss, **aux})
+        metrics = _network_metrics(cfg, step, arrives, present, values)
     params, model_state = _mixed(cfg.order, mix, params, updates, model_state)
     distance = measured_consensus(params, state, cfg.consensus_every, axis)
     if cfg.consensus_every:
@@ -413,8 +470,16 @@ def _mixed(order: str, mix: Any, params: Any, updates: Any, model_state: Any) ->
     return mix((optax.apply_updates(params, updates), model_state))
 
 
+def _phase_metrics(cfg: _Config, metrics: dict) -> dict:
+    """``metrics`` with, for a dynamic topology, ``mixing_rounds``: 1.0, the step's round
+    with its one peer (run in a branch of the step's program)."""
+    if len(cfg.phases) > 1:
+        return {**metrics, "mixing_rounds": jnp.float32(1.0)}
+    return metrics
+
+
 def _network_metrics(
-    cfg: _Config, arrives: jax.Array, present: jax.Array, values: dict
+    cfg: _Config, step: Any, arrives: jax.Array, present: jax.Array, values: dict
 ) -> dict[str, jax.Array]:
     """The loss and aux values over every worker's replica on its rows (an absent one's
     too: the global batch's, as local SGD's and the islands'), and the network's metrics."""
@@ -423,10 +488,12 @@ def _network_metrics(
     if cfg.churn:
         metrics["workers_present"] = present.sum().astype(jnp.float32)
     if cfg.drop:
-        edges = np.zeros((n, n), bool)  # edges[i, j]: worker j sends to worker i
-        for perm in cfg.perms:
-            edges[list(perm), list(range(n))] = True
-        sent = jnp.asarray(edges) & present[:, None] & present[None, :]
+        edges = np.zeros((len(cfg.phases), n, n), bool)  # [phase, i, j]: j sends to i
+        for k, phase in enumerate(cfg.phases):
+            for perm in phase.perms:
+                edges[k, list(perm), list(range(n))] = True
+        now = jnp.asarray(edges)[step % len(cfg.phases)]
+        sent = now & present[:, None] & present[None, :]
         lost = (sent & ~arrives).sum()
         metrics["messages_dropped"] = (lost / jnp.maximum(sent.sum(), 1)).astype(jnp.float32)
     return metrics
