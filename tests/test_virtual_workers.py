@@ -128,6 +128,9 @@ SYNCHRONOUS = {
     "gossip_exponential": lambda loss, mesh: ddl.gossip(
         loss, optax.adam(1e-2), mesh, topology="exponential", workers=W
     ),
+    "gossip_one_peer_drop": lambda loss, mesh: ddl.gossip(
+        loss, optax.sgd(0.1), mesh, topology="one_peer_exponential", workers=W, drop=0.3
+    ),
 }
 
 
