@@ -219,3 +219,4 @@ def test_bad_arguments(mlp, kwargs, match):
 def test_a_dynamic_topologys_matrix_needs_its_step():
     with pytest.raises(ValueError, match="changes every step; give step="):
         ddl.mixing_matrix("one_peer_exponential", 4)
+    np.testing.assert_array_equal(ddl.mixing_matrix("one_peer_exponential", 1, step=3), [[1.0]])

@@ -100,7 +100,7 @@ def mixing_matrix(topology: str, n: int, *, step: int | None = None) -> np.ndarr
                 f"mixing_matrix: the {topology!r} topology changes every step; give step=."
             )
         step = check_int("mixing_matrix: step", step, minimum=0)
-        perms = perms[step % len(perms) :][:1]
+        perms = [perms[step % len(perms)]] if perms else []  # one worker: none
     w = np.eye(n) / (len(perms) + 1)
     for perm in perms:
         for src, dst in enumerate(perm):
@@ -344,26 +344,26 @@ def gossip(
     )
 
 
-def _phases(topology: str, mixing_weights: Any, n: int) -> tuple[Phase, ...]:
+def _phases(topology: str, mixing_weights: Any, n: int) -> tuple[_Phase, ...]:
     """The mixing of each step in turn: one phase for a static topology (its W, the
     topology's or the user's checked against it, over all its permutations); one a
     permutation for a dynamic one."""
     perms = neighbour_permutations(topology, n)
     if topology not in DYNAMIC:
         if mixing_weights is None:
-            return (Phase(mixing_matrix(topology, n), perms),)
-        return (Phase(_check_mixing(mixing_weights, topology, n), perms),)
+            return (_Phase(mixing_matrix(topology, n), perms),)
+        return (_Phase(_check_mixing(mixing_weights, topology, n), perms),)
     if mixing_weights is not None:
         raise ValueError(
             f"mixing_weights weighs a static topology's neighbours; {topology!r} mixes with "
             "one peer a step, 1/2 each: drop mixing_weights, or give a static topology."
         )
     if not perms:  # one worker
-        return (Phase(np.eye(n), []),)
-    return tuple(Phase(mixing_matrix(topology, n, step=k), [perm]) for k, perm in enumerate(perms))
+        return (_Phase(np.eye(n), []),)
+    return tuple(_Phase(mixing_matrix(topology, n, step=k), [perm]) for k, perm in enumerate(perms))
 
 
-class Phase(NamedTuple):
+class _Phase(NamedTuple):
     """One step's mixing: ``weights`` (W) over the permutations ``perms``."""
 
     weights: np.ndarray
@@ -418,7 +418,7 @@ def _island_exchange(
 class _Config(NamedTuple):
     kit: Kit
     optimizer: optax.GradientTransformation
-    phases: tuple[Phase, ...]
+    phases: tuple[_Phase, ...]
     drop: float
     churn: float
     consensus_every: int
