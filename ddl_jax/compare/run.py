@@ -72,8 +72,8 @@ from ddl_jax.compare.specs import (
 )
 from ddl_jax.compare.workloads import Workload
 
-#: States whose ``params`` hold one replica per worker (gossip measures its own, but with
-#: a one-peer topology, built without the measurement).
+#: States whose ``params`` hold one replica per worker; a run that measures its own
+#: consensus distance (gossip, unless built without the measurement) reports that one.
 REPLICA_STATES = (ddl.LocalSGDState, ddl.NoLoCoState, ddl.StreamingDiLoCoState, ddl.GossipState)
 
 
