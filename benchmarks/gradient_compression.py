@@ -38,6 +38,9 @@ def reducers():
         "top_k(0.01)": C.top_k(0.01),
         "top_k(0.001, warmup_steps=100)": C.top_k(0.001, warmup_steps=100),
         "qsgd(4)": C.qsgd(4),
+        'qsgd(4, scale="max")': C.qsgd(4, scale="max"),
+        "qsgd(1)": C.qsgd(1),
+        'qsgd(1, scale="max")': C.qsgd(1, scale="max"),
         "power_sgd(4)": C.power_sgd(4, start_iter=0),
     }
 

@@ -247,15 +247,67 @@ def test_qsgd_quantises_entries_whose_squares_leave_float32(scale):
     np.testing.assert_allclose(back, v, atol=float(norms.max()) / 127 * 1.01)
 
 
-def test_qsgd_reducer_is_unbiased_within_its_variance_bound():
+@pytest.mark.parametrize("scale", ["l2", "max"])
+def test_qsgd_never_sends_a_level_past_s(scale):
+    """A bucket's top entry sits exactly on level s; s + u rounds up to s + 1 in float32
+    for u within 2**-18 of 1 (a few draws in 10**6 at s = 127). Negative, that is -128 in
+    int8: an entry sent larger than the bucket's scale, the estimate no longer unbiased."""
+    q, _ = quantise(-jnp.ones((1 << 22, 1), jnp.float32), 127, jax.random.key(0), scale)
+    np.testing.assert_array_equal(np.unique(np.asarray(q)), [-127])
+
+
+def ref_qsgd_inf(v: np.ndarray, s: int, u: np.ndarray) -> np.ndarray:
+    """QSGDinf as the NUQSGD code's ``qdqLinf`` (fartashf/nuqsgd, ``nuq/quantize.py``)
+    scales a bucket, on QSGD's grid of 0..s levels a sign: with the uniforms u,
+    ``M sign(v_j) floor(s |v_j| / M + u_j) / s``, M the bucket's largest magnitude."""
+    m = np.abs(v).max(axis=-1, keepdims=True)
+    safe = np.where(m > 0, m, 1.0)
+    return m * np.sign(v) * np.floor(s * np.abs(v) / safe + u) / s
+
+
+def test_qsgd_max_scale_matches_the_reference_draw_for_draw():
+    v = np.random.default_rng(2).normal(size=(5, 32)).astype(np.float32)
+    v[3] = 0.0  # an empty bucket stays zero
+    key, s = jax.random.key(3), 4
+    q, norms = quantise(jnp.asarray(v), s, key, "max")
+    u = np.asarray(jax.random.uniform(key, v.shape))
+    np.testing.assert_allclose(norms, np.abs(v).max(axis=-1))
+    np.testing.assert_allclose(dequantise(q, norms, s), ref_qsgd_inf(v, s, u), rtol=1e-6)
+    assert int(np.abs(np.asarray(q)).max()) == s  # the largest entry lands on the top level
+
+
+def test_qsgd_max_scale_is_unbiased_and_uses_less_variance_than_the_2_norm():
+    samples, d, s = 20_000, 64, 2
+    v = jnp.asarray(np.random.default_rng(5).normal(size=(3, d)), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), samples)
+
+    def draws(scale):
+        return np.asarray(jax.vmap(lambda k: dequantise(*quantise(v, s, k, scale), s))(keys))
+
+    l2, inf = draws("l2"), draws("max")
+    # Each entry rounds between neighbours M / s apart: variance at most (M / s)^2 / 4.
+    bound = d * np.abs(np.asarray(v)).max(axis=-1) ** 2 / (4 * s**2)
+    variance = {
+        k: np.mean(np.sum((x - v) ** 2, axis=-1), axis=0) for k, x in (("l2", l2), ("max", inf))
+    }
+    assert np.all(variance["max"] <= bound), (variance, bound)
+    assert np.all(variance["max"] < 0.5 * variance["l2"]), variance
+    error = np.sum((inf.mean(axis=0) - v) ** 2, axis=-1)  # unbiased, as above
+    assert np.all(error <= 2 * bound / samples), (error, bound / samples)
+
+
+@pytest.mark.parametrize("scale", ["l2", "max"])
+def test_qsgd_reducer_is_unbiased_within_its_variance_bound(scale):
     n, steps, levels, bucket = 4, 400, 2, 16
     one = random_grads(1, n, seed=1)
     grads = jax.tree.map(lambda g: np.broadcast_to(g, (steps, *g.shape[1:])), one)
-    total, _, _ = run_reducer(qsgd(levels, bucket_size=bucket), grads, n)
+    total, _, _ = run_reducer(qsgd(levels, bucket_size=bucket, scale=scale), grads, n)
     # g = Q(y), y = (1/N) sum_i Q(g_i), independent noise on each worker and on the owners:
     # E||g - mean||^2 = E||Q(y) - y||^2 + E||y - mean||^2
     #                <= beta E||y||^2 + beta/N^2 sum_i ||g_i||^2
     #                <= beta ||mean||^2 + beta (1 + beta)/N^2 sum_i ||g_i||^2.
+    # The max scale's beta, d / (4 s^2) (a bucket's variance is at most d M^2 / (4 s^2) and
+    # M^2 <= ||v||^2), is 1 here, under the 2-norm's 2: the same bound holds.
     beta = qsgd_variance_factor(bucket, levels)
     mean_sq = sum(float(np.sum(g[0].mean(0) ** 2)) for g in one.values())
     workers_sq = sum(float(np.sum(g[0] ** 2)) for g in one.values())
@@ -546,6 +598,11 @@ def test_power_sgd_refuses_a_tree_without_a_matrix():
         (lambda: qsgd(200), "levels .* must be an int >= 1 and <= 127, got 200"),
         (lambda: qsgd(4, bucket_size=0), "qsgd: bucket_size must be an int >= 1, got 0"),
         (lambda: qsgd(4, seed=True), "qsgd: seed must be an int, got True"),
+        (lambda: qsgd(4, scale="inf"), r"qsgd: scale must be one of \('l2', 'max'\), got 'inf'"),
+        (
+            lambda: ddl.compression.scatter_qsgd(4, scale=None),
+            "scatter_qsgd: scale must be one of .*, got None",
+        ),
         (lambda: sign(padding="DeepSpeed"), "sign: padding must be 'deepspeed' or 'none', got"),
         (lambda: sign(padding=None), "sign: padding must be 'deepspeed' or 'none', got None"),
         (lambda: cast(jnp.int8), "dtype must be a floating dtype of at most 4 bytes"),

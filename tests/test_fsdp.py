@@ -200,6 +200,10 @@ def test_scatter_reducers_against_their_rules_written_in_numpy():
     mean = in_shard_map(qsgd, chunks, repeat=15) / 16
     rms = [np.sqrt(np.mean((x - exact) ** 2)) for x in (once, mean)]
     assert rms[1] < 0.4 * rms[0]
+    # QSGDinf (scale="max"): within the largest magnitude / s, closer than the 2-norm's.
+    inf = in_shard_map(ddl.compression.scatter_qsgd(4, scale="max"), chunks)
+    assert np.all(np.abs(inf - exact) <= np.abs(chunks).max(axis=-1, keepdims=True).max(axis=0) / 4)
+    assert np.sqrt(np.mean((inf - exact) ** 2)) < 0.5 * rms[0]
 
 
 def test_compressed_reduce_scatter_trains():

@@ -24,7 +24,13 @@ from ddl_jax._src.core.reducer import ScatterReducer
 from ddl_jax._src.core.strategy import check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
-from ddl_jax._src.reduce.quantise import check_axis_name, check_wire_dtype, dequantise, quantise
+from ddl_jax._src.reduce.quantise import (
+    check_axis_name,
+    check_qsgd_scale,
+    check_wire_dtype,
+    dequantise,
+    quantise,
+)
 
 
 class ScatterState(NamedTuple):
@@ -89,7 +95,12 @@ def scatter_cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> ScatterRed
 
 
 def scatter_qsgd(
-    levels: int, *, bucket_size: int = 512, seed: int = 0, axis: str = "data"
+    levels: int,
+    *,
+    bucket_size: int = 512,
+    scale: str = "l2",
+    seed: int = 0,
+    axis: str = "data",
 ) -> ScatterReducer:
     """QSGD on a reduce-scatter: each chunk quantised for its owner, who averages.
 
@@ -106,12 +117,15 @@ def scatter_qsgd(
       levels: s, levels per sign, 1 <= s <= 127 (int8 on the wire).
       bucket_size: entries sharing one norm (a smaller chunk is one bucket; a larger one's
         last bucket is padded).
+      scale: ``"l2"`` (the paper's 2-norm) or ``"max"`` (QSGDinf, the largest magnitude:
+        less variance; see ``ddl.compression.qsgd``).
       seed: base of the keyed randomness.
       axis: the mesh axis the workers live on.
     """
     check_axis_name("scatter_qsgd", axis)
     levels = check_int("scatter_qsgd: levels (int8 on the wire)", levels, minimum=1, maximum=127)
     bucket_size = check_int("scatter_qsgd: bucket_size", bucket_size, minimum=1)
+    scale = check_qsgd_scale("scatter_qsgd", scale)
     seed = check_int("scatter_qsgd: seed", seed)
 
     def update(chunks, state, params=None):
@@ -127,7 +141,7 @@ def scatter_qsgd(
             bucket = min(bucket_size, size)  # a small chunk is one bucket, not padded
             padded = math.ceil(size / bucket) * bucket
             buckets = jnp.pad(flat, ((0, 0), (0, padded - size))).reshape(n, -1, bucket)
-            q, norms = quantise(buckets, levels, jax.random.fold_in(key, i))
+            q, norms = quantise(buckets, levels, jax.random.fold_in(key, i), scale)
             mine = dequantise(
                 wire.scatter_to_owners(q, axis), wire.scatter_to_owners(norms, axis), levels
             )
