@@ -16,6 +16,7 @@ from reducers import reducer_program, run_steps
 import ddl_jax as ddl
 from ddl_jax._src.core.reducer import PermuteReducer, checks_vma, reducer_metrics
 from ddl_jax._src.measure.comm import collectives
+from ddl_jax._src.reduce import quantise as quantise_module
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.lowrank import _power_sgd
 from ddl_jax._src.reduce.lowrank import power_sgd as power_sgd_from_step_1000
@@ -316,6 +317,26 @@ def test_qsgd_reducer_is_unbiased_within_its_variance_bound(scale):
     assert error <= 2 * variance / steps, (error, variance / steps)  # as above
 
 
+@pytest.mark.parametrize("levels", [1, 3, 7])
+def test_qsgd_packs_its_levels_losslessly(monkeypatch, levels):
+    """Levels packed 4 or 2 to a byte give the very update sent as int8, and a half or a
+    quarter of the codes' bytes (the bucket's norms stay 4 bytes)."""
+    n, steps, bucket = 4, 2, 5  # 5 entries a bucket: the packing pads each chunk's last byte
+    grads = random_grads(steps, n, seed=7)
+    _, packed, state = run_reducer(qsgd(levels, bucket_size=bucket), grads, n)
+    monkeypatch.setattr(quantise_module, "code_bits", lambda levels: 8)
+    _, unpacked, int8_state = run_reducer(qsgd(levels, bucket_size=bucket), grads, n)
+    chex.assert_trees_all_equal(packed, unpacked)
+    # bytes a device sends, up to the common factor 2 (N - 1) / N: codes and norms
+    size = sum(int(np.prod(s)) for s in SHAPES.values())
+    chunk = -(-size // (n * bucket)) * bucket  # an owner's entries, in whole buckets
+    norms = 4 * n * chunk // bucket
+    packed = n * -(-chunk * (2 if levels == 1 else 4) // 8) + norms
+    int8 = n * chunk + norms
+    ratio = float(int8_state.compression_ratio[0]) / float(state.compression_ratio[0])
+    assert ratio == pytest.approx(packed / int8, rel=1e-6)
+
+
 def test_qsgd_noise_is_keyed_by_seed_and_step():
     n, steps = 2, 2
     one = random_grads(1, n, seed=4)
@@ -418,6 +439,9 @@ def test_wire_bytes_against_a_dense_fp32_ring():
         lambda: threshold(0.01),
         lambda: top_k(0.01),
         lambda: qsgd(4),
+        lambda: qsgd(1),  # 2 bits a level
+        lambda: qsgd(8),  # 8 bits
+        lambda: qsgd(7, bucket_size=3),  # 4 bits, a chunk's last byte half padding
         lambda: power_sgd(2),
     ],
 )
@@ -593,7 +617,10 @@ def test_power_sgd_refuses_a_tree_without_a_matrix():
         (lambda: power_sgd(2.0), "power_sgd: rank must be an int >= 1, got 2.0"),
         (lambda: power_sgd(np.int64(0)), "power_sgd: rank must be an int >= 1"),
         (lambda: power_sgd(2, seed=1.5), "power_sgd: seed must be an int, got 1.5"),
-        (lambda: qsgd(0), r"qsgd: levels \(int8 on the wire\) must be an int >= 1 and <= 127"),
+        (
+            lambda: qsgd(0),
+            r"qsgd: levels \(at most 8 bits on the wire\) must be an int >= 1 and <= 127",
+        ),
         (lambda: qsgd(4.0), "qsgd: levels .* must be an int >= 1 and <= 127, got 4.0"),
         (lambda: qsgd(200), "levels .* must be an int >= 1 and <= 127, got 200"),
         (lambda: qsgd(4, bucket_size=0), "qsgd: bucket_size must be an int >= 1, got 0"),

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from test_tensor_parallel import Classifier, classifier_loss, reference_loss
 
 import ddl_jax as ddl
+from ddl_jax._src.reduce import quantise as quantise_module
 from ddl_jax.layers import param_specs
 
 STAGES = (1, 2, 3)
@@ -142,6 +143,12 @@ def test_stage_2_and_3_send_what_one_all_reduce_sends_and_stage_3_gathers_each_p
         assert got.bytes_by_kind["all-to-all"] == pytest.approx(
             ratio * kinds["reduce-scatter"], rel=1e-2
         )
+    # scatter_qsgd(4) sends a level in 4 bits, and a 4-byte norm a bucket (here one a chunk:
+    # every owner's chunk is under 512 entries), where the reduce-scatter sends 4 bytes.
+    got = stats(ddl.fsdp(loss_fn, optax.sgd(0.1), mesh, reducer=ddl.compression.scatter_qsgd(4)))
+    chunks = [x.size // 8 for x in jax.tree.leaves(params)]
+    ratio = sum(-(-c // 2) + 4 for c in chunks) / sum(4 * c for c in chunks)
+    assert got.bytes_by_kind["all-to-all"] / kinds["reduce-scatter"] == pytest.approx(ratio)
 
 
 def in_shard_map(reducer, chunks, flush=0, repeat=0):
@@ -204,6 +211,17 @@ def test_scatter_reducers_against_their_rules_written_in_numpy():
     inf = in_shard_map(ddl.compression.scatter_qsgd(4, scale="max"), chunks)
     assert np.all(np.abs(inf - exact) <= np.abs(chunks).max(axis=-1, keepdims=True).max(axis=0) / 4)
     assert np.sqrt(np.mean((inf - exact) ** 2)) < 0.5 * rms[0]
+
+
+@pytest.mark.parametrize("levels", [1, 5])
+def test_scatter_qsgd_packs_its_levels_losslessly(monkeypatch, levels):
+    """2 or 4 bits a level give the very shards that int8 levels give."""
+    chunks = random_chunks(m=45)  # 45 entries: odd, so the packing pads the last byte
+    packed = in_shard_map(ddl.compression.scatter_qsgd(levels, bucket_size=9), chunks)
+    monkeypatch.setattr(quantise_module, "code_bits", lambda levels: 8)
+    np.testing.assert_array_equal(
+        in_shard_map(ddl.compression.scatter_qsgd(levels, bucket_size=9), chunks), packed
+    )
 
 
 def test_compressed_reduce_scatter_trains():
