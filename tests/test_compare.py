@@ -36,6 +36,8 @@ def test_the_choices_compare_offers_are_the_librarys():
         ("diloco:4", Spec("diloco:4", "diloco", 4)),
         ("topk:0.01", Spec("topk:0.01", "topk", 0.01)),
         ("powersgd:2", Spec("powersgd:2", "powersgd", 2)),
+        ("qsgd", Spec("qsgd:4", "qsgd", (4, "l2"))),
+        ("qsgd:1:max", Spec("qsgd:1:max", "qsgd", (1, "max"))),
         ("ssp:0", Spec("ssp:0", "ssp", 0)),
         ("async", Spec("async", "async", None)),
         ("async:inverse", Spec("async:inverse", "async", "inverse")),  # an optional one
@@ -64,6 +66,8 @@ BAD = [
     (["--strategies", "sync:3"], "strategy 'sync' takes no parameter"),
     (["--strategies", "async:fast"], "expected a staleness rule for the server's step, inverse"),
     (["--strategies", "softsync:8:fast"], "an integer >= 1, then optionally a staleness rule"),
+    (["--strategies", "qsgd:128"], "expected the levels a sign, an integer in [1, 127]"),
+    (["--strategies", "qsgd:4:inf"], "then :max for QSGDinf's scale"),
     (["--strategies", "sync,sync"], "strategy 'sync' is listed twice"),
     (["--strategies", ""], "strategies must be a comma-separated list"),
     (["--network", "5g"], "unknown network '5g'; valid: 1gbps, 10gbps, 100gbps, ici"),

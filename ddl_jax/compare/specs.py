@@ -57,6 +57,7 @@ DEFAULT_STRATEGIES = (
     "noloco:16",
     "topk:0.01",
     "demo:0.0625",
+    "qsgd:4",
     "sign",
     "powersgd:4",
     "adasum",
@@ -81,6 +82,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "noloco:16",
         "demo:0.0625",
         "topk:0.01",
+        "qsgd:4",
         "powersgd:4",
         "asynclocal:4",
     ),
@@ -213,6 +215,16 @@ def _group_and_rule(text: str) -> tuple[int, str | None]:
     """``softsync``'s ``N`` or ``N:RULE``: the group size, and a staleness rule or none."""
     size, colon, rule = text.partition(":")
     return _int(1)(size), _staleness_rule(rule) if colon else None
+
+
+def _levels_and_scale(text: str) -> tuple[int, str]:
+    """``qsgd``'s ``S`` or ``S:max``: the levels a sign, and the buckets' scale (the
+    paper's 2-norm, or QSGDinf's largest magnitude)."""
+    levels, colon, scale = text.partition(":")
+    value = _int(1)(levels)
+    if value > 127 or (colon and scale != "max"):
+        raise ValueError
+    return value, scale if colon else "l2"
 
 
 def _adam() -> optax.GradientTransformation:
@@ -476,6 +488,15 @@ FAMILIES: dict[str, Family] = {
         "0.01",
         "the ratio of entries sent, a number in (0, 1] (e.g. topk:0.01)",
         "top-k sparsified gradients with error feedback (DGC's sampled threshold)",
+    ),
+    "qsgd": Family(
+        _reduced(lambda p, axis: compression.qsgd(p[0], scale=p[1], axis=axis)),
+        _levels_and_scale,
+        "4",
+        "the levels a sign, an integer in [1, 127], then :max for QSGDinf's scale (e.g. "
+        "qsgd:4, qsgd:4:max)",
+        "QSGD: unbiased stochastic levels in 2 to 8 bits, a bucket scaled by its 2-norm "
+        "(:max, by its largest magnitude)",
     ),
     "sign": Family(
         _reduced(lambda _, axis: compression.sign(axis=axis)),
