@@ -702,19 +702,44 @@ def test_with_churn_the_loss_is_every_replicas_on_its_rows(mlp):
     ids=["sparse_loco", "top_k", "adasum", "chained_mean"],
 )
 @pytest.mark.parametrize("faults", [{"drop": 0.4}, {"churn": 0.2}], ids=["drop", "churn"])
-def test_workers_left_out_need_the_plain_mean(mlp, reducer, faults):
-    """A worker left out of a synchronisation enters the reducer as zeros, which only the
-    plain mean leaves out exactly (SparseLoCo's median clip fell to 0 once half dropped):
-    any other reducer is refused with drop or churn, and every all-reduce algorithm of the
-    mean is taken."""
+def test_workers_left_out_need_a_stateless_mean(mlp, reducer, faults):
+    """A worker left out of a synchronisation enters the reducer as zeros, which only a
+    stateless mean leaves out (SparseLoCo's median clip fell to 0 once half dropped): any
+    other reducer is refused with drop or churn; every all-reduce algorithm of the mean,
+    cast and qsgd are taken."""
     loss_fn, _ = mlp
     mesh = ddl.make_mesh(data=8)
-    with pytest.raises(ValueError, match="only the plain mean .ddl.allreduce_mean"):
+    with pytest.raises(ValueError, match="only a stateless mean leaves them out of"):
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=reducer(), **faults)
-    for algorithm in ("psum", "ring", "tree", "ps"):
-        mean = ddl.allreduce_mean(algorithm=algorithm)
+    taken = [ddl.allreduce_mean(algorithm=a) for a in ("psum", "ring", "tree", "ps")]
+    taken += [ddl.compression.cast(jnp.bfloat16), ddl.compression.qsgd(4)]
+    for mean in taken:
         ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=mean, **faults)
     ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=2, reducer=reducer())  # reliable
+
+
+def test_a_quantised_mean_leaves_the_dropped_out_as_the_plain_mean_does(mlp):
+    """With drop, cast(float32) is the plain mean's run (the same replicas), and qsgd at 127
+    levels a bucket's largest magnitude (QSGDinf) stays within its quantisation error of
+    it: the dropped workers' zeros are left out, not averaged in."""
+    loss_fn, params = mlp
+    batches, mesh = make_batches(6, 32), ddl.make_mesh(data=8)
+
+    def run(reducer=None):
+        strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.4, reducer=reducer)
+        state, metrics = train(strategy, params, batches)
+        return state.params, metrics
+
+    exact, metrics = run()
+    assert 0 < float(metrics["arrived"]) < 1  # some dropped, not all, at the last sync
+    cast, _ = run(ddl.compression.cast(jnp.float32))
+    chex.assert_trees_all_close(cast, exact, atol=1e-6)
+    quantised, _ = run(ddl.compression.qsgd(127, scale="max"))
+    moved = max(float(jnp.max(jnp.abs(e - p))) for e, p in zip(
+        jax.tree.leaves(exact), jax.tree.leaves(params), strict=True))  # fmt: skip
+    error = max(float(jnp.max(jnp.abs(q - e))) for q, e in zip(
+        jax.tree.leaves(quantised), jax.tree.leaves(exact), strict=True))  # fmt: skip
+    assert 0 < error < 0.05 * moved, (error, moved)
 
 
 def test_a_groups_average_leaves_out_the_absent_and_the_dropped(mlp):

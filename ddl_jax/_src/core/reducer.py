@@ -11,6 +11,7 @@ worker's own. A compressor's state has a ``compression_ratio`` field, reported b
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -35,6 +36,25 @@ class ScatterReducer(optax.GradientTransformation):
     """A reducer of per-owner gradient chunks ``[n, *shard]`` to this worker's mean shard
     (``reduce/scatter.py``); ``ddl.fsdp(reducer=...)`` takes only these, and the other
     builders none."""
+
+
+# The update functions of reducers a worker's zeros leave out (see ``leaves_zeros_out``).
+_ZEROS_LEFT_OUT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def mark_leaves_zeros_out(update: Any) -> Any:
+    """Marks a reducer's ``update`` as one a worker's zeros leave out (``leaves_zeros_out``)."""
+    _ZEROS_LEFT_OUT.add(update)
+    return update
+
+
+def leaves_zeros_out(reducer: Any) -> bool:
+    """Whether a worker that sends zeros to ``reducer`` is left out of its output, which is
+    then the others' sum over N (what a strategy that leaves workers out of an exchange
+    rescales), up to the wire's rounding and, for a stochastic quantiser, in expectation.
+    Stateless means are: ``ddl.allreduce_mean``'s, ``cast`` and ``qsgd``. Error feedback
+    would keep the zeros in its residual, a clip or Adasum would take them as a message."""
+    return getattr(reducer, "update", None) in _ZEROS_LEFT_OUT
 
 
 def checks_vma(reducer: optax.GradientTransformation) -> bool:

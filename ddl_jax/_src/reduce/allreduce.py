@@ -15,7 +15,6 @@ values typed as varying; they carry the ``PermuteReducer`` mark, which ``ddl.cha
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
 from typing import Any
 
@@ -25,7 +24,12 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import map_fused
-from ddl_jax._src.core.reducer import PermuteReducer, ScatterReducer, checks_vma
+from ddl_jax._src.core.reducer import (
+    PermuteReducer,
+    ScatterReducer,
+    checks_vma,
+    mark_leaves_zeros_out,
+)
 from ddl_jax._src.core.strategy import check_real, check_transform, vary_over
 from ddl_jax._src.reduce.collectives import (
     check_axis_in_scope,
@@ -210,8 +214,7 @@ def allreduce_mean(
         return jax.tree.map(lambda s: s / n, total(updates, axis)), state
 
     kind = optax.GradientTransformation if algorithm == "psum" else PermuteReducer
-    _PLAIN_MEANS.add(update)
-    return kind(lambda params: optax.EmptyState(), update)
+    return kind(lambda params: optax.EmptyState(), mark_leaves_zeros_out(update))
 
 
 def reducer_for(reducer: Any, axis: str) -> optax.GradientTransformation:
@@ -223,14 +226,3 @@ def reducer_for(reducer: Any, axis: str) -> optax.GradientTransformation:
         reducer = reducer(axis)
     check_transform("reducer", reducer, f"ddl.allreduce_mean({axis!r})")
     return reducer
-
-
-# The update functions of ``allreduce_mean``'s reducers (see ``is_plain_mean``).
-_PLAIN_MEANS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def is_plain_mean(reducer: Any) -> bool:
-    """Whether ``reducer`` is one of :func:`allreduce_mean`'s: a stateless, linear mean, so
-    a worker that sends zeros leaves exactly the others' sum over N (what a strategy that
-    leaves workers out of an exchange rescales)."""
-    return getattr(reducer, "update", None) in _PLAIN_MEANS

@@ -20,6 +20,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView, pad_to, padded_size
+from ddl_jax._src.core.reducer import mark_leaves_zeros_out
 from ddl_jax._src.core.strategy import VIRTUAL, check_int
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
@@ -128,7 +129,7 @@ def cast(dtype: Any = jnp.bfloat16, *, axis: str = "data") -> optax.GradientTran
         new_state = CastState(wire.ratio(view.size, wire_bytes, n))
         return wire.unravel_updates(view, out.reshape(-1)), wire.typed_like(new_state, state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, mark_leaves_zeros_out(update))
 
 
 class SignState(NamedTuple):
@@ -611,4 +612,4 @@ def qsgd(
         new_state = QSGDState(state.step + 1, wire.ratio(view.size, wire_bytes, n))
         return wire.unravel_updates(view, out.reshape(-1)), wire.typed_like(new_state, state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, mark_leaves_zeros_out(update))

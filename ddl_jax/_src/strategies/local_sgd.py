@@ -24,7 +24,7 @@ from ddl_jax._src.core.islands import (
 )
 from ddl_jax._src.core.kit import Kit, check_agrees, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.core.reducer import leaves_zeros_out, reducer_metrics
 from ddl_jax._src.core.strategy import (
     DATA,
     ISLAND,
@@ -38,7 +38,6 @@ from ddl_jax._src.reduce import collectives
 from ddl_jax._src.reduce.allreduce import (
     allreduce_mean,
     in_buckets,
-    is_plain_mean,
     reducer_for,
     worker_mean,
 )
@@ -168,12 +167,13 @@ def local_sgd(
         synchronising (otherwise each worker keeps its own).
       state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
       drop, churn: the probabilities that a worker misses a synchronisation, is absent;
-        with the plain mean only (the default reducer, or ``ddl.allreduce_mean`` with any
-        algorithm): a worker left out sends zeros, which another reducer would take as
-        its message.
+        with a stateless mean only (the default reducer, ``ddl.allreduce_mean`` with any
+        algorithm, ``ddl.compression.cast`` or ``qsgd``): a worker left out sends zeros,
+        which another reducer would take as its message.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
-        any reducer works, compressing ones included (but with ``drop`` or ``churn``); or
+        any reducer works, compressing ones included (with ``drop`` or ``churn``, only
+        ``cast`` and ``qsgd``: above); or
         a function of the workers' axis returning one.
       accumulate: micro-batches per worker per step (with ``inner``: the inner's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
@@ -293,15 +293,16 @@ def _configure(
 
 def _unreliable_settings(reducer: Any, drop: Any, churn: Any) -> tuple[float, float]:
     """``drop`` and ``churn`` checked, and the reducer with them: a worker left out sends
-    zeros, which only a plain mean leaves out exactly."""
+    zeros, which only a stateless mean leaves out (``leaves_zeros_out``)."""
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
-    if (drop or churn) and not is_plain_mean(reducer):
+    if (drop or churn) and not leaves_zeros_out(reducer):
         raise ValueError(
             f"local_sgd: drop={drop} and churn={churn} leave workers out of synchronisations, "
-            "which only the plain mean (ddl.allreduce_mean, the default reducer) does "
-            "exactly; the reducer given would take a left-out worker's zeros as its message "
-            "(into its error feedback, a median clip, Adasum's combination). Use the default "
-            "reducer with drop and churn, or this one without them."
+            "which only a stateless mean leaves them out of (the plain mean "
+            "ddl.allreduce_mean, the default reducer; ddl.compression.cast and qsgd); the "
+            "reducer given would take a left-out worker's zeros as its message (into its "
+            "error feedback, a median clip, Adasum's combination). Use one of those with "
+            "drop and churn, or this one without them."
         )
     return drop, churn
 
