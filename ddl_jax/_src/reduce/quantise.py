@@ -608,7 +608,7 @@ def qsgd(
             wire.gather_from_owners(norms, axis),
             levels,
         )
-        wire_bytes = 2 * (n - 1) / n * (codes.size + 4 * norms.size * n)
+        wire_bytes = 2 * (n - 1) / n * (codes.size + 4 * chunks.size // bucket_size)
         new_state = QSGDState(state.step + 1, wire.ratio(view.size, wire_bytes, n))
         return wire.unravel_updates(view, out.reshape(-1)), wire.typed_like(new_state, state)
 

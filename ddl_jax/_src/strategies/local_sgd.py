@@ -173,8 +173,7 @@ def local_sgd(
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included (with ``drop`` or ``churn``, only
-        ``cast`` and ``qsgd``: above); or
-        a function of the workers' axis returning one.
+        ``cast`` and ``qsgd``: above); or a function of the workers' axis returning one.
       accumulate: micro-batches per worker per step (with ``inner``: the inner's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
         inner's).
