@@ -107,6 +107,33 @@ def test_sparse_loco_in_local_sgd_sending_everything_is_synchronous_sgd():
     assert state.reducer_state.error.shape == (8, 78)  # one accumulator per worker
 
 
+def test_sparse_loco_in_local_sgd_under_drop_is_the_plain_mean_over_those_that_arrived():
+    """Told who arrived, SparseLoCo sending everything exactly gives the plain mean's run
+    with the same drop masks: the left-out workers' messages are not combined (the mean
+    over the senders that arrived), and they keep their replicas."""
+
+    def loss_fn(params, batch):
+        logits = batch["x"] @ params["w"] + params["b"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(12, 6)).astype(np.float32) / 4, "b": np.zeros(6, np.float32)}
+    batches, mesh = make_batches(6, 32), ddl.make_mesh(data=8)
+
+    def run(reducer=None):
+        strategy = ddl.local_sgd(loss_fn, optax.sgd(0.1), mesh, period=3, drop=0.4,
+                                 outer_optimizer=optax.sgd(1.0), reducer=reducer)  # fmt: skip
+        return train(strategy, params, batches)
+
+    (plain, metrics), (loco, _) = (
+        run(),
+        run(sparse_loco(1.0, decay=0.0, bits=None, clip_norm=False)),
+    )
+    assert 0 < float(metrics["arrived"]) < 1  # some dropped, not all, at the last sync
+    chex.assert_trees_all_close(loco.params, plain.params, atol=1e-5, rtol=0)
+    assert ddl.consistency.consensus_distance(loco.params) > 1e-3  # the left-out kept theirs
+
+
 # -- bytes on the wire, metrics ------------------------------------------------------------------
 
 

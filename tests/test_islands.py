@@ -147,9 +147,19 @@ def test_diloco_over_fsdp_equals_diloco_over_replicated_data_parallel(model):
         {"reducer": lambda axis: ddl.compression.sparse_loco(0.25, chunk=16, axis=axis)},
         {"state_periods": {"mu": 2, "nu": 4}},
         {"drop": 0.4, "churn": 0.2},
+        {
+            "reducer": lambda axis: ddl.compression.sparse_loco(0.25, chunk=16, axis=axis),
+            "drop": 0.4,
+        },
         {"average_optimizer_state": True},
     ],
-    ids=["sparse_loco", "desloc", "unreliable", "average_optimizer_state"],
+    ids=[
+        "sparse_loco",
+        "desloc",
+        "unreliable",
+        "sparse_loco_unreliable",
+        "average_optimizer_state",
+    ],
 )
 def test_outer_options_over_replicated_islands_equal_the_flat_method(model, options):
     """With data parallelism inside, each device's shard is the whole model: compression,

@@ -136,12 +136,16 @@ class SparseLoCoReference:
         self.topk_compression = int(np.ceil(ratio * chunk * chunk))
         self.error = {k: np.zeros((n, *s), np.float32) for k, s in shapes.items()}
 
-    def aggregate(self, grads):
-        """``grads {name: [N, *shape]}`` (pseudo-gradients) to the outer step's gradient."""
+    def aggregate(self, grads, arrived=None):
+        """``grads {name: [N, *shape]}`` (pseudo-gradients) to the outer step's gradient,
+        gathered from the workers that ``arrived`` (all by default), as the authors'
+        ``outer_step`` gathers from the peers that sent; the others keep their accumulator."""
         out = {}
         for name, shape in self.shapes.items():
             e, sent = self.error[name], []
             for i in range(self.n):
+                if arrived is not None and not arrived[i]:
+                    continue
                 e[i] = self.decay * e[i] + np.float32(self.lr) * grads[name][i]  # step 3
                 tiles = to_tiles(e[i], self.chunk)
                 k = clamp_topk(self.topk_compression, tiles.shape[1])
@@ -155,7 +159,7 @@ class SparseLoCoReference:
                 sent.append((idx, val))
             if self.clip:  # outer_step: batch_decompress(clip_norm=True)
                 norms = np.array([np.linalg.norm(v) for _, v in sent])
-                median = np.sort(norms)[(self.n - 1) // 2]  # torch.median: the lower one
+                median = np.sort(norms)[(len(sent) - 1) // 2]  # torch.median: the lower one
                 sent = [
                     (i, v * min(median / (nm + 1e-8), 1))
                     for (i, v), nm in zip(sent, norms, strict=True)
@@ -165,11 +169,17 @@ class SparseLoCoReference:
         return out
 
 
-def sparse_loco_reference(grads, ratio, **kwargs):
-    """``({name: outputs [T, *shape]}, {name: final accumulators [N, *shape]})``."""
+def sparse_loco_reference(grads, ratio, arrived=None, **kwargs):
+    """``({name: outputs [T, *shape]}, {name: final accumulators [N, *shape]})``; with
+    ``arrived [T, N]``, step t gathers from the workers of ``arrived[t]``."""
     steps, n = next(iter(grads.values())).shape[:2]
     reference = SparseLoCoReference({k: g.shape[2:] for k, g in grads.items()}, n, ratio, **kwargs)
-    outs = [reference.aggregate({k: g[t] for k, g in grads.items()}) for t in range(steps)]
+    outs = [
+        reference.aggregate(
+            {k: g[t] for k, g in grads.items()}, None if arrived is None else arrived[t]
+        )
+        for t in range(steps)
+    ]
     return {k: np.stack([o[k] for o in outs]) for k in grads}, reference.error
 
 
@@ -205,6 +215,37 @@ def test_sparse_loco_matches_the_authors_code(kwargs):
     # even: 10 of 10, 14 of 15, 24 of the 2 x 12 tile, and the scalar's one entry.
     assert np.count_nonzero(outs["a"][0, 0]) <= n * 4 * 64
     assert np.count_nonzero(outs["c"][0, 0]) >= 14
+
+
+def told_who_arrived(reducer, arrived):
+    """``reducer`` whose t-th update is told ``arrived[t]`` (``bool [T, N]``)."""
+
+    def init(params):
+        return reducer.init(params), jnp.zeros((), jnp.int32)
+
+    def update(updates, state, params=None):
+        inner, t = state
+        out, inner = reducer.update(updates, inner, params, arrived=jnp.asarray(arrived)[t])
+        return out, (inner, t + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bits": None, "agg": "workers"}])
+def test_sparse_loco_told_who_arrived_gathers_from_them_as_the_authors_code(kwargs):
+    """Only the workers that arrived are combined (senders, the median clip), as the
+    authors' ``outer_step`` gathers from the peers that sent; the others keep their
+    accumulator, sending it all at a later step."""
+    n, steps, ratio = 4, 3, 1 / 64
+    grads = random_grads(steps, n, seed=2)
+    arrived = np.array([[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 1, 1]], bool)
+    ours = {("aggregate" if k == "agg" else k): v for k, v in kwargs.items()}
+    outs, (state, _) = run_steps(told_who_arrived(sparse_loco(ratio, **ours), arrived), grads)
+    expected, errors = sparse_loco_reference(grads, ratio, arrived, **kwargs)
+    check_outputs(outs, expected, atol=1e-5)
+    np.testing.assert_allclose(state.error, flat(errors), atol=1e-5)
+    untold, _ = run_steps(sparse_loco(ratio, **ours), grads)
+    assert not np.allclose(untold["a"][0], outs["a"][0], atol=1e-3)  # the masks mattered
 
 
 def test_sparse_loco_a_coordinate_with_one_sender_moves_by_its_value():

@@ -118,6 +118,15 @@ SYNCHRONOUS = {
         for algorithm in ("ring", "tree", "ps")
     },
     "sparseloco": _local_sgd_with(lambda axis: ddl.compression.sparse_loco(0.1, axis=axis)),
+    "sparseloco_drop": lambda loss, mesh: ddl.local_sgd(
+        loss,
+        optax.adam(1e-2),
+        mesh,
+        period=2,
+        workers=W,
+        drop=0.3,
+        reducer=lambda axis: ddl.compression.sparse_loco(0.1, axis=axis),
+    ),
     "demo": _local_sgd_with(lambda axis: ddl.compression.demo(0.25, axis=axis)),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
         loss, optax.sgd(0.1), mesh, topology="ring", workers=W, consensus_every=2

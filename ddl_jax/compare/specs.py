@@ -91,6 +91,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "local:16",
         "diloco:16",
         "desloc:16",
+        "sparseloco:0.01",
         "gossip:ring",
         "async",
         "asynclocal:4",
@@ -320,6 +321,7 @@ def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
         period=16,
         outer_optimizer=optax.sgd(1.0),
         reducer=lambda axis: compression.sparse_loco(ratio, axis=axis),
+        drop=ctx.drop,
         workers=ctx.workers,
     )
 
@@ -453,6 +455,7 @@ FAMILIES: dict[str, Family] = {
         "0.01",
         "the ratio of entries sent per 64x64 tile, a number in (0, 1] (e.g. sparseloco:0.01)",
         "SparseLoCo: DiLoCo (H = 16) with top-k 2-bit outer gradients, error feedback",
+        unreliable=True,
     ),
     "noloco": Family(
         lambda h, ctx: ddl.noloco(
@@ -600,6 +603,7 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
             "period": 16,
             "outer_optimizer": optax.sgd(1.0),
             "reducer": compression.sparse_loco(ratio, axis="island"),
+            "drop": ctx.drop,
         }
     ),
     "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),

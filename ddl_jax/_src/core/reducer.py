@@ -57,6 +57,25 @@ def leaves_zeros_out(reducer: Any) -> bool:
     return getattr(reducer, "update", None) in _ZEROS_LEFT_OUT
 
 
+# The update functions of reducers that take ``arrived=`` (see ``takes_arrivals``).
+_TAKES_ARRIVALS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def mark_takes_arrivals(update: Any) -> Any:
+    """Marks a reducer's ``update`` as taking ``arrived=`` (``takes_arrivals``)."""
+    _TAKES_ARRIVALS.add(update)
+    return update
+
+
+def takes_arrivals(reducer: Any) -> bool:
+    """Whether ``reducer.update(updates, state, params, arrived=mask)`` leaves out the
+    workers whose ``mask`` entry (``bool[N]``, the same on every worker) is False: their
+    messages are not combined and their state is kept, and the output is the combination
+    of the others' (a mean over them). Strategies that leave workers out of an exchange
+    pass it, and do not rescale."""
+    return getattr(reducer, "update", None) in _TAKES_ARRIVALS
+
+
 def checks_vma(reducer: optax.GradientTransformation) -> bool:
     """Whether a strategy using ``reducer`` can let ``shard_map`` check replication types."""
     return not isinstance(reducer, PermuteReducer)

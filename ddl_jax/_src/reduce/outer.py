@@ -31,6 +31,7 @@ import optax
 from jax import lax
 
 from ddl_jax._src.core.flat import FlatView
+from ddl_jax._src.core.reducer import mark_takes_arrivals
 from ddl_jax._src.core.strategy import check_bool, check_int, check_real
 from ddl_jax._src.reduce import wire
 from ddl_jax._src.reduce.collectives import check_axis_in_scope
@@ -105,21 +106,42 @@ def _exchange(parts: Sequence[jax.Array], axis: str) -> tuple[list[jax.Array], i
     return out, sum(r.size for r in raw)
 
 
-def _combine(index: jax.Array, values: jax.Array, tiling: _Tiling, aggregate: str) -> jax.Array:
+def _combine(
+    index: jax.Array,
+    values: jax.Array,
+    tiling: _Tiling,
+    aggregate: str,
+    weight: jax.Array | None = None,
+) -> jax.Array:
     """The workers' sparse tiles, ``index, values [n, C, k]``, combined: flat ``[C * width]``.
 
     ``"senders"``: each coordinate's mean over the workers that sent it (0 where none did),
     the references' ``scatter_reduce(reduce="mean", include_self=False)``; ``"workers"``:
-    the sum over ``n``.
+    the sum over ``n``. ``weight [n]`` (1 or 0): only the workers weighted 1 send, and
+    ``"workers"`` divides by their number.
     """
     n, count, _ = index.shape
     flat = (jnp.arange(count)[:, None] * tiling.width + index.astype(jnp.int32)).reshape(-1)
     size = count * tiling.width
-    sums = jnp.zeros(size, jnp.float32).at[flat].add(values.reshape(-1))
+    sent = (
+        jnp.ones_like(values)
+        if weight is None
+        else jnp.broadcast_to(weight[:, None, None], values.shape)
+    )
+    sums = jnp.zeros(size, jnp.float32).at[flat].add((values * sent).reshape(-1))
     if aggregate == "workers":
-        return sums / n
-    senders = jnp.zeros(size, jnp.float32).at[flat].add(1.0)
+        return sums / (n if weight is None else jnp.maximum(jnp.sum(weight), 1.0))
+    senders = jnp.zeros(size, jnp.float32).at[flat].add(sent.reshape(-1))
     return jnp.where(senders > 0, sums / jnp.maximum(senders, 1.0), 0.0)
+
+
+def _lower_median(norms: jax.Array, weight: jax.Array | None) -> jax.Array:
+    """``torch.median`` of ``norms [n]`` (the lower middle one), over the workers weighted
+    1 if ``weight`` is given."""
+    if weight is None:
+        return jnp.sort(norms)[(norms.size - 1) // 2]
+    count = jnp.maximum(jnp.sum(weight), 1.0).astype(jnp.int32)
+    return jnp.sort(jnp.where(weight > 0, norms, jnp.inf))[(count - 1) // 2]
 
 
 def _pack_codes(codes: jax.Array, bits: int) -> jax.Array:
@@ -274,11 +296,13 @@ def sparse_loco(
         zeros = jnp.zeros(FlatView.of(params).size, jnp.float32)
         return SparseLoCoState(zeros, jnp.ones((), jnp.float32))
 
-    def update(updates, state: SparseLoCoState, params=None):
+    def update(updates, state: SparseLoCoState, params=None, *, arrived=None):
         del params
         n = check_axis_in_scope(axis)
         view = FlatView.of(updates)
         check_size("sparse_loco", view, state.error)
+        # only the workers that arrived: their messages combined, a median among them
+        weight = None if arrived is None else arrived.astype(jnp.float32)
         e = decay * state.error + alpha * view.ravel(updates, dtype=jnp.float32)
         message, plans, errors = [], [], []
         for start, size, shape in _leaf_slices(view):
@@ -312,16 +336,18 @@ def sparse_loco(
                 values = values.reshape(n, tiling.count, k)
             if clip_norm:
                 norms = jnp.sqrt(jnp.sum(values**2, axis=(1, 2)))
-                median = jnp.sort(norms)[(n - 1) // 2]  # torch.median: the lower one
+                median = _lower_median(norms, weight)
                 factor = jnp.minimum(median / (norms + 1e-8), 1.0)
                 values = values * factor[:, None, None]
-            outs.append(tiling.join(_combine(index, values, tiling, aggregate)))
+            outs.append(tiling.join(_combine(index, values, tiling, aggregate, weight)))
         out = jnp.concatenate(outs) if outs else jnp.zeros(0, jnp.float32)
         error = jnp.concatenate(errors) if errors else e
+        if arrived is not None:  # a worker left out keeps its accumulator
+            error = jnp.where(arrived[lax.axis_index(axis)], error, state.error)
         new_state = SparseLoCoState(error, wire.ratio(view.size, (n - 1) * nbytes, n))
         return wire.unravel_updates(view, out), wire.typed_like(new_state, state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, mark_takes_arrivals(update))
 
 
 class DeMoState(NamedTuple):

@@ -24,7 +24,7 @@ from ddl_jax._src.core.islands import (
 )
 from ddl_jax._src.core.kit import Kit, check_agrees, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.reducer import leaves_zeros_out, reducer_metrics
+from ddl_jax._src.core.reducer import leaves_zeros_out, reducer_metrics, takes_arrivals
 from ddl_jax._src.core.strategy import (
     DATA,
     ISLAND,
@@ -167,13 +167,16 @@ def local_sgd(
         synchronising (otherwise each worker keeps its own).
       state_periods: ``{field: period}`` of inner optimizer-state fields (DES-LOC, above).
       drop, churn: the probabilities that a worker misses a synchronisation, is absent;
-        with a stateless mean only (the default reducer, ``ddl.allreduce_mean`` with any
-        algorithm, ``ddl.compression.cast`` or ``qsgd``): a worker left out sends zeros,
-        which another reducer would take as its message.
+        with a stateless mean (the default reducer, ``ddl.allreduce_mean`` with any
+        algorithm, ``ddl.compression.cast`` or ``qsgd``: a worker left out sends zeros,
+        rescaled away) or ``ddl.compression.sparse_loco`` (told who arrived, it combines
+        only their messages and a worker left out keeps its accumulator); another
+        reducer would take a left-out worker's zeros as its message.
       warmup_sync_steps: W, synchronous steps before local SGD starts, >= 0.
       reducer: how the pseudo-gradient is averaged (default ``ddl.allreduce_mean(axis)``);
         any reducer works, compressing ones included (with ``drop`` or ``churn``, only
-        ``cast`` and ``qsgd``: above); or a function of the workers' axis returning one.
+        ``cast``, ``qsgd`` and ``sparse_loco``: above); or a function of the workers' axis
+        returning one.
       accumulate: micro-batches per worker per step (with ``inner``: the inner's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux_dict)`` (with ``inner``: the
         inner's).
@@ -294,14 +297,15 @@ def _unreliable_settings(reducer: Any, drop: Any, churn: Any) -> tuple[float, fl
     """``drop`` and ``churn`` checked, and the reducer with them: a worker left out sends
     zeros, which only a stateless mean leaves out (``leaves_zeros_out``)."""
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
-    if (drop or churn) and not leaves_zeros_out(reducer):
+    if (drop or churn) and not (leaves_zeros_out(reducer) or takes_arrivals(reducer)):
         raise ValueError(
             f"local_sgd: drop={drop} and churn={churn} leave workers out of synchronisations, "
             "which only a stateless mean leaves them out of (the plain mean "
-            "ddl.allreduce_mean, the default reducer; ddl.compression.cast and qsgd); the "
-            "reducer given would take a left-out worker's zeros as its message (into its "
-            "error feedback, a median clip, Adasum's combination). Use one of those with "
-            "drop and churn, or this one without them."
+            "ddl.allreduce_mean, the default reducer; ddl.compression.cast and qsgd) or a "
+            "reducer told who arrived (ddl.compression.sparse_loco); the reducer given would "
+            "take a left-out worker's zeros as its message (into its error feedback, a "
+            "median clip, Adasum's combination). Use one of those with drop and churn, or "
+            "this one without them."
         )
     return drop, churn
 
@@ -575,13 +579,19 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     delta = jax.tree.map(jnp.subtract, anchor, params)
     axis, outer, n = cfg.kit.workers_axis, cfg.outer, cfg.kit.n
     mine = None if arrived is None else arrived[lax.axis_index(axis)]
-    if arrived is not None:
-        delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
-    delta, reducer_state = cfg.kit.reducer.update(delta, carry.reducer_state, anchor)
+    if arrived is not None and takes_arrivals(cfg.kit.reducer):
+        # the mean over those that arrived, the others' messages and state left out
+        delta, reducer_state = cfg.kit.reducer.update(
+            delta, carry.reducer_state, anchor, arrived=arrived
+        )
+    else:
+        if arrived is not None:
+            delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
+        delta, reducer_state = cfg.kit.reducer.update(delta, carry.reducer_state, anchor)
+        if arrived is not None:  # the mean over those that arrived; none: no outer step
+            scale = n / jnp.maximum(jnp.sum(arrived), 1)
+            delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
     check_agrees(delta, P(), "the reduced pseudo-gradient")
-    if arrived is not None:  # the mean over those that arrived; none: no outer step
-        scale = n / jnp.maximum(jnp.sum(arrived), 1)
-        delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
     before = anchor, outer_state
     if outer is not None:
         updates, outer_state = outer.update(delta, outer_state, anchor)
