@@ -295,7 +295,8 @@ def _configure(
 
 def _unreliable_settings(reducer: Any, drop: Any, churn: Any) -> tuple[float, float]:
     """``drop`` and ``churn`` checked, and the reducer with them: a worker left out sends
-    zeros, which only a stateless mean leaves out (``leaves_zeros_out``)."""
+    zeros, which only a stateless mean leaves out (``leaves_zeros_out``), unless the
+    reducer is told who arrived (``takes_arrivals``)."""
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
     if (drop or churn) and not (leaves_zeros_out(reducer) or takes_arrivals(reducer)):
         raise ValueError(
