@@ -51,10 +51,10 @@ def _data_parallel_with(reducer):
     )
 
 
-def _local_sgd_with(reducer):
+def _local_sgd_with(reducer, **options):
     """Local SGD (Adam, period 2) over W workers, ``reducer`` a function of the axis."""
     return lambda loss, mesh: ddl.local_sgd(
-        loss, optax.adam(1e-2), mesh, period=2, workers=W, reducer=reducer
+        loss, optax.adam(1e-2), mesh, period=2, workers=W, reducer=reducer, **options
     )
 
 
@@ -118,14 +118,8 @@ SYNCHRONOUS = {
         for algorithm in ("ring", "tree", "ps")
     },
     "sparseloco": _local_sgd_with(lambda axis: ddl.compression.sparse_loco(0.1, axis=axis)),
-    "sparseloco_drop": lambda loss, mesh: ddl.local_sgd(
-        loss,
-        optax.adam(1e-2),
-        mesh,
-        period=2,
-        workers=W,
-        drop=0.3,
-        reducer=lambda axis: ddl.compression.sparse_loco(0.1, axis=axis),
+    "sparseloco_drop": _local_sgd_with(
+        lambda axis: ddl.compression.sparse_loco(0.1, axis=axis), drop=0.3
     ),
     "demo": _local_sgd_with(lambda axis: ddl.compression.demo(0.25, axis=axis)),
     "gossip_ring": lambda loss, mesh: ddl.gossip(
