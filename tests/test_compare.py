@@ -3,6 +3,7 @@ outputs written, and the same table from the same seed."""
 
 import json
 import logging
+import math
 import re
 
 import jax
@@ -230,6 +231,21 @@ def test_same_seed_same_table_and_files_written(tmp_path, capsys, caplog):
 def _run(out, *args):
     assert cli.main(["compare", "--out", str(out), "--eval-every", "4", *args]) == 0
     return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+
+
+def test_when_no_strategy_reaches_the_target_the_table_says_which_target_would_be_met(tmp_path):
+    runs = _run(tmp_path, "--strategies", "sync,local:4", "--steps", "8", "--target", "0.99")
+    assert all(r["steps_to_target"] is None for r in runs.values())
+    best = max(runs.values(), key=lambda r: max(r["eval_values"]))
+    value = max(best["eval_values"])
+    table = (tmp_path / "results.md").read_text()
+    assert (
+        f"No strategy reached the target in 8 steps: the best test accuracy any reached was "
+        f"{value:.4g} ({best['strategy']}). Train longer (--steps), or give a target that run "
+        f"met (e.g. --target {math.floor(value * 100) / 100:g})." in table
+    )
+    _run(tmp_path, "--strategies", "sync", "--steps", "8", "--target", "0.5")  # reached
+    assert "No strategy reached" not in (tmp_path / "results.md").read_text()
 
 
 # DES-LOC's first-moment average without the second's spikes the loss here (a worker whose

@@ -133,6 +133,7 @@ def markdown(results: dict[str, Any]) -> str:
         "when a worker's cached copy falls out of the bound). Diverged (unranked): the "
         "loss grew 100x or went non-finite, or the metric did.",
     ]
+    lines += _none_reached(results)
     cross = crossovers(results)
     if cross:
         runs = [r for r in results["runs"] if "error" not in r]  # as crossovers takes it
@@ -151,6 +152,29 @@ def markdown(results: dict[str, Any]) -> str:
             *(f"| {name} | {verdict} |" for name, verdict in cross),
         ]
     return "\n".join(lines + _measured(results)) + "\n"
+
+
+def _none_reached(results: dict[str, Any]) -> list[str]:
+    """A note when no strategy reached the target: the best value any reached, and a
+    target it would have met (two decimals, towards the untrained side)."""
+    w, c = results["workload"], results["config"]
+    runs = [r for r in results["runs"] if "error" not in r and not r.get("diverged")]
+    if not runs or any(r["steps_to_target"] is not None for r in runs):
+        return []
+    higher = w["higher_is_better"]
+    pick = max if higher else min
+    best = {r["strategy"]: pick(r["eval_values"]) for r in runs if r["eval_values"]}
+    if not best:
+        return []
+    strategy = pick(best, key=best.get)
+    value = best[strategy]
+    met = math.floor(value * 100) / 100 if higher else math.ceil(value * 100) / 100
+    return [
+        "",
+        f"No strategy reached the target in {c['steps']} steps: the best {w['metric']} any "
+        f"reached was {value:.4g} ({strategy}). Train longer (--steps), or give a target "
+        f"that run met (e.g. --target {met:g}).",
+    ]
 
 
 def _measured(results: dict[str, Any]) -> list[str]:
