@@ -123,15 +123,11 @@ def _combine(
     n, count, _ = index.shape
     flat = (jnp.arange(count)[:, None] * tiling.width + index.astype(jnp.int32)).reshape(-1)
     size = count * tiling.width
-    sent = (
-        jnp.ones_like(values)
-        if weight is None
-        else jnp.broadcast_to(weight[:, None, None], values.shape)
-    )
+    sent = 1.0 if weight is None else jnp.broadcast_to(weight[:, None, None], index.shape)
     sums = jnp.zeros(size, jnp.float32).at[flat].add((values * sent).reshape(-1))
     if aggregate == "workers":
         return sums / (n if weight is None else jnp.maximum(jnp.sum(weight), 1.0))
-    senders = jnp.zeros(size, jnp.float32).at[flat].add(sent.reshape(-1))
+    senders = jnp.zeros(size, jnp.float32).at[flat].add(jnp.reshape(sent, -1))
     return jnp.where(senders > 0, sums / jnp.maximum(senders, 1.0), 0.0)
 
 
