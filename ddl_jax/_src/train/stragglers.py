@@ -28,7 +28,7 @@ import numpy as np
 #: the others a share of each step, not a loaded machine's noise.
 STRAGGLER_RATIO = 2.0
 STRAGGLER_MIN_SECONDS = 1e-3
-STRAGGLER_STEP_SHARE = 0.1
+STRAGGLER_STEP_SHARE = 0.25
 
 
 class StepClock:
