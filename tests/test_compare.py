@@ -15,7 +15,14 @@ from ddl_jax._src.strategies import fsdp, gossip
 from ddl_jax.compare import report, specs, workloads
 from ddl_jax.compare import run as run_module
 from ddl_jax.compare.config import make_config
-from ddl_jax.compare.specs import DEFAULT_STRATEGIES, FAMILIES, CompareError, Spec, parse_spec
+from ddl_jax.compare.specs import (
+    DEFAULT_STRATEGIES,
+    FAMILIES,
+    PRESETS,
+    CompareError,
+    Spec,
+    parse_spec,
+)
 
 # JAX's backend starts here, with conftest's 8 CPU devices, so that `compare` cannot
 # change the device count of this test process.
@@ -92,7 +99,7 @@ BAD = [
     (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, isl"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
-    (["--drop", "0.1"], "drop: sync, ring, fsdp:3, streaming:4, noloco:16, topk:0.01"),
+    (["--drop", "0.1"], "drop: ring, fsdp:3, streaming:4, noloco:16, topk:0.01"),
     (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got 0.0"),
     (["--non-iid", "nan"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got nan"),
     (
@@ -338,6 +345,23 @@ def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):
     runs = _run(tmp_path, "--strategies", "local:2", "--steps", "4", "--drop", "0.5")
     assert runs["local:2"]["consensus_distance"] > 0
     assert "| local:2 |" in capsys.readouterr().out
+
+
+def test_sync_under_drop_takes_the_mean_of_the_gradients_that_arrived(tmp_path):
+    """The unreliable preset's baseline: each step, the mean over the workers whose
+    gradient arrived (torchft's participants), logged as their share."""
+    _run(tmp_path / "lossy", "--strategies", "sync", "--steps", "4", "--drop", "0.5")
+    _run(tmp_path / "reliable", "--strategies", "sync", "--steps", "4")
+    logs = {
+        name: [json.loads(line) for line in (tmp_path / name / "logs" / "sync.jsonl").open()]
+        for name in ("lossy", "reliable")
+    }
+    shares = [record["arrived"] for record in logs["lossy"]]
+    assert all(0 <= share <= 1 for share in shares) and min(shares) < 1
+    assert "arrived" not in logs["reliable"][0]
+    assert logs["lossy"][0]["loss"] == logs["reliable"][0]["loss"]  # the same first step
+    assert logs["lossy"][-1]["loss"] != logs["reliable"][-1]["loss"]  # then lost gradients
+    assert PRESETS["unreliable"][0] == "sync"
 
 
 USER_MODULE = """

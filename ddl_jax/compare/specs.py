@@ -88,6 +88,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     ),
     # The families with a model of lost messages, for --drop.
     "unreliable": (
+        "sync",
         "local:16",
         "diloco:16",
         "desloc:16",
@@ -337,7 +338,7 @@ def _reduced(make: Callable[[Any, Any], Any] | None) -> Callable[[Any, BuildCont
     def build(param: Any, ctx: BuildContext) -> Strategy:
         reducer = None if make is None else (lambda axis: make(param, axis))
         return ddl.data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=reducer,
-                                 workers=ctx.workers)  # fmt: skip
+                                 workers=ctx.workers, drop=ctx.drop)  # fmt: skip
 
     return build
 
@@ -386,6 +387,7 @@ FAMILIES: dict[str, Family] = {
         None,
         "",
         "synchronous data parallelism, XLA all-reduce",
+        unreliable=True,
     ),
     "ring": Family(
         _one_a_device(

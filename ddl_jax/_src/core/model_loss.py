@@ -149,14 +149,19 @@ def worker_key(
     return jax.random.fold_in(jax.random.fold_in(key, model.step if step is None else step), worker)
 
 
-def mean_over(tree: Any, axis: str) -> Any:
+def mean_over(tree: Any, axis: str, arrived: jax.Array | None = None) -> Any:
     """Averages model state over ``axis`` inside ``shard_map``: floating leaves by their
-    mean (in at least float32), integer counters by their maximum."""
+    mean (in at least float32; with ``arrived``, ``bool[N]``, over the workers it marks,
+    zeros where none), integer counters by their maximum."""
 
     def one(x):
         if jnp.issubdtype(x.dtype, jnp.inexact):
             wide = jnp.promote_types(x.dtype, jnp.float32)
-            return lax.pmean(x.astype(wide), axis).astype(x.dtype)
+            if arrived is None:
+                return lax.pmean(x.astype(wide), axis).astype(x.dtype)
+            mine = arrived[lax.axis_index(axis)]
+            total = lax.psum(jnp.where(mine, x.astype(wide), 0), axis)
+            return (total / jnp.maximum(jnp.sum(arrived), 1)).astype(x.dtype)
         return lax.pmax(x, axis)
 
     return jax.tree.map(one, tree)

@@ -16,7 +16,9 @@ from typing import Any
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 import optax
+from jax import lax
 
 
 class PermuteReducer(optax.GradientTransformation):
@@ -74,6 +76,48 @@ def takes_arrivals(reducer: Any) -> bool:
     of the others' (a mean over them). Strategies that leave workers out of an exchange
     pass it, and do not rescale."""
     return getattr(reducer, "update", None) in _TAKES_ARRIVALS
+
+
+def reduce_arrived(
+    reducer: optax.GradientTransformation,
+    updates: Any,
+    state: Any,
+    params: Any,
+    arrived: jax.Array,
+    axis: str | tuple[str, ...],
+) -> tuple[Any, Any]:
+    """``reducer``'s update over the workers whose message arrived, ``arrived`` (``bool[N]``,
+    the same on every worker): the mean of their messages, the others' left out.
+
+    A reducer told who arrived (``takes_arrivals``) is; to one a worker's zeros leave out
+    (``leaves_zeros_out``) a left-out worker sends zeros and the sum over N is rescaled to
+    the mean over those that arrived (torchft's ``Manager.allreduce``: a replica not
+    participating zeroes its tensor, the sum is divided by the participants). Where none
+    arrived the output is zeros. ``ValueError`` for another reducer.
+    """
+    if takes_arrivals(reducer):
+        return reducer.update(updates, state, params, arrived=arrived)
+    if not leaves_zeros_out(reducer):
+        raise ValueError("reduce_arrived: the reducer neither leaves zeros out nor takes arrivals")
+    mine = arrived[lax.axis_index(axis)]
+    updates = jax.tree.map(lambda u: jnp.where(mine, u, 0), updates)
+    updates, state = reducer.update(updates, state, params)
+    scale = arrived.size / jnp.maximum(jnp.sum(arrived), 1)
+    return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), state
+
+
+def check_drop_reducer(fn: str, reducer: Any, drop: Any, churn: Any = 0.0) -> None:
+    """Refuses a reducer that cannot leave a worker out, where ``drop`` or ``churn`` would."""
+    if (drop or churn) and not (leaves_zeros_out(reducer) or takes_arrivals(reducer)):
+        given = f"drop={drop}" + (f" and churn={churn}" if churn else "")
+        raise ValueError(
+            f"{fn}: {given} leaves workers out of exchanges, which only a stateless mean "
+            "leaves them out of (the plain mean ddl.allreduce_mean, the default reducer; "
+            "ddl.compression.cast and qsgd) or a reducer told who arrived "
+            "(ddl.compression.sparse_loco); the reducer given would take a left-out worker's "
+            "zeros as its message (into its error feedback, a median clip, Adasum's "
+            "combination). Use one of those with it, or this one without it."
+        )
 
 
 def checks_vma(reducer: optax.GradientTransformation) -> bool:

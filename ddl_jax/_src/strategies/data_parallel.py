@@ -5,14 +5,16 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddl_jax._src.core.kit import prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, mean_over, worker_key
-from ddl_jax._src.core.reducer import reducer_metrics
+from ddl_jax._src.core.reducer import check_drop_reducer, reduce_arrived, reducer_metrics
 from ddl_jax._src.core.strategy import Strategy, vary_over
+from ddl_jax._src.measure.consistency import arrivals, check_probability
 from ddl_jax._src.reduce.allreduce import allreduce_mean
 
 
@@ -44,6 +46,7 @@ def data_parallel(
     has_aux: bool = False,
     axis: str = "data",
     workers: int | None = None,
+    drop: float = 0.0,
 ) -> Strategy:
     """Synchronous data-parallel SGD (the DDP / Horovod pattern) as a ``shard_map`` program.
 
@@ -57,6 +60,19 @@ def data_parallel(
     step and averaged over the workers after it (for SyncBatchNorm, normalising by the
     global batch, build ``nnx.BatchNorm(axis_name=axis)``); worker w's dropout key at step
     t is ``fold_in(fold_in(seed_key, t), w)``.
+
+    **Lost gradients** (``drop`` = p; torchft's fault-tolerant data parallelism). Each
+    step each worker's gradient misses the all-reduce with probability p (a replica group
+    failed or healing, as torchft's ``Manager`` has it): it sends zeros, and the sum is
+    divided by the workers whose gradient arrived (``Manager.allreduce``: a replica not
+    participating zeroes its tensor, the sum is divided by ``num_participants()``). Every
+    worker applies that mean, so the replicas stay equal; a step none arrived at changes
+    nothing (``Manager.should_commit`` is false below ``min_replica_size``, here 1).
+    The batch statistics are the arrived workers' mean. The draws come from the run's key
+    and step (``ddl.consistency.arrivals``): a resumed run draws the same.
+
+    References (``drop``): github.com/pytorch/torchft, ``torchft/manager.py``
+    (``Manager.allreduce``, ``should_commit``, ``num_participants``).
 
     Args:
       loss_fn: ``(params, batch) -> loss`` (a scalar mean over the batch), or
@@ -76,11 +92,17 @@ def data_parallel(
         keys, batch rows and model states). A ``reducer`` then comes as a function of the
         axis, ``reducer=lambda axis: ddl.compression.top_k(0.01, axis=axis)``: the
         strategy calls it with the axis over every worker.
+      drop: the probability in [0, 1) that a worker's gradient misses a step's
+        all-reduce (above); with the default reducer, ``ddl.compression.cast`` or
+        ``qsgd`` (stateless means: the zeros are rescaled away) or
+        ``ddl.compression.sparse_loco`` (told who arrived). Not over islands (lose
+        islands with ``ddl.local_sgd(drop=)``).
 
     Returns:
       A ``Strategy`` whose state is a ``DataParallelState`` and whose metrics hold
       ``loss`` (mean over the global batch), the aux values, and the reducer's metrics
-      (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``).
+      (``compression_ratio`` for a ``ddl.compression`` reducer; see ``reducer_metrics``),
+      and with ``drop`` ``arrived``, the share of workers whose gradient arrived.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -107,6 +129,13 @@ def data_parallel(
         workers=workers,
     )
     reducer, workers_axis = kit.reducer, kit.workers_axis
+    drop = check_probability("drop", drop)
+    check_drop_reducer("data_parallel", reducer, drop)
+    if drop and kit.islands:
+        raise ValueError(
+            "data_parallel: drop loses workers inside an island, which islands do not model; "
+            "give the outer method drop (ddl.local_sgd(inner=..., drop=p)) to lose islands."
+        )
     specs = DataParallelState(P(), P(), P(axis), ModelVars(P(), P(), P()))
 
     def make_state(params: Any, model: ModelVars) -> DataParallelState:
@@ -125,13 +154,29 @@ def data_parallel(
             local_params, state.model.state, batch, key
         )
         reducer_state = unstack(state.reducer_state)
-        updates, reducer_state = reducer.update(grads, reducer_state, state.params)
+        arrived = None
+        if drop:  # torchft's participants: the same draw on every worker
+            arrived = arrivals(state.model.key, state.model.step, kit.n, drop)
+            updates, reducer_state = reduce_arrived(
+                reducer, grads, reducer_state, state.params, arrived, workers_axis
+            )
+        else:
+            updates, reducer_state = reducer.update(grads, reducer_state, state.params)
         updates, opt_state = optimizer.update(updates, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # One all-reduce carries the loss, the aux values and the reducer's own metrics.
         metrics = {"loss": loss, **aux, **reducer_metrics(reducer_state)}
         metrics = jax.lax.pmean(metrics, workers_axis)
-        model_state = mean_over(model_state, workers_axis)
+        model_state = mean_over(model_state, workers_axis, arrived)
+        if arrived is not None:  # no gradient arrived: the step commits nothing
+            metrics["arrived"] = jnp.mean(arrived.astype(jnp.float32))
+            before = (state.params, state.opt_state, state.model.state)
+            after = jax.tree.map(
+                lambda new, old: jnp.where(jnp.any(arrived), new, old),
+                (params, opt_state, model_state),
+                before,
+            )
+            params, opt_state, model_state = after
         model = ModelVars(model_state, state.model.key, state.model.step + 1)
         return DataParallelState(params, opt_state, restack(reducer_state), model), metrics
 

@@ -24,7 +24,7 @@ from ddl_jax._src.core.islands import (
 )
 from ddl_jax._src.core.kit import Kit, check_agrees, prepare, restack, unstack
 from ddl_jax._src.core.model_loss import AnyLoss, ModelVars, worker_key
-from ddl_jax._src.core.reducer import leaves_zeros_out, reducer_metrics, takes_arrivals
+from ddl_jax._src.core.reducer import check_drop_reducer, reduce_arrived, reducer_metrics
 from ddl_jax._src.core.strategy import (
     DATA,
     ISLAND,
@@ -294,20 +294,9 @@ def _configure(
 
 
 def _unreliable_settings(reducer: Any, drop: Any, churn: Any) -> tuple[float, float]:
-    """``drop`` and ``churn`` checked, and the reducer with them: a worker left out sends
-    zeros, which only a stateless mean leaves out (``leaves_zeros_out``), unless the
-    reducer is told who arrived (``takes_arrivals``)."""
+    """``drop`` and ``churn`` checked, and the reducer with them (``check_drop_reducer``)."""
     drop, churn = check_probability("drop", drop), check_probability("churn", churn)
-    if (drop or churn) and not (leaves_zeros_out(reducer) or takes_arrivals(reducer)):
-        raise ValueError(
-            f"local_sgd: drop={drop} and churn={churn} leave workers out of synchronisations, "
-            "which only a stateless mean leaves them out of (the plain mean "
-            "ddl.allreduce_mean, the default reducer; ddl.compression.cast and qsgd) or a "
-            "reducer told who arrived (ddl.compression.sparse_loco); the reducer given would "
-            "take a left-out worker's zeros as its message (into its error feedback, a "
-            "median clip, Adasum's combination). Use one of those with drop and churn, or "
-            "this one without them."
-        )
+    check_drop_reducer("local_sgd", reducer, drop, churn)
     return drop, churn
 
 
@@ -578,20 +567,14 @@ def _synchronise(carry: Carry, cfg: _Config, arrived: jax.Array | None) -> Carry
     params, opt_state, anchor = carry.params, carry.opt_state, carry.anchor
     outer_state = carry.outer_opt_state
     delta = jax.tree.map(jnp.subtract, anchor, params)
-    axis, outer, n = cfg.kit.workers_axis, cfg.outer, cfg.kit.n
+    axis, outer = cfg.kit.workers_axis, cfg.outer
     mine = None if arrived is None else arrived[lax.axis_index(axis)]
-    if arrived is not None and takes_arrivals(cfg.kit.reducer):
-        # the mean over those that arrived, the others' messages and state left out
-        delta, reducer_state = cfg.kit.reducer.update(
-            delta, carry.reducer_state, anchor, arrived=arrived
-        )
-    else:
-        if arrived is not None:
-            delta = jax.tree.map(lambda d: jnp.where(mine, d, 0), delta)
+    if arrived is None:
         delta, reducer_state = cfg.kit.reducer.update(delta, carry.reducer_state, anchor)
-        if arrived is not None:  # the mean over those that arrived; none: no outer step
-            scale = n / jnp.maximum(jnp.sum(arrived), 1)
-            delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
+    else:  # the mean over those that arrived; none: no outer step (below)
+        delta, reducer_state = reduce_arrived(
+            cfg.kit.reducer, delta, carry.reducer_state, anchor, arrived, axis
+        )
     check_agrees(delta, P(), "the reduced pseudo-gradient")
     before = anchor, outer_state
     if outer is not None:
