@@ -24,6 +24,8 @@ from ddl_jax._src.train.fit import fit
 LOSS_FN, PARAMS = ddl.flax.loss_from_module(ddl.models.MLP(12, [16], 5, rngs=nnx.Rngs(0)), mlp_loss)
 BUILDERS = {
     "data_parallel": lambda mesh: ddl.data_parallel(LOSS_FN, optax.adam(1e-2), mesh),
+    # lost gradients drawn from the run's key and step: a resumed run draws the same
+    "data_parallel_drop": lambda mesh: ddl.data_parallel(LOSS_FN, optax.adam(1e-2), mesh, drop=0.4),
     "local_sgd": lambda mesh: ddl.local_sgd(LOSS_FN, optax.adam(1e-2), mesh, period=3),
 }
 
