@@ -99,7 +99,7 @@ BAD = [
     (["--preset", "fast"], "unknown preset 'fast'; valid: default, low-bandwidth, unreliable, isl"),
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
-    (["--drop", "0.1"], "drop: ring, fsdp:3, streaming:4, noloco:16, topk:0.01"),
+    (["--drop", "0.1"], "drop: fsdp:3, streaming:4, noloco:16, topk:0.01, demo:0.0625, sign,"),
     (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got 0.0"),
     (["--non-iid", "nan"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got nan"),
     (

@@ -399,6 +399,7 @@ FAMILIES: dict[str, Family] = {
         None,
         "",
         "synchronous data parallelism, explicit ring all-reduce",
+        unreliable=True,
     ),
     "fsdp": Family(
         _one_a_device(
@@ -502,6 +503,7 @@ FAMILIES: dict[str, Family] = {
         "qsgd:4, qsgd:4:max)",
         "QSGD: unbiased stochastic levels in 2 to 8 bits, a bucket scaled by its 2-norm "
         "(:max, by its largest magnitude)",
+        unreliable=True,
     ),
     "sign": Family(
         _reduced(lambda _, axis: compression.sign(axis=axis)),
