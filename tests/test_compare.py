@@ -240,9 +240,39 @@ def _run(out, *args):
     return {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
 
 
+def test_the_answer_line_names_the_first_to_the_target_its_ties_and_syncs_time(tmp_path):
+    _run(tmp_path, "--strategies", "sync,local:4", "--steps", "40", "--target", "0.8")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "\nAnswer: on 1gbps, " in (tmp_path / "results.md").read_text()
+    sync, local = results["runs"]
+    # sync first, alone
+    sync["rank"], local["rank"] = 1, 2
+    t = sync["simulated_seconds_to_target"]
+    answer = (
+        f"Answer: on 1gbps, sync reaches test accuracy >= 0.8 first ({1e3 * t:.3g} ms simulated)."
+    )
+    assert f"\n{answer}\n" in report.markdown(results)
+    # local SGD first, sync later: sync's time beside it, as a multiple
+    sync["rank"], local["rank"] = 2, 1
+    ratio = t / local["simulated_seconds_to_target"]
+    assert f"; sync takes {1e3 * t:.3g} ms, {ratio:.2g}x as long." in report.markdown(results)
+    # tied: both named, from the first time to the last
+    sync["rank"] = 1
+    times = sorted(1e3 * r["simulated_seconds_to_target"] for r in (sync, local))
+    assert (
+        f"sync and local:4 reach test accuracy >= 0.8 first ({times[0]:.3g} ms to "
+        f"{times[1]:.3g} ms simulated, tied: evaluations every 4 steps cannot order them)."
+    ) in report.markdown(results)
+    # sync diverged: the answer says it does not reach the target
+    sync["rank"], sync["diverged"] = None, True
+    assert "local:4 reaches test accuracy >= 0.8 first (" in report.markdown(results)
+    assert "simulated); sync does not reach it." in report.markdown(results)
+
+
 def test_when_no_strategy_reaches_the_target_the_table_says_which_target_would_be_met(tmp_path):
     runs = _run(tmp_path, "--strategies", "sync,local:4", "--steps", "8", "--target", "0.99")
     assert all(r["steps_to_target"] is None for r in runs.values())
+    assert "Answer:" not in (tmp_path / "results.md").read_text()
     best = max(runs.values(), key=lambda r: max(r["eval_values"]))
     value = max(best["eval_values"])
     table = (tmp_path / "results.md").read_text()

@@ -117,6 +117,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     ranks = [r.get("rank") for r in results["runs"]]
     lines += [_row(r, ranks.count(r.get("rank")) > 1) for r in results["runs"]]
+    lines += _answer(results)
     lines += [
         "",
         f"Rank: by simulated time to target; `n=` marks a tie: the target was crossed "
@@ -152,6 +153,39 @@ def markdown(results: dict[str, Any]) -> str:
             *(f"| {name} | {verdict} |" for name, verdict in cross),
         ]
     return "\n".join(lines + _measured(results)) + "\n"
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _answer(results: dict[str, Any]) -> list[str]:
+    """The table's answer in a line: the strategy that reaches the target first on the
+    network (those tied with it, where the evaluation grid cannot order them), its
+    simulated time, and synchronous training's beside it."""
+    first = [r for r in results["runs"] if r.get("rank") == 1]
+    if not first:
+        return []
+    w, c = results["workload"], results["config"]
+    times = sorted(r["simulated_seconds_to_target"] for r in first)
+    when = f"{_seconds(times[0])} simulated"
+    if len(first) > 1:
+        every = c["eval_every"]
+        when = f"{_seconds(times[0])} to {_seconds(times[-1])} simulated, tied: evaluations "
+        when += f"every {every} steps cannot order them"
+    line = (
+        f"Answer: on {c['network']}, {_names([r['strategy'] for r in first])} "
+        f"reach{'es' if len(first) == 1 else ''} {w['metric']} "
+        f"{'>=' if w['higher_is_better'] else '<='} {w['target']:g} first ({when})"
+    )
+    sync = next((r for r in results["runs"] if r["strategy"] == "sync" and "error" not in r), None)
+    if sync is not None and sync.get("rank") != 1:
+        seconds = None if sync.get("diverged") else sync["simulated_seconds_to_target"]
+        if seconds is None:
+            line += "; sync does not reach it"
+        else:
+            line += f"; sync takes {_seconds(seconds)}, {seconds / times[0]:.2g}x as long"
+    return ["", line + "."]
 
 
 def _none_reached(results: dict[str, Any]) -> list[str]:
