@@ -350,6 +350,11 @@ def _compare_parser(sub: Any) -> None:
         help="probability that a message is lost, in [0, 1) (default 0; --preset unreliable)",
     )
     p.add_argument(
+        "--churn",
+        help="probability that a worker is absent from a step, in [0, 1) (default 0; "
+        "--preset unreliable)",
+    )
+    p.add_argument(
         "--non-iid",
         help="Dirichlet alpha of label-skewed worker shares, > 0 (digits; default i.i.d.)",
     )
@@ -405,6 +410,7 @@ _COMPARE_FLAGS = (
     "compute",
     "straggler",
     "drop",
+    "churn",
     "non_iid",
     "seed",
     "target",

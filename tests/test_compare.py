@@ -100,6 +100,9 @@ BAD = [
     (["--preset", "unreliable", "--strategies", "sync"], "strategies or a preset, not both"),
     (["--preset", "unreliable", "--drop", "1"], "drop must be a probability in [0, 1), got 1"),
     (["--drop", "0.1"], "drop: fsdp:3, streaming:4, noloco:16, topk:0.01, demo:0.0625, sign,"),
+    (["--churn", "1"], "churn must be a probability in [0, 1), got 1"),
+    (["--churn", "-0.1"], "churn must be a number >= 0, got -0.1"),
+    (["--churn", "0.1"], "churn: fsdp:3, streaming:4, noloco:16, topk:0.01, demo:0.0625,"),
     (["--non-iid", "0"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got 0.0"),
     (["--non-iid", "nan"], "non_iid (a Dirichlet alpha) must be a finite number > 0, got nan"),
     (
@@ -392,6 +395,25 @@ def test_sync_under_drop_takes_the_mean_of_the_gradients_that_arrived(tmp_path):
     assert logs["lossy"][0]["loss"] == logs["reliable"][0]["loss"]  # the same first step
     assert logs["lossy"][-1]["loss"] != logs["reliable"][-1]["loss"]  # then lost gradients
     assert PRESETS["unreliable"][0] == "sync"
+
+
+def test_absent_workers_in_every_unreliable_family(tmp_path):
+    """--churn: sync misses an absent worker's gradient as a lost one (the same draws as
+    --drop), local SGD and gossip leave it out of steps, the async family's workers leave
+    after a task and come back."""
+    specs = "sync,local:2,gossip:ring,async"
+    _run(tmp_path / "churn", "--strategies", specs, "--steps", "6", "--churn", "0.5")
+    _run(tmp_path / "drop", "--strategies", "sync", "--steps", "6", "--drop", "0.5")
+
+    def log(run, name):
+        return [json.loads(line) for line in (tmp_path / run / "logs" / f"{name}.jsonl").open()]
+
+    assert log("churn", "sync") == log("drop", "sync")
+    assert min(r["arrived"] for r in log("churn", "sync")) < 1
+    assert min(r["arrived"] for r in log("churn", "local_2") if r["synchronised"]) < 1
+    assert min(r["workers_present"] for r in log("churn", "gossip_ring")) < 8
+    assert max(r["workers_away"] for r in log("churn", "async")) > 0
+    assert "churn 0.5" in (tmp_path / "churn" / "results.md").read_text().splitlines()[0]
 
 
 USER_MODULE = """

@@ -42,6 +42,8 @@ class Config:
       straggler: one worker's compute time relative to the others (>= 1; 1 is none).
       drop: the probability that a message is lost, in [0, 1): only for the families with
         a model of it (``Family.unreliable``; ``--preset unreliable``).
+      churn: the probability that a worker is absent from a step, in [0, 1) (the async
+        family: leaves after a task, away for one task's compute); the same families.
       non_iid: Dirichlet alpha of label-skewed worker shares (``ddl.data.non_iid_batches``;
         digits workloads); ``None`` is i.i.d. shuffling.
       seed: seed of the model's initialisation, the data order and compute-time noise.
@@ -78,6 +80,7 @@ class Config:
     compute: str = "cpu"
     straggler: float = 1.0
     drop: float = 0.0
+    churn: float = 0.0
     non_iid: float | None = None
     seed: int = 0
     target: float | None = None
@@ -262,17 +265,19 @@ def _measure(v: dict[str, Any], checked: dict[str, Any]) -> None:
 
 
 def _unreliable(v: dict[str, Any], checked: dict[str, Any]) -> None:
-    """``drop`` and ``non_iid`` checked against the strategies and the workload."""
-    if "drop" in v:
-        checked["drop"] = drop = _number("drop", v["drop"], 0.0)
-        if drop >= 1:
-            raise CompareError(f"drop must be a probability in [0, 1), got {drop:g}.")
+    """``drop``, ``churn`` and ``non_iid`` checked against the strategies and the workload."""
+    for key, what in (("drop", "lost messages"), ("churn", "absent workers")):
+        if key not in v:
+            continue
+        checked[key] = p = _number(key, v[key], 0.0)
+        if p >= 1:
+            raise CompareError(f"{key} must be a probability in [0, 1), got {p:g}.")
         strategies = checked.get("strategies", Config.strategies)
         refused = [s.text for s in strategies if not FAMILIES[s.family].unreliable]
-        if drop and refused:
+        if p and refused:
             able = ", ".join(name for name, f in FAMILIES.items() if f.unreliable)
             raise CompareError(
-                f"drop: {', '.join(refused)} have no model of lost messages; the families "
+                f"{key}: {', '.join(refused)} have no model of {what}; the families "
                 f"that do: {able} (e.g. --preset unreliable)."
             )
     if "non_iid" in v:

@@ -56,6 +56,8 @@ def subtitle(results: dict[str, Any]) -> str:
         settings.append(f"straggler {c['straggler']:g}x")
     if c["drop"]:
         settings.append(f"drop {c['drop']:g}")
+    if c.get("churn"):
+        settings.append(f"churn {c['churn']:g}")
     if c["non_iid"] is not None:
         settings.append(f"non-iid alpha {c['non_iid']:g}")
     if any("/" in text for text in c["strategies"]):

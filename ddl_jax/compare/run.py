@@ -528,7 +528,7 @@ def mesh_for(spec: Spec, mesh: Any, config: Config) -> Any:
 def _context(workload: Workload, mesh: Any, config: Config, eval_every: int) -> BuildContext:
     rows = workload.batch_size // config.worker_count
     return BuildContext(workload.loss_fn, mesh, config.straggler, config.seed, eval_every,
-                        config.drop, config.workers, rows)  # fmt: skip
+                        config.drop, config.workers, rows, config.churn)  # fmt: skip
 
 
 def _check_writable(name: str, folder: str) -> None:
@@ -765,7 +765,7 @@ def compare(
       strategies: specs as on the command line (``"sync,local:16,diloco:16"`` or a list);
         ``None``: the default list.
       **settings: any other ``Config`` field (``devices``, ``steps``, ``network``,
-        ``compute``, ``straggler``, ``drop``, ``seed``, ``target``, ``eval_every``,
+        ``compute``, ``straggler``, ``drop``, ``churn``, ``seed``, ``target``, ``eval_every``,
         ``out``), checked as the command line's flags are. The workload is built, so
         ``seed`` seeds only the strategies' own draws (compute times, lost messages), and
         ``non_iid`` is refused: give the workload label-skewed batches instead; so are

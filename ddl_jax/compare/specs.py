@@ -126,6 +126,8 @@ class BuildContext(NamedTuple):
       seed: the comparison's seed.
       consensus_every: steps between gossip's consensus-distance measurements.
       drop: the probability that a message is lost (families with ``unreliable``).
+      churn: the probability that a worker is absent from a step (a task, for the async
+        family; families with ``unreliable``).
       workers: the workers, several a device (``None``: one a device).
       rows: the rows of the global batch each worker gets (``None``: not known).
     """
@@ -138,6 +140,17 @@ class BuildContext(NamedTuple):
     drop: float = 0.0
     workers: int | None = None
     rows: int | None = None
+    churn: float = 0.0
+
+    def faults(self) -> dict[str, float]:
+        """``drop`` and ``churn`` as ``local_sgd`` and ``gossip`` take them."""
+        return {"drop": self.drop, "churn": self.churn}
+
+    def lost_gradient(self) -> float:
+        """For data parallelism: the probability that a worker's gradient is missing from
+        a step's all-reduce, lost (``drop``) or its worker absent (``churn``), which are
+        one event there."""
+        return 1.0 - (1.0 - self.drop) * (1.0 - self.churn)
 
 
 class Family(NamedTuple):
@@ -151,7 +164,8 @@ class Family(NamedTuple):
       expects: what the parameter is, for error messages (``""`` without one).
       describe: one line saying what the strategy does.
       asynchronous: simulated by ``ddl.async_sgd`` (gets the straggler's compute time).
-      unreliable: has a model of lost messages (takes ``--drop``).
+      unreliable: has a model of lost messages and absent workers (takes ``--drop`` and
+        ``--churn``).
       exchange_one_a_device: with several workers a device (``--workers``), the
         collectives of its events (those in branches) are priced from its program with
         one worker a device, not by ``ddl.sim.per_worker``: there a worker sends its peer
@@ -249,6 +263,8 @@ def _async(protocol: Any, *, local: bool = False) -> Callable[[Any, BuildContext
         # each device applying every push to its block of the parameters
         options = {"compute_time": times, "protocol": chosen, "drop": ctx.drop,
                    "workers": ctx.workers, "server": "sharded"}  # fmt: skip
+        if ctx.churn:  # a worker leaves after a task with that probability, away for one task
+            options["churn"] = ddl.churn(leave=ctx.churn, away=param if local else 1.0)
         if not local:
             server = _adam()
             if rule is not None:
@@ -283,7 +299,7 @@ def _diloco(period: int, ctx: BuildContext) -> Strategy:
         ctx.mesh,
         period=period,
         outer_optimizer=_nesterov(),
-        drop=ctx.drop,
+        **ctx.faults(),
         workers=ctx.workers,
     )
 
@@ -322,7 +338,7 @@ def _sparse_loco(ratio: float, ctx: BuildContext) -> Strategy:
         period=16,
         outer_optimizer=optax.sgd(1.0),
         reducer=lambda axis: compression.sparse_loco(ratio, axis=axis),
-        drop=ctx.drop,
+        **ctx.faults(),
         workers=ctx.workers,
     )
 
@@ -338,7 +354,7 @@ def _reduced(make: Callable[[Any, Any], Any] | None) -> Callable[[Any, BuildCont
     def build(param: Any, ctx: BuildContext) -> Strategy:
         reducer = None if make is None else (lambda axis: make(param, axis))
         return ddl.data_parallel(ctx.loss_fn, _adam(), ctx.mesh, reducer=reducer,
-                                 workers=ctx.workers, drop=ctx.drop)  # fmt: skip
+                                 workers=ctx.workers, drop=ctx.lost_gradient())  # fmt: skip
 
     return build
 
@@ -375,7 +391,7 @@ def _gossip(topology: str, ctx: BuildContext) -> Strategy:
         ctx.mesh,
         topology=topology,
         consensus_every=0 if dynamic else ctx.consensus_every,
-        drop=ctx.drop,
+        **ctx.faults(),
         workers=ctx.workers,
     )
 
@@ -413,7 +429,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "local": Family(
         lambda h, ctx: ddl.local_sgd(
-            ctx.loss_fn, _adam(), ctx.mesh, period=h, drop=ctx.drop, workers=ctx.workers
+            ctx.loss_fn, _adam(), ctx.mesh, period=h, workers=ctx.workers, **ctx.faults()
         ),
         _int(1),
         "16",
@@ -443,8 +459,8 @@ FAMILIES: dict[str, Family] = {
             ctx.mesh,
             period=h,
             state_periods={"mu": 3 * h, "nu": 6 * h},
-            drop=ctx.drop,
             workers=ctx.workers,
+            **ctx.faults(),
         ),
         _int(1),
         "16",
@@ -591,15 +607,15 @@ def _on_islands(
 #: The outer methods a stacked spec (``outer/inner``) may name, with the same settings as
 #: their flat families.
 OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] = {
-    "local": _on_islands(lambda h, ctx: {"period": h, "drop": ctx.drop}),
+    "local": _on_islands(lambda h, ctx: {"period": h, **ctx.faults()}),
     "diloco": _on_islands(
-        lambda h, ctx: {"period": h, "outer_optimizer": _nesterov(), "drop": ctx.drop}
+        lambda h, ctx: {"period": h, "outer_optimizer": _nesterov(), **ctx.faults()}
     ),
     "desloc": _on_islands(
         lambda h, ctx: {
             "period": h,
             "state_periods": {"mu": 3 * h, "nu": 6 * h},
-            "drop": ctx.drop,
+            **ctx.faults(),
         }
     ),
     "sparseloco": _on_islands(
@@ -607,12 +623,12 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
             "period": 16,
             "outer_optimizer": optax.sgd(1.0),
             "reducer": compression.sparse_loco(ratio, axis="island"),
-            "drop": ctx.drop,
+            **ctx.faults(),
         }
     ),
     "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),
     "gossip": lambda topology, inner, ctx: ddl.gossip(
-        inner=inner, topology=topology, drop=ctx.drop
+        inner=inner, topology=topology, **ctx.faults()
     ),
     "streaming": lambda fragments, inner, ctx: ddl.streaming_diloco(
         inner=inner,

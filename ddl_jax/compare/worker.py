@@ -256,7 +256,8 @@ def train(config: dict[str, Any], spec_text: str, steps: int) -> dict[str, Any]:
     workload = workloads.load(config["workload"], seed=config["seed"], devices=n,
                               non_iid=config["non_iid"])  # fmt: skip
     context = BuildContext(workload.loss_fn, mesh, config["straggler"], config["seed"],
-                           config["eval_every"], config["drop"])  # fmt: skip
+                           config["eval_every"], config["drop"],
+                           churn=config["churn"])  # fmt: skip
     strategy = parse_spec(spec_text).build(context)
     state = strategy.init(workload.params)
     batches = _placed(workload, mesh, steps)
