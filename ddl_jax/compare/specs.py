@@ -86,7 +86,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "powersgd:4",
         "asynclocal:4",
     ),
-    # The families with a model of lost messages, for --drop.
+    # The families with a model of lost messages and absent workers, for --drop and --churn.
     "unreliable": (
         "sync",
         "local:16",
