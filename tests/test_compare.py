@@ -380,36 +380,27 @@ def test_dropped_synchronisations_leave_the_replicas_apart(tmp_path, capsys):
     assert "| local:2 |" in capsys.readouterr().out
 
 
-def test_sync_under_drop_takes_the_mean_of_the_gradients_that_arrived(tmp_path):
-    """The unreliable preset's baseline: each step, the mean over the workers whose
-    gradient arrived (torchft's participants), logged as their share."""
-    _run(tmp_path / "lossy", "--strategies", "sync", "--steps", "4", "--drop", "0.5")
-    _run(tmp_path / "reliable", "--strategies", "sync", "--steps", "4")
-    logs = {
-        name: [json.loads(line) for line in (tmp_path / name / "logs" / "sync.jsonl").open()]
-        for name in ("lossy", "reliable")
-    }
-    shares = [record["arrived"] for record in logs["lossy"]]
-    assert all(0 <= share <= 1 for share in shares) and min(shares) < 1
-    assert "arrived" not in logs["reliable"][0]
-    assert logs["lossy"][0]["loss"] == logs["reliable"][0]["loss"]  # the same first step
-    assert logs["lossy"][-1]["loss"] != logs["reliable"][-1]["loss"]  # then lost gradients
-    assert PRESETS["unreliable"][0] == "sync"
-
-
-def test_absent_workers_in_every_unreliable_family(tmp_path):
-    """--churn: sync misses an absent worker's gradient as a lost one (the same draws as
-    --drop), local SGD and gossip leave it out of steps, the async family's workers leave
-    after a task and come back."""
+def test_lost_gradients_and_absent_workers_in_every_unreliable_family(tmp_path):
+    """The unreliable preset's baseline, sync, under --drop: each step the mean over the
+    workers whose gradient arrived (torchft's participants), logged as their share. Under
+    --churn it misses an absent worker's gradient as a lost one (the same draws), local
+    SGD and gossip leave it out of steps, the async family's workers leave after a task and
+    come back."""
     specs = "sync,local:2,gossip:ring,async"
     _run(tmp_path / "churn", "--strategies", specs, "--steps", "6", "--churn", "0.5")
     _run(tmp_path / "drop", "--strategies", "sync", "--steps", "6", "--drop", "0.5")
+    _run(tmp_path / "reliable", "--strategies", "sync", "--steps", "6")
 
     def log(run, name):
         return [json.loads(line) for line in (tmp_path / run / "logs" / f"{name}.jsonl").open()]
 
-    assert log("churn", "sync") == log("drop", "sync")
-    assert min(r["arrived"] for r in log("churn", "sync")) < 1
+    lossy, reliable = log("drop", "sync"), log("reliable", "sync")
+    assert all(0 <= r["arrived"] <= 1 for r in lossy) and min(r["arrived"] for r in lossy) < 1
+    assert "arrived" not in reliable[0]
+    assert lossy[0]["loss"] == reliable[0]["loss"]  # the same first step
+    assert lossy[-1]["loss"] != reliable[-1]["loss"]  # then lost gradients
+    assert PRESETS["unreliable"][0] == "sync"
+    assert log("churn", "sync") == lossy
     assert min(r["arrived"] for r in log("churn", "local_2") if r["synchronised"]) < 1
     assert min(r["workers_present"] for r in log("churn", "gossip_ring")) < 8
     assert max(r["workers_away"] for r in log("churn", "async")) > 0
