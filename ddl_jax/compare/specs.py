@@ -200,10 +200,16 @@ def _ratio(text: str) -> float:
     return value
 
 
-def _topology(text: str) -> str:
-    if text not in TOPOLOGIES:
+#: ``ddl.gossip``'s orders: ``gossip:TOPOLOGY:ORDER`` picks one (default D-PSGD's).
+GOSSIP_ORDERS = ("dpsgd", "adapt_then_combine")
+
+
+def _topology(text: str) -> tuple[str, str]:
+    """``gossip``'s ``TOPOLOGY`` or ``TOPOLOGY:ORDER``."""
+    topology, colon, order = text.partition(":")
+    if topology not in TOPOLOGIES or (colon and order not in GOSSIP_ORDERS):
         raise ValueError
-    return text
+    return topology, order if colon else GOSSIP_ORDERS[0]
 
 
 def _stage(text: str) -> int:
@@ -370,10 +376,11 @@ def _one_a_device(why: str, build: Callable[[Any, BuildContext], Strategy]) -> A
     return checked
 
 
-def _gossip(topology: str, ctx: BuildContext) -> Strategy:
+def _gossip(param: tuple[str, str], ctx: BuildContext) -> Strategy:
     """Gossip; with several workers a device only on a ring of 3 devices or more, whose
     worker shifts are device shifts (``ddl.sim.per_worker`` prices merged shifts low: the
     other topologies', and a ring's two on 2 devices, both to the other device)."""
+    topology, order = param
     devices = ctx.mesh.shape["data"]
     if ctx.workers not in (None, devices) and (topology != "ring" or devices < 3):
         why = f"gossip:{topology}" if topology != "ring" else f"gossip:ring on {devices} devices"
@@ -390,6 +397,7 @@ def _gossip(topology: str, ctx: BuildContext) -> Strategy:
         _adam(),
         ctx.mesh,
         topology=topology,
+        order=order,
         consensus_every=0 if dynamic else ctx.consensus_every,
         **ctx.faults(),
         workers=ctx.workers,
@@ -588,8 +596,10 @@ FAMILIES: dict[str, Family] = {
         _gossip,
         _topology,
         "ring",
-        f"a topology, one of {', '.join(TOPOLOGIES)} (e.g. gossip:ring)",
-        "D-PSGD gossip averaging with neighbours",
+        f"a topology, one of {', '.join(TOPOLOGIES)}, then :ORDER, one of "
+        f"{', '.join(GOSSIP_ORDERS)} (e.g. gossip:ring, gossip:one_peer_exponential:"
+        "adapt_then_combine)",
+        "gossip averaging with neighbours (D-PSGD's order, or adapt-then-combine)",
         unreliable=True,
     ),
 }
@@ -627,8 +637,8 @@ OUTER_ON_ISLANDS: dict[str, Callable[[Any, Strategy, BuildContext], Strategy]] =
         }
     ),
     "noloco": lambda h, inner, ctx: ddl.noloco(inner=inner, period=h),
-    "gossip": lambda topology, inner, ctx: ddl.gossip(
-        inner=inner, topology=topology, **ctx.faults()
+    "gossip": lambda param, inner, ctx: ddl.gossip(
+        inner=inner, topology=param[0], order=param[1], **ctx.faults()
     ),
     "streaming": lambda fragments, inner, ctx: ddl.streaming_diloco(
         inner=inner,
