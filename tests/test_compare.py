@@ -33,6 +33,7 @@ def test_the_choices_compare_offers_are_the_librarys():
     # compare uses only the public API, so it spells these out: they must not drift.
     assert specs.TOPOLOGIES == gossip.TOPOLOGIES
     assert specs.STAGES == fsdp.STAGES
+    assert specs.GOSSIP_ORDERS == gossip.ORDERS
 
 
 @pytest.mark.parametrize(
